@@ -1,0 +1,99 @@
+"""MNIST (or any IDX image data such as Fashion-MNIST) as a user task.
+
+This file lives outside the package on purpose: it is the example of
+extending HetSeq. Load it with ``--user-dir examples/mnist``.
+"""
+
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from hetseq.errors import UserError
+from hetseq.tasks import Task, register_task
+
+from .idx import read_idx
+
+# File-name prefixes of the standard MNIST distribution, by split.
+SPLIT_PREFIX = {"train": "train", "valid": "t10k", "test": "t10k"}
+MEAN, STD = 0.1307, 0.3081
+
+
+class IdxImages(Dataset):
+    def __init__(self, images, labels):
+        self.images = torch.from_numpy(np.array(images, dtype=np.uint8))  # a writable copy
+        self.labels = torch.from_numpy(labels.astype(np.int64))
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return index
+
+    def collater(self, indices):
+        # The dataset yields indices; the batch is cut with one vectorised slice.
+        index = torch.as_tensor(indices)
+        images = (self.images[index].unsqueeze(1).float() / 255.0 - MEAN) / STD
+        return {"image": images, "target": self.labels[index]}
+
+
+class Net(nn.Module):
+    """The CNN of PyTorch's MNIST example (HetSeq's MNIST model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv2(F.relu(self.conv1(x))))
+        x = self.dropout1(F.max_pool2d(x, 2)).flatten(1)
+        return self.fc2(self.dropout2(F.relu(self.fc1(x))))
+
+
+def find_idx_file(folder, prefix, kind):
+    for name in (f"{prefix}-{kind}", f"{prefix}-{kind}".replace("-idx", ".idx")):
+        for suffix in ("", ".gz"):
+            path = os.path.join(folder, name + suffix)
+            if os.path.exists(path):
+                return path
+    raise UserError(f"--data {folder}: no {prefix}-{kind}[.gz]; expected the four MNIST IDX files "
+                    "(train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-...), see "
+                    "examples/mnist/README.md")
+
+
+@register_task("mnist")
+class MNISTTask(Task):
+    def load_dataset(self, split):
+        if not self.args.data or not os.path.isdir(self.args.data):
+            raise UserError(f"--data {self.args.data}: not a directory; pass the folder of the "
+                            "MNIST IDX files")
+        if split not in SPLIT_PREFIX:
+            raise UserError(f"mnist has splits {sorted(SPLIT_PREFIX)}, not '{split}'")
+        prefix = SPLIT_PREFIX[split]
+        try:
+            images = read_idx(find_idx_file(self.args.data, prefix, "images-idx3-ubyte"))
+            labels = read_idx(find_idx_file(self.args.data, prefix, "labels-idx1-ubyte"))
+        except ValueError as err:
+            raise UserError(f"--data {self.args.data}: {err}")
+        if images.ndim != 3 or images.shape[1:] != (28, 28) or len(images) != len(labels):
+            raise UserError(f"--data {self.args.data}: expected N x 28 x 28 images and N labels "
+                            f"for '{split}', got {images.shape} and {labels.shape}")
+        return IdxImages(images, labels)
+
+    def build_model(self):
+        return Net()
+
+    def loss(self, model, sample):
+        logits = model(sample["image"])
+        target = sample["target"]
+        loss = F.cross_entropy(logits, target, reduction="sum")
+        correct = (logits.argmax(dim=1) == target).sum()
+        return loss, target.numel(), {"correct": correct}

@@ -1,0 +1,179 @@
+"""The command line: one place builds the parser; tasks add their own flags.
+
+Flags of the original HetSeq keep working. Those that no longer change
+anything are accepted and say so in --help (``LEGACY``).
+"""
+
+import argparse
+
+from hetseq import checkpoint
+from hetseq.errors import UserError
+from hetseq.optim import OPTIMIZERS, SCHEDULERS, add_optimization_args
+from hetseq.tasks import TASKS, import_builtin_tasks, import_user_dir
+
+LEGACY = "accepted for HetSeq compatibility; no effect: "
+
+
+def _float_list(text):
+    try:
+        return [float(part) for part in str(text).strip("()[]").split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got '{text}'")
+
+
+def _int_list(text):
+    try:
+        return [int(part) for part in str(text).strip("()[]").split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got '{text}'")
+
+
+def add_general_args(parser):
+    parser.add_argument("--task", required=True, metavar="NAME",
+                        help="what to train; see the registered tasks in the error of a wrong name")
+    parser.add_argument("--user-dir", metavar="DIR",
+                        help="a directory of user tasks to import (see README: define your own task)")
+    parser.add_argument("--seed", type=int, default=19940802, help="random seed (default: %(default)s)")
+    parser.add_argument("--no-progress-bar", action="store_true", help="plain log lines, no tqdm bar")
+    parser.add_argument("--log-interval", type=int, default=1, metavar="N",
+                        help="log every N updates when there is no progress bar (default: 1)")
+    parser.add_argument("--log-format", default="tqdm", choices=["tqdm", "simple", "json", "none"],
+                        help="'tqdm' shows a bar; any other value logs plain lines (default: tqdm)")
+    parser.add_argument("--log-all-ranks", action="store_true",
+                        help="log INFO on every rank, not only rank 0")
+    parser.add_argument("--tensorboard-logdir", metavar="DIR",
+                        help="write TensorBoard scalars here (rank 0)")
+
+
+def add_dataset_args(parser):
+    group = parser.add_argument_group("Data")
+    group.add_argument("--data", metavar="DIR", help="where the task reads its data")
+    group.add_argument("--num-workers", type=int, default=0, metavar="N",
+                       help="data-loader worker processes per rank (default: 0)")
+    group.add_argument("--max-sentences", "--batch-size", type=int, metavar="N",
+                       help="samples per step on each rank of this node; the global batch is "
+                            "the sum over all ranks (nodes may pass different values)")
+    group.add_argument("--max-sentences-valid", type=int, metavar="N",
+                       help="validation batch per rank (default: --max-sentences)")
+    group.add_argument("--max-tokens", type=int, metavar="N",
+                       help="token budget per batch: not supported yet, use --max-sentences")
+    group.add_argument("--max-tokens-valid", type=int, metavar="N", help=LEGACY + "see --max-tokens")
+    group.add_argument("--required-batch-size-multiple", type=int, default=1, metavar="N",
+                       help=LEGACY + "batches are sliced from exact global batches")
+    group.add_argument("--train-subset", default="train", metavar="SPLIT",
+                       help="split to train on (default: train)")
+    group.add_argument("--valid-subset", default="valid", metavar="SPLITS",
+                       help="comma-separated splits to validate on after each epoch (default: valid)")
+    group.add_argument("--validate-interval", type=int, default=1, metavar="N",
+                       help="validate every N epochs (default: 1)")
+    group.add_argument("--disable-validation", action="store_true", help="do not validate")
+    group.add_argument("--curriculum", type=int, default=0, metavar="N",
+                       help="do not shuffle the data in the first N epochs")
+
+
+def add_distributed_args(parser):
+    group = parser.add_argument_group("Distributed training")
+    group.add_argument("--distributed-world-size", type=int, metavar="N",
+                       help="processes in the whole job (default: visible GPUs, or 1 on CPU)")
+    group.add_argument("--distributed-rank", type=int, metavar="R",
+                       help="global rank of this node's FIRST process (default: 0, or from the "
+                            "torchrun/MPI/SLURM environment)")
+    group.add_argument("--distributed-gpus", type=int, metavar="G",
+                       help="processes to start on this node, one per device (CPU: G CPU "
+                            "processes); default: all ranks on one node, else the visible GPUs or 1")
+    group.add_argument("--distributed-init-method", metavar="URL",
+                       help="where ranks meet: tcp://HOST:PORT, file:///shared/path or env:// "
+                            "(default on one node: a free local port)")
+    group.add_argument("--distributed-port", type=int, default=29500,
+                       help="port used with a SLURM node list when no init method is given")
+    group.add_argument("--distributed-backend", choices=["gloo", "nccl", "ccl", "mpi"],
+                       help="default: nccl on CUDA, gloo on CPU")
+    group.add_argument("--distributed-timeout", type=float, default=600, metavar="SECONDS",
+                       help="how long start-up and every collective may wait (default: 600)")
+    group.add_argument("--distributed-no-spawn", action="store_true",
+                       help="this process is exactly one rank (--distributed-rank), spawn nothing")
+    group.add_argument("--device-id", "--local_rank", "--local-rank", type=int, default=0,
+                       help="CUDA device of this node's first process (default: 0)")
+    group.add_argument("--cpu", action="store_true", help="train on CPU even if CUDA is available")
+    group.add_argument("--ddp-backend", default="c10d", choices=["c10d"],
+                       help=LEGACY + "PyTorch DDP (c10d) is always used")
+    group.add_argument("--bucket-cap-mb", type=int, default=25, metavar="MB",
+                       help="DDP gradient bucket size (default: 25)")
+    group.add_argument("--find-unused-parameters", action="store_true",
+                       help="let DDP handle parameters that get no gradient in a step")
+    group.add_argument("--fast-stat-sync", action="store_true",
+                       help=LEGACY + "stats always travel in one all-reduce per update")
+    group.add_argument("--fix-batches-to-gpus", action="store_true",
+                       help=LEGACY + "each rank reads only its own slice of every global batch")
+
+
+def add_training_args(parser):
+    group = parser.add_argument_group("Training")
+    group.add_argument("--max-epoch", "--me", type=int, default=0, metavar="N",
+                       help="stop after N epochs (0: no limit)")
+    group.add_argument("--max-update", "--mu", type=int, default=0, metavar="N",
+                       help="stop after N updates (0: no limit)")
+    group.add_argument("--update-freq", type=_int_list, default=[1], metavar="N1,N2,...",
+                       help="global batches per update (gradient accumulation); "
+                            "a list gives one value per epoch, the last repeats (default: 1)")
+    group.add_argument("--lr", "--learning-rate", type=_float_list, default=[0.25],
+                       metavar="LR_1,LR_2,...",
+                       help="peak learning rate; the fixed schedule reads one per epoch "
+                            "(default: 0.25)")
+    group.add_argument("--clip-norm", type=float, default=25.0, metavar="NORM",
+                       help="clip the gradient norm to this (0: off; default: 25)")
+    group.add_argument("--use-bmuf", action="store_true", help="not supported (HetSeq flag)")
+    add_optimization_args(parser)
+
+
+def build_parser(task_cls=None):
+    parser = argparse.ArgumentParser(
+        prog="hetseq-train", allow_abbrev=False,
+        description="Synchronous data-parallel training on heterogeneous devices.")
+    add_general_args(parser)
+    add_dataset_args(parser)
+    add_distributed_args(parser)
+    add_training_args(parser)
+    checkpoint.add_args(parser.add_argument_group("Checkpoints"))
+    if task_cls is not None:
+        task_cls.add_args(parser.add_argument_group(f"Task '{task_cls.registered_name}'"))
+    return parser
+
+
+def parse_args(argv=None):
+    """Parse in two passes: --user-dir and --task first, so the chosen task's
+    flags are part of the parser (and of --help)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--user-dir")
+    pre.add_argument("--task")
+    known, _ = pre.parse_known_args(argv)
+    import_builtin_tasks()
+    import_user_dir(known.user_dir)
+    task_cls = TASKS.get(known.task) if known.task else None
+    args = build_parser(task_cls).parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args):
+    """Rules between flags that argparse cannot express."""
+    if args.max_sentences_valid is None:
+        args.max_sentences_valid = args.max_sentences
+    if args.max_tokens is not None:
+        raise UserError(f"--max-tokens {args.max_tokens}: token-budget batching is not supported "
+                        "yet; use --max-sentences (samples per rank)")
+    if args.use_bmuf:
+        raise UserError("--use-bmuf is not supported: HetSeq updates are always fully synchronous")
+    if args.max_sentences is not None and args.max_sentences < 1:
+        raise UserError(f"--max-sentences {args.max_sentences}: expected 1 or more samples per rank")
+    if any(freq < 1 for freq in args.update_freq):
+        raise UserError(f"--update-freq {args.update_freq}: expected positive integers")
+    if not args.lr or any(lr < 0 for lr in args.lr):
+        raise UserError(f"--lr {args.lr}: expected non-negative learning rates")
+    if args.distributed_timeout <= 0:
+        raise UserError(f"--distributed-timeout {args.distributed_timeout}: expected seconds > 0")
+    OPTIMIZERS.get(args.optimizer)        # unknown names list the registered ones
+    SCHEDULERS.get(args.lr_scheduler)
+    if args.log_format != "tqdm":
+        args.no_progress_bar = True
+    return args

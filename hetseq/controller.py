@@ -1,0 +1,194 @@
+"""The Controller: model wrapping, optimizer, LR schedule and the gradient math.
+
+Gradient math (why the update equals large-batch single-device training)
+-----------------------------------------------------------------------
+Rank r processes n_r samples and its task returns the SUM of their losses,
+so after backward rank r holds g_r = grad( sum_{s in r} l_s ). We all-reduce
+the gradients as a SUM (a DDP communication hook) and the counts in the stats
+all-reduce, then scale by 1/N:
+
+    G / N = (1/N) * sum_r g_r = grad( (1/N) * sum_s l_s ),   N = sum_r n_r,
+
+which is exactly the gradient of the mean loss over the global batch, as if
+one device had processed all N samples. Plain DDP instead averages per-rank
+MEAN gradients with equal weights, (1/W) * sum_r g_r / n_r, which equals G/N
+only when every n_r is the same: wrong whenever ranks take different batches.
+Micro-batches accumulate into the same sums, so --update-freq and local
+accumulation change nothing in this formula.
+"""
+
+import contextlib
+import logging
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from hetseq.errors import UserError
+from hetseq.optim import build_lr_scheduler, build_optimizer
+from hetseq.utils import move_to
+
+logger = logging.getLogger(__name__)
+
+
+class SumHook:
+    """DDP communication hook: all-reduce gradient buckets as a SUM (DDP's
+    default divides by the world size). Also records when the last bucket became
+    ready, i.e. when this rank's own backward compute ended, so the measured
+    compute time excludes waiting for slower ranks."""
+
+    def __init__(self):
+        self.last_ready = None
+
+    @staticmethod
+    def hook(state, bucket):
+        state.last_ready = time.perf_counter()
+        work = dist.all_reduce(bucket.buffer(), async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def wrap_model(model, ctx, args):
+    """DDP with the SUM hook when distributed; the bare module otherwise."""
+    if not ctx.distributed:
+        return model, None
+    ddp = DistributedDataParallel(
+        model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
+        bucket_cap_mb=args.bucket_cap_mb, find_unused_parameters=args.find_unused_parameters)
+    hook = SumHook()
+    ddp.register_comm_hook(hook, SumHook.hook)
+    return ddp, hook
+
+
+class Controller:
+    def __init__(self, args, task, model, ctx):
+        self.args = args
+        self.task = task
+        self.ctx = ctx
+        self.model = model.to(ctx.device)
+        self.wrapped, self._hook = wrap_model(self.model, ctx, args)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if not self.params:
+            raise UserError(f"the model built by task '{args.task}' has no trainable parameters")
+        self.optimizer = build_optimizer(args, self.params)
+        self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
+        self.num_updates = 0
+        self.lr = self.lr_scheduler.step_update(1)
+
+    # ---- training ----
+
+    def train_step(self, samples, dummy):
+        """One update from this rank's micro-batches ``samples`` (None: no data
+        this step; ``dummy`` is run with zero weight so collectives still match)."""
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = {}
+        for i, sample in enumerate(samples):
+            ignore = sample is None
+            with self._sync_on(last=i == len(samples) - 1):
+                loss, n, logs = self.task.train_step(
+                    self.wrapped, move_to(dummy if ignore else sample, self.ctx.device),
+                    backward=_zero_backward if ignore else torch.Tensor.backward)
+            _accumulate(totals, loss, n, logs, weight=0.0 if ignore else 1.0)
+        compute_time = self._compute_time(start)
+        totals, rank_times, rank_samples = self._all_reduce_stats(totals, compute_time)
+        grad_norm = self._apply_update(totals["sample_size"])
+        metrics = self.task.reduce_metrics(totals)
+        metrics.update(sample_size=totals["sample_size"], grad_norm=grad_norm, lr=self.lr)
+        metrics["rank_times"], metrics["rank_samples"] = rank_times, rank_samples
+        return metrics
+
+    def _sync_on(self, last):
+        """Gradient sync only on the last micro-batch of an update."""
+        if self._hook is None or last:
+            return contextlib.nullcontext()
+        return self.wrapped.no_sync()
+
+    def _compute_time(self, start):
+        end = time.perf_counter()
+        if self._hook is not None and self._hook.last_ready is not None:
+            end = min(end, self._hook.last_ready)
+            self._hook.last_ready = None
+        return end - start
+
+    def _all_reduce_stats(self, totals, compute_time):
+        """One small all-reduce per update: summed logs, plus each rank's compute
+        time and sample count in its own slot of two world-size vectors."""
+        keys = sorted(totals)
+        W, r = self.ctx.world_size, self.ctx.rank
+        vec = torch.zeros(len(keys) + 2 * W, dtype=torch.float64)
+        vec[:len(keys)] = torch.tensor([float(totals[k]) for k in keys], dtype=torch.float64)
+        vec[len(keys) + r] = compute_time
+        vec[len(keys) + W + r] = totals["sample_size"]
+        if self.ctx.distributed:
+            vec = vec.to(self.ctx.device)
+            dist.all_reduce(vec)
+            vec = vec.cpu()
+        values = vec.tolist()
+        reduced = dict(zip(keys, values[:len(keys)]))
+        return reduced, values[len(keys):len(keys) + W], values[len(keys) + W:]
+
+    def _apply_update(self, sample_size):
+        """Scale the summed gradient by 1/N, clip, step. Returns the grad norm of
+        the mean-loss gradient (NaN when the update was skipped)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if sample_size <= 0:
+            logger.warning("update %d had no samples on any rank; skipped", self.num_updates + 1)
+            return float("nan")
+        # ||G/N|| = ||G||/N, so one pass computes the norm and one pass applies
+        # both the 1/N scaling and the clipping factor.
+        grad_norm = float(torch.nn.utils.get_total_norm(grads)) / sample_size
+        if not math.isfinite(grad_norm):
+            logger.warning("non-finite gradient norm at update %d; update skipped",
+                           self.num_updates + 1)
+            return grad_norm
+        clip = self.args.clip_norm
+        scale = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
+        torch._foreach_mul_(grads, scale / sample_size)
+        self.optimizer.step()
+        self.num_updates += 1
+        self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
+        return grad_norm
+
+    # ---- validation ----
+
+    def valid_step(self, sample):
+        loss, n, logs = self.task.valid_step(self.model, move_to(sample, self.ctx.device))
+        totals = {}
+        _accumulate(totals, loss, n, logs)
+        return totals
+
+    def all_reduce_totals(self, totals):
+        return self._all_reduce_stats(totals, 0.0)[0]
+
+    # ---- state ----
+
+    def set_epoch(self, epoch):
+        self.lr_scheduler.set_epoch(epoch)
+        self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
+
+    def state_dict(self):
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict(), "num_updates": self.num_updates}
+
+    def load_state_dict(self, state):
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.num_updates = state["num_updates"]
+        self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
+
+
+def _zero_backward(loss):
+    # A padding batch: run backward so DDP's collectives match the other ranks,
+    # but contribute exactly zero gradient.
+    (loss * 0.0).backward()
+
+
+def _accumulate(totals, loss, sample_size, logs, weight=1.0):
+    # Values may be device tensors: they are summed as they are and read once,
+    # in the stats all-reduce, so micro-batches never wait on the device.
+    entries = {**logs, "loss": loss, "sample_size": sample_size}
+    for key, value in entries.items():
+        totals[key] = totals.get(key, 0.0) + weight * value

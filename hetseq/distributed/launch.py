@@ -1,0 +1,126 @@
+"""Start this node's processes and give each one its rank and device.
+
+``launch(args, worker)`` runs ``worker(args, ctx)`` once per local rank: in
+this process when the node runs one rank, else in spawned children. A user
+error in any child (a ``UserError``) ends the whole command with its message
+and exit code 2; a crash ends it with the child's traceback and exit code 1.
+"""
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hetseq.distributed import rendezvous
+from hetseq.distributed.topology import resolve_topology
+from hetseq.errors import UserError
+from hetseq.logging import setup_logging
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistContext:
+    """What one process knows about its place in the job."""
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None = None
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    @property
+    def distributed(self):
+        return self.world_size > 1
+
+
+class WorkerFailed(Exception):
+    def __init__(self, exit_code, message):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def launch(args, worker, *worker_args):
+    """Run ``worker(args, ctx, *worker_args)`` on every rank this node owns.
+
+    Returns the worker's result when it ran in this process (one local rank).
+    """
+    cuda_count = torch.cuda.device_count() if not args.cpu else 0
+    topology = resolve_topology(args, os.environ, cuda_count)
+    if topology.nprocs == 1:
+        return _run_rank(0, topology, args, worker, worker_args)
+    with _hosted_store(topology) as topology:
+        try:
+            mp.spawn(_spawned_rank, args=(topology, args, worker, worker_args),
+                     nprocs=topology.nprocs, join=True)
+        except mp.ProcessExitedException as err:
+            raise WorkerFailed(err.exit_code or 1, f"rank {topology.first_rank + err.error_index}"
+                               f" exited with code {err.exit_code}") from None
+        except mp.ProcessRaisedException as err:
+            raise WorkerFailed(1, f"rank {topology.first_rank + err.error_index} failed:\n{err}") \
+                from None
+
+
+@contextlib.contextmanager
+def _hosted_store(topology):
+    """A single-node job with no init method meets at a TCP store served by this
+    parent on a port the OS picks: free by construction, no guessed numbers."""
+    if topology.init_method is not None:
+        yield topology
+        return
+    store = dist.TCPStore("127.0.0.1", 0, topology.world_size, True,
+                          datetime.timedelta(seconds=60), wait_for_workers=False)
+    yield dataclasses.replace(topology, init_method=f"tcp://127.0.0.1:{store.port}",
+                              store_hosted=True)
+    del store
+
+
+def _spawned_rank(index, topology, args, worker, worker_args):
+    try:
+        _run_rank(index, topology, args, worker, worker_args)
+    except UserError as err:
+        logging.getLogger("hetseq").error("rank %d: %s", topology.first_rank + index, err)
+        sys.exit(err.exit_code)
+
+
+def _run_rank(index, topology, args, worker, worker_args):
+    rank = topology.first_rank + index
+    setup_logging(rank, all_ranks=args.log_all_ranks)
+    _set_threads(topology)
+    device = _device(topology, index)
+    ctx = DistContext(rank, topology.world_size, topology.first_device + index, device,
+                      topology.backend)
+    if ctx.distributed:
+        rendezvous.init_process_group(topology, rank, args.distributed_timeout)
+    clean = False
+    try:
+        result = worker(args, ctx, *worker_args)
+        clean = True
+        return result
+    finally:
+        if ctx.distributed:
+            rendezvous.shutdown(topology, rank, clean)
+
+
+def _set_threads(topology):
+    # Several CPU ranks on one node share its cores; oversubscribing them makes
+    # every rank slower. An explicit OMP_NUM_THREADS wins.
+    if topology.device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // topology.local_world_size))
+
+
+def _device(topology, index):
+    if topology.device_type == "cuda":
+        device = torch.device("cuda", topology.first_device + index)
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")

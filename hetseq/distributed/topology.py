@@ -1,0 +1,214 @@
+"""Which ranks this command runs, worked out from flags or a launcher's environment.
+
+Two ways to start a job:
+  * HetSeq style: on every node ``train.py --distributed-world-size W
+    --distributed-rank R --distributed-gpus G --distributed-init-method URL``;
+    this node runs G processes with global ranks R .. R+G-1.
+  * Under a launcher (torchrun, mpirun, srun) that starts one process per
+    rank and describes it in environment variables.
+``resolve_topology`` is a pure function of the flags and the environment, so
+every rule here is unit-tested without starting processes.
+"""
+
+import dataclasses
+import subprocess
+
+from hetseq.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    world_size: int
+    first_rank: int          # global rank of the first process this command runs
+    nprocs: int              # processes this command runs (spawned when > 1)
+    init_method: str | None  # tcp://, file:// or env://; None when world_size == 1
+    backend: str | None
+    device_type: str         # "cuda" or "cpu"
+    first_device: int        # local device index of the first process
+    local_world_size: int    # processes on this node (threads per CPU process)
+    launcher: str            # where the ranks came from, for messages
+    store_hosted: bool = False  # this command's parent process hosts the TCP store
+
+
+@dataclasses.dataclass(frozen=True)
+class LauncherEnv:
+    name: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def _ints(env, *names):
+    """The named variables as ints, or None when any is missing."""
+    if not all(name in env for name in names):
+        return None
+    try:
+        return [int(env[name]) for name in names]
+    except ValueError:
+        raise UserError(f"environment variables {', '.join(names)} must be integers, got "
+                        + ", ".join(f"{n}={env[n]!r}" for n in names))
+
+
+def _lenient_int(env, name, default):
+    """Optional per-node variables; SLURM writes some as '2(x3)', which we skip."""
+    try:
+        return int(env[name])
+    except (KeyError, ValueError):
+        return default
+
+
+def _launcher(name, rank, size, local_rank, local_size):
+    def detect(env):
+        values = _ints(env, rank, size)
+        if values is None:
+            return None
+        return LauncherEnv(name, values[0], values[1], _lenient_int(env, local_rank, 0),
+                           _lenient_int(env, local_size, 1))
+    return detect
+
+
+# Checked in order: torchrun may run under SLURM, MPI under SLURM sets both.
+LAUNCHERS = (
+    _launcher("torchrun/env://", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    _launcher("mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+              "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    _launcher("mpirun (Intel MPI/MPICH)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID",
+              "MPI_LOCALNRANKS"),
+    _launcher("SLURM", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
+
+
+def detect_launcher(env):
+    for detect in LAUNCHERS:
+        found = detect(env)
+        if found is not None:
+            return found
+    return None
+
+
+BACKEND_FOR_DEVICE = {"cuda": "nccl", "cpu": "gloo"}
+
+
+def choose_backend(requested, device_type):
+    backend = requested or BACKEND_FOR_DEVICE[device_type]
+    if backend == "nccl" and device_type != "cuda":
+        raise UserError("--distributed-backend nccl needs CUDA devices, but this process runs on "
+                        "CPU; use gloo (the default on CPU) or drop --cpu")
+    if backend == "ccl":
+        try:
+            import oneccl_bindings_for_pytorch  # noqa: F401  (registers the backend)
+        except ImportError:
+            raise UserError("--distributed-backend ccl needs Intel's oneccl_bindings_for_pytorch; "
+                            "install it, or use gloo")
+    if backend not in ("nccl", "gloo", "ccl", "mpi"):
+        raise UserError(f"--distributed-backend {backend}: expected nccl, gloo, ccl or mpi")
+    return backend
+
+
+def resolve_topology(args, env, cuda_count):
+    device_type = "cpu" if args.cpu or cuda_count == 0 else "cuda"
+    launched = detect_launcher(env) if args.distributed_rank is None else None
+    if launched is not None and launched.world_size > 1:
+        return _from_launcher(args, env, launched, device_type, cuda_count)
+    return _from_flags(args, device_type, cuda_count)
+
+
+def _from_launcher(args, env, launched, device_type, cuda_count):
+    flag_world = args.distributed_world_size
+    if flag_world is not None and flag_world != launched.world_size:
+        raise UserError(f"--distributed-world-size {flag_world} disagrees with the "
+                        f"{launched.name} environment (world size {launched.world_size}); "
+                        "drop the flag when a launcher starts the job")
+    if not 0 <= launched.rank < launched.world_size:
+        raise UserError(f"{launched.name} gave rank {launched.rank} outside 0..{launched.world_size - 1}")
+    init = args.distributed_init_method or _launcher_init_method(args, env, launched)
+    device = launched.local_rank if device_type == "cuda" else 0
+    _check_devices(device_type, device, 1, cuda_count)
+    return Topology(launched.world_size, launched.rank, 1, init,
+                    choose_backend(args.distributed_backend, device_type), device_type, device,
+                    launched.local_world_size, launched.name)
+
+
+def _launcher_init_method(args, env, launched):
+    if "MASTER_ADDR" in env and "MASTER_PORT" in env:
+        return "env://"
+    if launched.name == "SLURM":
+        host = _first_slurm_host(env)
+        if host:
+            return f"tcp://{host}:{args.distributed_port}"
+    raise UserError(f"started by {launched.name} with {launched.world_size} ranks but no address "
+                    "to meet at: set MASTER_ADDR and MASTER_PORT, or pass "
+                    "--distributed-init-method tcp://HOST:PORT (or file:///shared/path)")
+
+
+def _first_slurm_host(env):
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        return None
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.split()[0] if out.split() else None
+
+
+def _from_flags(args, device_type, cuda_count):
+    world = args.distributed_world_size or (cuda_count if device_type == "cuda" else 1)
+    init = args.distributed_init_method
+    if world < 1:
+        raise UserError(f"--distributed-world-size {world}: expected 1 or more processes in total")
+    if world == 1:
+        if init:
+            raise UserError(f"--distributed-init-method {init} was given with a world size of 1; "
+                            "set --distributed-world-size to the total number of processes, "
+                            "or drop the init method for a single-process run")
+        if args.distributed_rank not in (None, 0):
+            raise UserError(f"--distributed-rank {args.distributed_rank} needs "
+                            "--distributed-world-size larger than it")
+        _check_devices(device_type, args.device_id, 1, cuda_count)
+        return Topology(1, 0, 1, None, None, device_type, args.device_id, 1, "command line")
+    first, nprocs = _ranks_of_this_node(args, world, init, device_type, cuda_count)
+    _check_devices(device_type, args.device_id, nprocs, cuda_count)
+    return Topology(world, first, nprocs, init,
+                    choose_backend(args.distributed_backend, device_type), device_type,
+                    args.device_id, nprocs, "command line")
+
+
+def _ranks_of_this_node(args, world, init, device_type, cuda_count):
+    first = args.distributed_rank or 0
+    if args.distributed_no_spawn:
+        nprocs = 1
+        if init is None:
+            raise UserError("--distributed-no-spawn with a world size of "
+                            f"{world} needs --distributed-init-method so the processes can meet")
+    elif init is None:
+        # No address to meet at: every rank must run here, as child processes.
+        nprocs = args.distributed_gpus or world
+        if first != 0 or nprocs != world:
+            raise UserError(
+                f"without --distributed-init-method all {world} processes run on this node, "
+                f"but --distributed-rank {first} / --distributed-gpus {nprocs} say otherwise; "
+                "for several nodes pass --distributed-init-method tcp://HOST:PORT on each")
+    else:
+        nprocs = args.distributed_gpus or (cuda_count if device_type == "cuda" else 1)
+    if nprocs < 1:
+        raise UserError(f"--distributed-gpus {nprocs}: expected 1 or more processes on this node")
+    if not 0 <= first < world:
+        raise UserError(f"--distributed-rank {first} is outside 0..{world - 1} for "
+                        f"--distributed-world-size {world}; it is the global rank of this "
+                        "node's first process")
+    if first + nprocs > world:
+        raise UserError(
+            f"--distributed-rank {first} with --distributed-gpus {nprocs} claims ranks "
+            f"{first}..{first + nprocs - 1}, beyond --distributed-world-size {world}; each node's "
+            "--distributed-rank is the sum of --distributed-gpus of the nodes before it")
+    return first, nprocs
+
+
+def _check_devices(device_type, first_device, nprocs, cuda_count):
+    if device_type == "cuda" and first_device + nprocs > cuda_count:
+        raise UserError(f"this node would use CUDA devices {first_device}..{first_device + nprocs - 1}"
+                        f" but only {cuda_count} are visible; lower --distributed-gpus or "
+                        "--device-id, or pass --cpu")

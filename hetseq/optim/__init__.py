@@ -1,0 +1,113 @@
+"""Optimizer registry. Each entry adds its flags and builds a torch optimizer."""
+
+import torch
+
+from hetseq.errors import UserError
+from hetseq.optim.lr_scheduler import (SCHEDULERS, LRScheduler, add_shared_args,
+                                       register_lr_scheduler)
+from hetseq.registry import Registry
+
+
+class OptimizerFactory:
+    """Base for registry entries: ``add_args`` for flags, ``build`` for the optimizer."""
+
+    @classmethod
+    def add_args(cls, group):
+        pass
+
+    @classmethod
+    def build(cls, args, params):
+        raise NotImplementedError
+
+
+OPTIMIZERS = Registry("optimizer", base=OptimizerFactory)
+register_optimizer = OPTIMIZERS.register
+
+
+def parse_float_tuple(text):
+    """'(0.9, 0.999)' (HetSeq's spelling) or '0.9,0.999' -> (0.9, 0.999); no eval."""
+    stripped = text.strip().strip("()[]")
+    try:
+        return tuple(float(part) for part in stripped.split(",") if part.strip())
+    except ValueError:
+        raise UserError(f"expected numbers separated by commas such as '(0.9, 0.999)', got '{text}'")
+
+
+# HetSeq's "adam" was fairseq's Adam, which already decouples weight decay
+# (Loshchilov & Hutter): that is torch's AdamW, so both names build it.
+@register_optimizer("adamw", aliases=("adam",))
+class AdamW(OptimizerFactory):
+    @classmethod
+    def add_args(cls, group):
+        group.add_argument("--adam-betas", default="(0.9, 0.999)", metavar="B",
+                           help="betas for Adam, e.g. '(0.9, 0.999)' (default: %(default)s)")
+        group.add_argument("--adam-eps", type=float, default=1e-8, metavar="D",
+                           help="epsilon for Adam (default: %(default)s)")
+
+    @classmethod
+    def build(cls, args, params):
+        betas = parse_float_tuple(args.adam_betas)
+        if len(betas) != 2:
+            raise UserError(f"--adam-betas {args.adam_betas}: expected two numbers, e.g. '(0.9, 0.999)'")
+        return torch.optim.AdamW(params, lr=args.lr[0], betas=betas, eps=args.adam_eps,
+                                 weight_decay=args.weight_decay)
+
+
+@register_optimizer("adadelta")
+class Adadelta(OptimizerFactory):
+    @classmethod
+    def add_args(cls, group):
+        group.add_argument("--adadelta-rho", "--adadelta_rho", type=float, default=0.9,
+                           help="Adadelta rho (default: %(default)s)")
+        group.add_argument("--adadelta-eps", "--adadelta_eps", type=float, default=1e-6,
+                           help="Adadelta epsilon (default: %(default)s)")
+
+    @classmethod
+    def build(cls, args, params):
+        return torch.optim.Adadelta(params, lr=args.lr[0], rho=args.adadelta_rho,
+                                    eps=args.adadelta_eps, weight_decay=args.weight_decay)
+
+
+@register_optimizer("sgd")
+class SGD(OptimizerFactory):
+    @classmethod
+    def add_args(cls, group):
+        group.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: 0)")
+        group.add_argument("--nesterov", action="store_true", help="Nesterov momentum for SGD")
+
+    @classmethod
+    def build(cls, args, params):
+        if args.nesterov and args.momentum <= 0:
+            raise UserError("--nesterov needs --momentum > 0")
+        return torch.optim.SGD(params, lr=args.lr[0], momentum=args.momentum,
+                               nesterov=args.nesterov, weight_decay=args.weight_decay)
+
+
+def add_optimization_args(parser):
+    """Flags of every registered optimizer and LR scheduler, so --help lists them all."""
+    group = parser.add_argument_group("Optimizer")
+    group.add_argument("--optimizer", default="adam",
+                       help=f"one of: {', '.join(OPTIMIZERS.names())} ('adam' is AdamW, "
+                            "as in HetSeq/fairseq) (default: %(default)s)")
+    group.add_argument("--weight-decay", "--wd", "--dadelta_weight_decay", type=float,
+                       default=0.0, metavar="WD", help="weight decay (default: 0)")
+    for _, factory in OPTIMIZERS.items():
+        factory.add_args(group)
+    group = parser.add_argument_group("Learning-rate schedule")
+    group.add_argument("--lr-scheduler", "--lr_scheduler", default="polynomial_decay",
+                       help=f"one of: {', '.join(SCHEDULERS.names())} (default: %(default)s)")
+    add_shared_args(group)
+    for _, scheduler in SCHEDULERS.items():
+        scheduler.add_args(group)
+
+
+def build_optimizer(args, params):
+    return OPTIMIZERS.get(args.optimizer).build(args, params)
+
+
+def build_lr_scheduler(args, optimizer):
+    return SCHEDULERS.get(args.lr_scheduler)(args, optimizer)
+
+
+__all__ = ["OPTIMIZERS", "SCHEDULERS", "OptimizerFactory", "LRScheduler", "register_optimizer",
+           "register_lr_scheduler", "add_optimization_args", "build_optimizer", "build_lr_scheduler"]

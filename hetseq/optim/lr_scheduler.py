@@ -1,0 +1,140 @@
+"""Learning-rate schedules as pure functions of the update number.
+
+``lr_at(update, epoch)`` is the LR used by update number ``update`` (1-based).
+Because the schedule is a function of counters the Controller already
+checkpoints, resuming needs no scheduler state beyond those counters.
+"""
+
+import math
+
+from hetseq.errors import UserError
+from hetseq.registry import Registry
+
+
+def add_shared_args(group):
+    """Flags every schedule reads."""
+    group.add_argument("--warmup-updates", type=int, default=0, metavar="N",
+                       help="increase the LR linearly over the first N updates (default: 0)")
+    group.add_argument("--total-num-update", type=int, default=1000000, metavar="N",
+                       help="updates over which polynomial_decay/cosine decay (default: %(default)s)")
+    group.add_argument("--end-learning-rate", type=float, default=0.0,
+                       help="LR reached at --total-num-update (default: 0)")
+    group.add_argument("--min-lr", type=float, default=-1.0, metavar="LR",
+                       help="stop training when the LR falls to this value (default: off)")
+
+
+class LRScheduler:
+    @classmethod
+    def add_args(cls, group):
+        """Flags of this schedule only (the shared ones: ``add_shared_args``)."""
+
+    def __init__(self, args, optimizer):
+        self.args = args
+        self.optimizer = optimizer
+        self.peak_lr = args.lr[0]
+        self.warmup = args.warmup_updates
+        if self.warmup < 0:
+            raise UserError(f"--warmup-updates {self.warmup}: expected a number >= 0")
+        self.epoch = 1
+
+    def lr_at(self, update):
+        raise NotImplementedError
+
+    def warmup_lr(self, update, start=0.0):
+        return start + (self.peak_lr - start) * update / self.warmup
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def step_update(self, update):
+        """Set the optimizer's LR for update number ``update``; return it."""
+        lr = self.lr_at(update)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def state_dict(self):
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        self.epoch = state["epoch"]
+
+
+SCHEDULERS = Registry("LR scheduler", base=LRScheduler)
+register_lr_scheduler = SCHEDULERS.register
+
+
+class _DecayToEnd(LRScheduler):
+    """Warm up, then decay from the peak to --end-learning-rate at --total-num-update."""
+
+    def __init__(self, args, optimizer):
+        super().__init__(args, optimizer)
+        self.end_lr = args.end_learning_rate
+        self.total = args.total_num_update
+        if self.total <= self.warmup:
+            raise UserError(f"--total-num-update {self.total} must exceed --warmup-updates "
+                            f"{self.warmup}; set it to the planned number of updates")
+
+    def lr_at(self, update):
+        if update <= self.warmup:
+            return self.warmup_lr(update)
+        if update >= self.total:
+            return self.end_lr
+        remaining = 1.0 - (update - self.warmup) / (self.total - self.warmup)
+        return self.end_lr + (self.peak_lr - self.end_lr) * self.decay(remaining)
+
+    def decay(self, remaining):
+        raise NotImplementedError
+
+
+@register_lr_scheduler("polynomial_decay", aliases=("PolynomialDecayScheduler",))
+class PolynomialDecay(_DecayToEnd):
+    @classmethod
+    def add_args(cls, group):
+        group.add_argument("--power", type=float, default=1.0,
+                           help="exponent of polynomial_decay (default: 1, linear)")
+
+    def decay(self, remaining):
+        return remaining ** self.args.power
+
+
+@register_lr_scheduler("cosine")
+class Cosine(_DecayToEnd):
+    def decay(self, remaining):
+        return 0.5 * (1.0 + math.cos(math.pi * (1.0 - remaining)))
+
+
+@register_lr_scheduler("inverse_sqrt")
+class InverseSqrt(LRScheduler):
+    @classmethod
+    def add_args(cls, group):
+        group.add_argument("--warmup-init-lr", type=float, default=0.0, metavar="LR",
+                           help="inverse_sqrt: LR at the start of warm-up (default: 0)")
+
+    def lr_at(self, update):
+        if update <= self.warmup:
+            return self.warmup_lr(update, start=self.args.warmup_init_lr)
+        return self.peak_lr * math.sqrt(max(self.warmup, 1) / update)
+
+
+@register_lr_scheduler("fixed")
+class Fixed(LRScheduler):
+    """--lr for each epoch (a comma list, the last value repeats), optional warm-up
+    and annealing by --lr-shrink per epoch after --force-anneal."""
+
+    @classmethod
+    def add_args(cls, group):
+        group.add_argument("--force-anneal", "--fa", type=int, default=None, metavar="N",
+                           help="fixed: shrink the LR every epoch after epoch N")
+        group.add_argument("--lr-shrink", type=float, default=0.1,
+                           help="fixed: LR factor per epoch after --force-anneal (default: 0.1)")
+
+    def lr_at(self, update):
+        lrs, anneal = self.args.lr, self.args.force_anneal
+        if anneal is not None and self.epoch > anneal:
+            lr = lrs[-1] * self.args.lr_shrink ** (self.epoch - anneal)
+        else:
+            lr = lrs[min(self.epoch, len(lrs)) - 1]
+        if update <= self.warmup:
+            lr *= update / self.warmup
+        return lr

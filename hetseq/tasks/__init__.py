@@ -1,0 +1,60 @@
+"""Task registry and ``--user-dir`` loading.
+
+    from hetseq.tasks import Task, register_task
+
+    @register_task("mytask")
+    class MyTask(Task):
+        ...
+"""
+
+import importlib
+import os
+import sys
+
+from hetseq.errors import UserError
+from hetseq.registry import Registry
+from hetseq.tasks.task import Task
+
+TASKS = Registry("task", base=Task)
+register_task = TASKS.register
+
+# Built-in tasks register themselves on import.
+_BUILTIN_MODULES = ()
+
+
+def import_builtin_tasks():
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def import_user_dir(path):
+    """Import the directory ``path`` as a package so its tasks register.
+
+    The directory's parent goes on ``sys.path`` and the directory is imported
+    by its name (as fairseq does), so the package may use relative imports.
+    Importing it again (e.g. in a spawned worker) is a no-op.
+    """
+    if not path:
+        return
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise UserError(f"--user-dir {path}: no such directory; pass the folder that holds "
+                        "your task modules (it needs an __init__.py that imports them)")
+    parent, name = os.path.split(path)
+    module = sys.modules.get(name)
+    if module is not None:
+        if os.path.dirname(os.path.abspath(getattr(module, "__file__", "") or "")) == path:
+            return
+        raise UserError(f"--user-dir {path}: a different module named '{name}' is already "
+                        "imported; rename the directory")
+    if parent not in sys.path:
+        sys.path.insert(0, parent)
+    importlib.import_module(name)
+    if not os.path.exists(os.path.join(path, "__init__.py")):
+        # A plain folder of modules: import each one so its tasks register.
+        for entry in sorted(os.listdir(path)):
+            if entry.endswith(".py") and not entry.startswith("_"):
+                importlib.import_module(f"{name}.{entry[:-3]}")
+
+
+__all__ = ["Task", "TASKS", "register_task", "import_user_dir", "import_builtin_tasks"]

@@ -1,0 +1,72 @@
+"""The Task API: what a user implements to train anything with HetSeq.
+
+A task turns a split name into a dataset, builds the model and computes the
+loss of one batch. The Controller owns everything else (optimizer, gradient
+averaging, schedule). Convention shared by every task:
+
+    loss, sample_size, logs = task.loss(model, sample)
+
+``loss`` is the SUM of the per-sample losses (not the mean) and
+``sample_size`` the number of samples (or tokens) it covers. The Controller
+divides the all-reduced gradient by the all-reduced ``sample_size``, which
+gives exactly the gradient of the mean loss over the whole global batch.
+``logs`` maps names to numbers that are summed over micro-batches and ranks
+(e.g. ``{"correct": 17}``); it must have the same keys at every step.
+"""
+
+import torch
+from torch.utils.data import default_collate
+
+
+class Task:
+    def __init__(self, args):
+        self.args = args
+
+    @classmethod
+    def add_args(cls, parser):
+        """Add task-specific flags to ``parser`` (an argparse group)."""
+
+    def load_dataset(self, split):
+        """Return a ``torch.utils.data.Dataset`` for ``split`` ("train", "valid", ...)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement load_dataset(split)")
+
+    def build_model(self):
+        """Return the ``torch.nn.Module`` to train."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_model()")
+
+    def loss(self, model, sample):
+        """Return ``(loss summed over the sample, sample_size, logging dict)``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement loss(model, sample)")
+
+    # ---- provided; override when a task needs something else ----
+
+    def train_step(self, model, sample, backward=torch.Tensor.backward):
+        """Forward with ``loss`` and backward. ``backward`` is supplied by the
+        Controller (it may scale the loss for mixed precision or zero it for a
+        padding batch); call it instead of ``loss.backward()`` when overriding."""
+        model.train()
+        loss, sample_size, logs = self.loss(model, sample)
+        backward(loss)
+        return loss.detach(), sample_size, logs
+
+    @torch.no_grad()
+    def valid_step(self, model, sample):
+        model.eval()
+        loss, sample_size, logs = self.loss(model, sample)
+        return loss.detach(), sample_size, logs
+
+    def collater(self, dataset):
+        """The collate function for ``dataset``: its own ``collater`` if it has one."""
+        return getattr(dataset, "collater", None) or default_collate
+
+    def reduce_metrics(self, totals):
+        """Turn summed logs (over micro-batches and ranks) into reported metrics.
+
+        ``totals`` always holds "loss" (summed) and "sample_size". The default
+        reports the mean loss and, when the task logs "correct", the accuracy.
+        """
+        n = max(totals["sample_size"], 1e-12)
+        metrics = {"loss": totals["loss"] / n}
+        if "correct" in totals:
+            metrics["accuracy"] = totals["correct"] / n
+        return metrics

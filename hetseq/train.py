@@ -1,0 +1,205 @@
+"""Training entry point: parse flags, start this node's ranks, run the loop."""
+
+import itertools
+import logging
+import math
+import os
+import sys
+import time
+
+from hetseq import checkpoint, cli
+from hetseq.controller import Controller
+from hetseq.data import GlobalBatches, GlobalBatchIterator
+from hetseq.distributed import WorkerFailed, all_gather_object, broadcast_from_main, launch
+from hetseq.errors import UserError
+from hetseq.logging import setup_logging
+from hetseq.logging.meters import Meters
+from hetseq.logging.progress import Progress
+from hetseq.logging.tensorboard import TensorBoard
+from hetseq.tasks import TASKS, import_builtin_tasks, import_user_dir
+from hetseq.utils import set_seed
+
+logger = logging.getLogger("hetseq.train")
+
+
+def main(argv=None):
+    setup_logging(0)
+    try:
+        args = cli.parse_args(argv)
+        launch(args, train_worker)
+    except UserError as err:
+        logger.error("%s", err)
+        sys.exit(err.exit_code)
+    except WorkerFailed as err:
+        logger.error("%s", err)
+        sys.exit(err.exit_code)
+
+
+def train_worker(args, ctx):
+    """Everything one rank does. Returns the Controller (used by tests)."""
+    import_builtin_tasks()
+    import_user_dir(args.user_dir)   # a spawned process starts with an empty registry
+    run = Run(args, ctx)
+    run.train()
+    return run.controller
+
+
+class Run:
+    """One rank's training run: task, model, controller, data and outputs."""
+
+    def __init__(self, args, ctx):
+        self.args, self.ctx = args, ctx
+        set_seed(args.seed)
+        self.task = TASKS.get(args.task)(args)
+        self.controller = Controller(args, self.task, self.task.build_model(), ctx)
+        self.train_data = self.make_iterator(args.train_subset, args.max_sentences, shuffle=True)
+        self.valid_data = {}   # split -> iterator, built on first validation
+        self.tensorboard = TensorBoard(args.tensorboard_logdir, ctx.is_main)
+        self.meters = Meters()
+        if not args.no_save and ctx.is_main:
+            checkpoint.check_save_dir(args.save_dir)
+        self.restore()
+
+    # ---- checkpoints ----
+
+    def state_dict(self):
+        return {"format": checkpoint.FORMAT, "args": checkpoint.plain_args(self.args),
+                "controller": self.controller.state_dict(),
+                "train_iterator": self.train_data.state_dict(), "meters": self.meters.state_dict()}
+
+    def load_state_dict(self, state):
+        self.controller.load_state_dict(state["controller"])
+        self.train_data.load_state_dict(state["train_iterator"])
+        self.meters.load_state_dict(state["meters"])
+
+    def restore(self):
+        """Resume from --restore-file when it exists (rank 0's copy is what counts:
+        nodes without a shared filesystem receive it from rank 0)."""
+        path = checkpoint.restore_path(self.args)
+        state = broadcast_from_main(lambda: checkpoint.load(path) if os.path.exists(path) else None,
+                                    self.ctx)
+        if state is None:
+            return
+        self.load_state_dict(state)
+        logger.info("resumed from %s: epoch %d, %d updates done", path, self.train_data.epoch,
+                    self.controller.num_updates)
+
+    def save(self, epoch=None):
+        if self.args.no_save or not self.ctx.is_main:
+            return
+        last = os.path.join(self.args.save_dir, "checkpoint_last.pt")
+        checkpoint.save(last, self.state_dict())
+        if epoch is not None and not self.args.no_epoch_checkpoints:
+            checkpoint.copy(last, os.path.join(self.args.save_dir, f"checkpoint{epoch}.pt"))
+        logger.info("saved %s (%d updates)", last, self.controller.num_updates)
+
+    def make_iterator(self, split, batch_size, shuffle):
+        """Global batches of ``split``: every rank's batch size is exchanged, the
+        global batch is their sum and each rank takes its own share."""
+        if batch_size is None:
+            raise UserError("--max-sentences is required: the number of samples per step on "
+                            "each rank of this node")
+        dataset = self.task.load_dataset(split)
+        if len(dataset) == 0:
+            raise UserError(f"split '{split}' of --data {self.args.data} is empty")
+        peers = all_gather_object((len(dataset), batch_size), self.ctx)
+        sizes = {size for size, _ in peers}
+        if len(sizes) > 1:
+            raise UserError(f"ranks see different sizes of split '{split}': "
+                            f"{[size for size, _ in peers]}; every node needs the same data")
+        shares = [share for _, share in peers]
+        batches = GlobalBatches(len(dataset), sum(shares), self.args.seed, shuffle=shuffle)
+        if self.ctx.is_main:
+            logger.info("split '%s': %d samples, global batch %d = %s", split, len(dataset),
+                        sum(shares), " + ".join(map(str, shares)))
+        return GlobalBatchIterator(dataset, self.task.collater(dataset), batches, shares,
+                                   self.ctx.rank, self.args.num_workers)
+
+    # ---- the loop ----
+
+    def train(self):
+        args = self.args
+        while not self.should_stop():
+            epoch = self.train_data.epoch
+            self.train_epoch(epoch)
+            finished = self.train_data.iterations_in_epoch == 0
+            if finished and not args.disable_validation and epoch % args.validate_interval == 0:
+                self.validate(epoch)
+            if not finished or epoch % args.save_interval == 0:
+                self.save(epoch if finished else None)
+        self.tensorboard.close()
+
+    def should_stop(self):
+        args, controller = self.args, self.controller
+        if args.max_epoch and self.train_data.epoch > args.max_epoch:
+            return True
+        if args.max_update and controller.num_updates >= args.max_update:
+            return True
+        if controller.lr <= args.min_lr:
+            logger.info("learning rate %.3g reached --min-lr %.3g; stopping", controller.lr,
+                        args.min_lr)
+            return True
+        return False
+
+    def train_epoch(self, epoch):
+        args, controller = self.args, self.controller
+        self.train_data.batches.shuffle = epoch > args.curriculum
+        controller.set_epoch(epoch)
+        update_freq = args.update_freq[min(epoch, len(args.update_freq)) - 1]
+        remaining = len(self.train_data) - self.train_data.iterations_in_epoch
+        progress = Progress(math.ceil(remaining / update_freq), f"epoch {epoch:03d}",
+                            self.ctx.is_main, not args.no_progress_bar, args.log_interval)
+        self.meters.reset()
+        steps = self.train_data.next_epoch_itr()
+        dummy = self.train_data.dummy_batch()
+        for samples in _chunks(steps, update_freq):
+            start = time.perf_counter()
+            metrics = controller.train_step(samples, dummy)
+            stats = self.update_stats(metrics, time.perf_counter() - start)
+            progress.log(stats, controller.num_updates)
+            if args.max_update and controller.num_updates >= args.max_update:
+                break
+        progress.summary({"epoch": epoch, "updates": controller.num_updates,
+                          **{f"avg_{k}": v for k, v in self.meters.averages().items()}})
+
+    def update_stats(self, metrics, wall_time):
+        rank_times, rank_samples = metrics.pop("rank_times"), metrics.pop("rank_samples")
+        n = metrics["sample_size"]
+        self.meters.update({k: v for k, v in metrics.items() if k not in ("lr", "sample_size")},
+                           weight=n)
+        stats = {**metrics, "samples_per_s": n / wall_time if wall_time > 0 else 0.0}
+        rank_rates = {f"rank{r}_samples_per_s": s / t for r, (s, t)
+                      in enumerate(zip(rank_samples, rank_times)) if t > 0}
+        self.tensorboard.log("train", {**stats, **rank_rates}, self.controller.num_updates)
+        return stats
+
+    def validate(self, epoch):
+        for split in self.args.valid_subset.split(","):
+            if split not in self.valid_data:
+                self.valid_data[split] = self.make_iterator(split, self.args.max_sentences_valid,
+                                                            shuffle=False)
+            data = self.valid_data[split]
+            # Start from zeros with the task's keys (a rank may get no samples at
+            # all) so every rank all-reduces a vector of the same layout.
+            totals = {k: 0.0 * v for k, v in self.controller.valid_step(data.dummy_batch()).items()}
+            for sample in data.next_epoch_itr():
+                if sample is not None:
+                    for key, value in self.controller.valid_step(sample).items():
+                        totals[key] += value
+            totals = self.controller.all_reduce_totals(totals)
+            metrics = self.task.reduce_metrics(totals)
+            if self.ctx.is_main:
+                logger.info("valid on '%s' | epoch %03d | %s", split, epoch,
+                            " | ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            self.tensorboard.log(f"valid_{split}", metrics, self.controller.num_updates)
+
+
+def _chunks(iterable, size):
+    """Consecutive lists of ``size`` items; the last may be shorter. Exhausts the input."""
+    iterator = iter(iterable)
+    while chunk := list(itertools.islice(iterator, size)):
+        yield chunk
+
+
+if __name__ == "__main__":
+    main()

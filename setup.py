@@ -1,0 +1,13 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="hetseq",
+    version="0.2.0",
+    description="Synchronous data-parallel training on heterogeneous infrastructure",
+    packages=find_packages(include=["hetseq", "hetseq.*"]),
+    python_requires=">=3.10",
+    # Install torch==2.13.0 first (README): a bare "torch" pulls CUDA wheels.
+    install_requires=["torch>=2.4", "numpy", "h5py", "tqdm", "tensorboard"],
+    extras_require={"test": ["pytest"]},
+    entry_points={"console_scripts": ["hetseq-train=hetseq.train:main"]},
+)

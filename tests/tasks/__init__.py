@@ -1,0 +1,3 @@
+"""Tasks used only by the tests, loaded with ``--user-dir tests/tasks``."""
+
+from . import toy  # noqa: F401

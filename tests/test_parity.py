@@ -1,0 +1,62 @@
+"""The update must equal large-batch single-process training, whatever the split."""
+
+import pytest
+
+from conftest import TOY, assert_ok, final_params, free_port, max_diff, run_nodes
+
+COMMON = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--clip-norm",
+          "0", "--max-update", "7", "--disable-validation", "--toy-size", "100"]
+
+
+def reference(tmp, *extra):
+    """One process with the whole global batch of 32."""
+    out = tmp / "reference"
+    assert_ok(run_nodes([[*COMMON, *extra, "--max-sentences", 32, "--save-dir", out]]))
+    return final_params(out)
+
+
+def nodes(tmp, name, layout, *extra):
+    """One command per node; ``layout`` lists (processes, batch per process)."""
+    out, world = tmp / name, sum(procs for procs, _ in layout)
+    url, first, commands = f"tcp://127.0.0.1:{free_port()}", 0, []
+    for procs, batch in layout:
+        commands.append([*COMMON, *extra, "--max-sentences", batch, "--save-dir", out,
+                         "--distributed-world-size", world, "--distributed-rank", first,
+                         "--distributed-gpus", procs, "--distributed-init-method", url])
+        first += procs
+    assert_ok(run_nodes(commands))
+    return final_params(out)
+
+
+def test_two_ranks_24_plus_8_match_one_process_32(tmp):
+    diff = max_diff(reference(tmp), nodes(tmp, "split", [(1, 24), (1, 8)]))
+    assert diff < 1e-5
+
+
+def test_three_ranks_20_8_4_with_accumulation_match(tmp):
+    # 100 samples in batches of 32: the last global batch has 4 samples and
+    # splits 3 + 1 + 0, so rank 2 takes part with a zero-weight batch.
+    ref = reference(tmp, "--update-freq", 2)
+    diff = max_diff(ref, nodes(tmp, "split", [(1, 20), (1, 8), (1, 4)], "--update-freq", 2))
+    assert diff < 1e-5
+
+
+def test_nodes_with_different_process_counts_match(tmp):
+    # A node spawning 2 processes (8 each) and a node with 1 process (16).
+    diff = max_diff(reference(tmp), nodes(tmp, "split", [(2, 8), (1, 16)]))
+    assert diff < 1e-5
+
+
+def test_plain_mean_averaging_does_not_match(tmp):
+    """Equal-weight averaging of per-rank means (plain DDP) is wrong when batches
+    differ: the same run with the toy task's mean loss must NOT match."""
+    ref = reference(tmp)
+    same_math_one_rank = reference(tmp / "mean", "--toy-mean-loss")
+    assert max_diff(ref, same_math_one_rank) < 1e-5   # one rank: mean == global mean
+    wrong = nodes(tmp, "mean", [(1, 24), (1, 8)], "--toy-mean-loss")
+    assert max_diff(ref, wrong) > 1e-3
+
+
+@pytest.mark.parametrize("layout", [[(1, 16), (1, 16)]])
+def test_equal_split_matches_too(tmp, layout):
+    assert max_diff(reference(tmp), nodes(tmp, "equal", layout)) < 1e-5
