@@ -36,12 +36,10 @@ def main(argv=None):
 
 
 def train_worker(args, ctx):
-    """Everything one rank does. Returns the Controller (used by tests)."""
+    """Everything one rank does."""
     import_builtin_tasks()
     import_user_dir(args.user_dir)   # a spawned process starts with an empty registry
-    run = Run(args, ctx)
-    run.train()
-    return run.controller
+    Run(args, ctx).train()
 
 
 class Run:

@@ -9,6 +9,7 @@ and exit code 2; a crash ends it with the child's traceback and exit code 1.
 import contextlib
 import dataclasses
 import datetime
+import gc
 import logging
 import os
 import sys
@@ -99,8 +100,9 @@ def _run_rank(index, topology, args, worker, worker_args):
     device = _device(topology, index)
     ctx = DistContext(rank, topology.world_size, topology.first_device + index, device,
                       topology.backend)
+    store = None
     if ctx.distributed:
-        rendezvous.init_process_group(topology, rank, args.distributed_timeout)
+        store = rendezvous.init_process_group(topology, rank, args.distributed_timeout)
     clean = False
     try:
         result = worker(args, ctx, *worker_args)
@@ -108,7 +110,11 @@ def _run_rank(index, topology, args, worker, worker_args):
         return result
     finally:
         if ctx.distributed:
-            rendezvous.shutdown(topology, rank, clean)
+            # Objects holding the process group (DDP) must be gone before it is
+            # destroyed; reference cycles would keep them to interpreter exit,
+            # where tearing down gloo's threads aborts the process.
+            gc.collect()
+            rendezvous.shutdown(topology, rank, store, clean)
 
 
 def _set_threads(topology):

@@ -104,8 +104,15 @@ def _wait_for_all(store, world_size, timeout, url):
     while pending:
         for other in sorted(pending):
             key = f"hetseq/who/{other}"
-            if store.check([key]):
-                _check_peer(other, json.loads(store.get(key)), world_size)
+            try:
+                present = store.check([key])
+                info = json.loads(store.get(key)) if present else None
+            except dist.DistError as err:
+                raise UserError(f"lost the meeting point {url} while waiting for ranks "
+                                f"{sorted(pending)}: the process serving it (rank 0) has stopped "
+                                f"({str(err).splitlines()[0]}); see rank 0's message") from None
+            if present:
+                _check_peer(other, info, world_size)
                 pending.discard(other)
         if pending and time.monotonic() > deadline:
             raise UserError(
@@ -135,17 +142,26 @@ def init_process_group(topology, rank, timeout_s):
     return store
 
 
-def shutdown(topology, rank, clean):
-    """Leave the process group; on a clean exit rank 0 removes a file:// store file
-    (a file left behind breaks the next job that uses the same path)."""
+def shutdown(topology, rank, store, clean):
+    """Leave the process group. On a clean exit the ranks leave together: the
+    process serving the TCP store (rank 0) waits until every rank has let go
+    of it, since a client whose server vanished can abort at exit. Rank 0 then
+    removes a file:// store file (a leftover file breaks the next job there)."""
     if not dist.is_initialized():
         return
     if clean:
         dist.barrier()
     dist.destroy_process_group()
+    if not clean:
+        return
+    store.add("hetseq/left", 1)
     url = topology.init_method or ""
-    if clean and rank == 0 and url.startswith("file://"):
-        try:
-            os.remove(file_path(url))
-        except FileNotFoundError:
-            pass
+    if rank == 0:
+        deadline = time.monotonic() + 30
+        while store.add("hetseq/left", 0) < topology.world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if url.startswith("file://"):
+            try:
+                os.remove(file_path(url))
+            except FileNotFoundError:
+                pass

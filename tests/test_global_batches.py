@@ -1,0 +1,101 @@
+"""Global batches: independent of the split, every sample exactly once per epoch."""
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+
+from hetseq.data import GlobalBatches, GlobalBatchIterator, split_sizes
+
+
+class Indices(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+def collate(items):
+    return list(items)
+
+
+def run_epoch(size, batch, shares, seed=3, epoch=1):
+    """Each rank's per-step batches for one epoch (None where it had nothing)."""
+    batches = GlobalBatches(size, batch, seed)
+    per_rank = []
+    for rank in range(len(shares)):
+        it = GlobalBatchIterator(Indices(size), collate, batches, shares, rank)
+        it.epoch = epoch
+        per_rank.append(list(it.next_epoch_itr()))
+    return per_rank
+
+
+def test_split_sizes_sum_exactly_and_follow_weights():
+    assert split_sizes(32, [24, 8]) == [24, 8]
+    assert split_sizes(4, [20, 8, 4]) == [3, 1, 0]
+    assert sum(split_sizes(97, [3, 1, 1])) == 97
+    assert split_sizes(10, [1, 1, 1]) == [4, 3, 3]
+    with pytest.raises(ValueError):
+        split_sizes(5, [0, 0])
+
+
+@pytest.mark.parametrize("shares", [[32], [24, 8], [20, 8, 4], [1, 1, 30]])
+def test_every_index_once_per_epoch_with_uneven_splits(shares):
+    size = 103   # not a multiple of the global batch
+    per_rank = run_epoch(size, sum(shares), shares)
+    seen = collections.Counter(i for steps in per_rank for b in steps if b for i in b)
+    assert sorted(seen) == list(range(size))
+    assert set(seen.values()) == {1}
+    assert len({len(steps) for steps in per_rank}) == 1   # all ranks take the same steps
+
+
+def test_global_batches_do_not_depend_on_the_split():
+    one = run_epoch(103, 32, [32])[0]
+    for shares in ([24, 8], [20, 8, 4]):
+        ranks = run_epoch(103, 32, shares)
+        joined = [sum((steps[t] or [] for steps in ranks), []) for t in range(len(one))]
+        assert joined == one
+
+
+def test_empty_slice_yields_none():
+    # 100 = 3 * 32 + 4: the last batch of 4 splits 3 + 1 + 0.
+    last = [steps[-1] for steps in run_epoch(100, 32, [20, 8, 4])]
+    assert [len(b) if b else 0 for b in last] == [3, 1, 0] and last[2] is None
+
+
+def test_epochs_are_reshuffled_deterministically():
+    a1, a2 = run_epoch(64, 16, [16], epoch=1)[0], run_epoch(64, 16, [16], epoch=2)[0]
+    assert a1 != a2 and a1 == run_epoch(64, 16, [16], epoch=1)[0]
+
+
+def test_shares_change_mid_epoch_keeps_coverage():
+    size, shares = 200, [16, 16]
+    batches = GlobalBatches(size, 32, seed=0)
+    iters = [GlobalBatchIterator(Indices(size), collate, batches, shares, r) for r in range(2)]
+    gens = [it.next_epoch_itr() for it in iters]
+    seen = []
+    for step in range(len(batches)):
+        if step == 3:
+            for it in iters:
+                it.set_shares([24, 8])
+        for g in gens:
+            seen += next(g) or []
+    assert sorted(seen) == list(range(size))
+
+
+def test_resume_mid_epoch_continues_where_it_stopped():
+    batches = GlobalBatches(100, 10, seed=1)
+    it = GlobalBatchIterator(Indices(100), collate, batches, [10], 0)
+    gen = it.next_epoch_itr()
+    first = [next(gen) for _ in range(4)]
+    state = it.state_dict()
+    resumed = GlobalBatchIterator(Indices(100), collate, batches, [10], 0)
+    resumed.load_state_dict(state)
+    rest = list(resumed.next_epoch_itr())
+    assert sorted(np.concatenate(first + rest).tolist()) == list(range(100))
+    assert resumed.epoch == 2

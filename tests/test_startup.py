@@ -1,0 +1,132 @@
+"""Start-up through every supported path, as separate commands acting as nodes."""
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, TOY, assert_ok, child_env, free_port, run_nodes, run_train
+
+# A short run of the toy task; each command is one "node" with one process.
+RUN = [*TOY, "--max-update", 3, "--max-sentences", 8, "--disable-validation", "--no-save"]
+
+
+def two_nodes(url):
+    return [[*RUN, "--distributed-world-size", 2, "--distributed-rank", r,
+             "--distributed-gpus", 1, "--distributed-init-method", url] for r in (0, 1)]
+
+
+def test_tcp_init_two_commands():
+    assert_ok(run_nodes(two_nodes(f"tcp://127.0.0.1:{free_port()}")))
+
+
+def test_file_init_two_commands_and_cleanup(tmp_path):
+    init = tmp_path / "rendezvous"
+    assert_ok(run_nodes(two_nodes(f"file://{init}")))
+    assert not init.exists()   # a leftover file would break the next job on this path
+
+
+def test_single_node_spawn_picks_its_own_port():
+    result = run_train(*RUN, "--distributed-world-size", 2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "joined via tcp://127.0.0.1:" in result.stderr
+
+
+LAUNCHER_ENVS = {
+    "torchrun": lambda r: {"RANK": r, "WORLD_SIZE": "2", "LOCAL_RANK": r},
+    "openmpi": lambda r: {"OMPI_COMM_WORLD_RANK": r, "OMPI_COMM_WORLD_SIZE": "2",
+                          "OMPI_COMM_WORLD_LOCAL_RANK": r},
+    "intelmpi": lambda r: {"PMI_RANK": r, "PMI_SIZE": "2", "MPI_LOCALRANKID": r},
+    "slurm": lambda r: {"SLURM_PROCID": r, "SLURM_NTASKS": "2", "SLURM_LOCALID": r},
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHER_ENVS))
+def test_rank_from_launcher_environment(launcher):
+    port = str(free_port())
+    envs = [{**LAUNCHER_ENVS[launcher](str(r)), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            for r in (0, 1)]
+    results = run_nodes([RUN, RUN], envs)
+    assert_ok(results)
+    assert "rank 0 of 2 joined via env://" in results[0][1]
+
+
+def test_real_torchrun():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), str(ROOT / "train.py"), "--cpu",
+           "--no-progress-bar", *map(str, RUN)]
+    result = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0 of 2 joined" in result.stderr
+
+
+# ---- start-up mistakes: one clear message, exit code 2, no hang ----
+
+def assert_fails(results, *words):
+    for code, out in results:
+        assert code == 2, out[-3000:]
+    text = "\n".join(out for _, out in results)
+    for word in words:
+        assert word in text, text[-3000:]
+
+
+def test_missing_rank_times_out_naming_it():
+    url = f"tcp://127.0.0.1:{free_port()}"
+    cmds = [[*RUN, "--distributed-world-size", 3, "--distributed-rank", r, "--distributed-gpus",
+             1, "--distributed-init-method", url, "--distributed-timeout", 4] for r in (0, 1)]
+    assert_fails(run_nodes(cmds), "waiting at", "for ranks [2] of 3")
+
+
+def test_two_nodes_claiming_the_same_rank(tmp_path):
+    url = f"file://{tmp_path / 'init'}"
+    cmds = [[*RUN, "--distributed-world-size", 2, "--distributed-rank", 0, "--distributed-gpus",
+             1, "--distributed-init-method", url, "--distributed-timeout", 4]] * 2
+    assert_fails(run_nodes(cmds), "rank 0 was claimed by two processes")
+
+
+def test_nodes_disagreeing_on_world_size():
+    url = f"tcp://127.0.0.1:{free_port()}"
+    cmds = [[*RUN, "--distributed-world-size", world, "--distributed-rank", rank,
+             "--distributed-gpus", 1, "--distributed-init-method", url, "--distributed-timeout", 6]
+            for world, rank in ((2, 0), (3, 1))]
+    assert_fails(run_nodes(cmds), "pass the same world size on every node")
+
+
+def test_busy_master_port():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        url = f"tcp://127.0.0.1:{busy.getsockname()[1]}"
+        result = run_train(*RUN, "--distributed-world-size", 2, "--distributed-rank", 0,
+                           "--distributed-gpus", 1, "--distributed-init-method", url,
+                           "--distributed-timeout", 3)
+    assert result.returncode == 2 and "rank 0 could not serve" in result.stderr, result.stderr
+
+
+def test_unreachable_master():
+    url = f"tcp://127.0.0.1:{free_port()}"
+    result = run_train(*RUN, "--distributed-world-size", 2, "--distributed-rank", 1,
+                       "--distributed-gpus", 1, "--distributed-init-method", url,
+                       "--distributed-timeout", 2)
+    assert result.returncode == 2 and "could not reach" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--task", "nope"], ["unknown task 'nope'", "toy"]),
+    (["--distributed-world-size", 2, "--distributed-rank", 2, "--distributed-gpus", 1,
+      "--distributed-init-method", "tcp://127.0.0.1:1"], ["--distributed-rank 2", "0..1"]),
+    (["--distributed-world-size", 2, "--distributed-rank", 1], ["without --distributed-init-method"]),
+    (["--distributed-world-size", 2, "--distributed-init-method", "file:///no/such/dir/init",
+      "--distributed-gpus", 1], ["folder /no/such/dir does not exist"]),
+    (["--distributed-world-size", 2, "--distributed-init-method", "udp://x:1",
+      "--distributed-gpus", 1], ["expected tcp://HOST:PORT"]),
+    (["--optimizer", "lion"], ["unknown optimizer 'lion'"]),
+])
+def test_bad_flags_exit_2_with_message(flags, words):
+    result = run_train(*RUN, *flags)
+    assert result.returncode == 2, result.stderr[-3000:]
+    for word in words:
+        assert word in result.stderr
+    assert "Traceback" not in result.stderr
