@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hetseq.errors import UserError
 from hetseq.optim import build_lr_scheduler, build_optimizer
+from hetseq.stats import Backward, StatsExchange
 from hetseq.utils import move_to
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class Controller:
         self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
         self.num_updates = 0
         self.lr = self.lr_scheduler.step_update(1)
+        self._previous = (0.0, 0.0)   # compute seconds and samples of the last update
 
     # ---- training ----
 
@@ -83,16 +85,19 @@ class Controller:
         this step; ``dummy`` is run with zero weight so collectives still match)."""
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        totals = {}
+        stats = StatsExchange(self.ctx, self._previous)
         for i, sample in enumerate(samples):
-            ignore = sample is None
-            with self._sync_on(last=i == len(samples) - 1):
+            last = i == len(samples) - 1
+            backward = Backward(stats, weight=0.0 if sample is None else 1.0, last=last)
+            with self._sync_on(last):
                 loss, n, logs = self.task.train_step(
-                    self.wrapped, move_to(dummy if ignore else sample, self.ctx.device),
-                    backward=_zero_backward if ignore else torch.Tensor.backward)
-            _accumulate(totals, loss, n, logs, weight=0.0 if ignore else 1.0)
-        compute_time = self._compute_time(start)
-        totals, rank_times, rank_samples = self._all_reduce_stats(totals, compute_time)
+                    self.wrapped, move_to(dummy if sample is None else sample, self.ctx.device),
+                    backward=backward)
+            if not backward.announced:
+                stats.add(loss, n, logs, backward.weight)
+        local_samples = float(stats.totals["sample_size"])
+        self._previous = (self._compute_time(start), local_samples)
+        totals, rank_times, rank_samples = stats.result()
         grad_norm = self._apply_update(totals["sample_size"])
         metrics = self.task.reduce_metrics(totals)
         metrics.update(sample_size=totals["sample_size"], grad_norm=grad_norm, lr=self.lr)
@@ -111,23 +116,6 @@ class Controller:
             end = min(end, self._hook.last_ready)
             self._hook.last_ready = None
         return end - start
-
-    def _all_reduce_stats(self, totals, compute_time):
-        """One small all-reduce per update: summed logs, plus each rank's compute
-        time and sample count in its own slot of two world-size vectors."""
-        keys = sorted(totals)
-        W, r = self.ctx.world_size, self.ctx.rank
-        vec = torch.zeros(len(keys) + 2 * W, dtype=torch.float64)
-        vec[:len(keys)] = torch.tensor([float(totals[k]) for k in keys], dtype=torch.float64)
-        vec[len(keys) + r] = compute_time
-        vec[len(keys) + W + r] = totals["sample_size"]
-        if self.ctx.distributed:
-            vec = vec.to(self.ctx.device)
-            dist.all_reduce(vec)
-            vec = vec.cpu()
-        values = vec.tolist()
-        reduced = dict(zip(keys, values[:len(keys)]))
-        return reduced, values[len(keys):len(keys) + W], values[len(keys) + W:]
 
     def _apply_update(self, sample_size):
         """Scale the summed gradient by 1/N, clip, step. Returns the grad norm of
@@ -153,14 +141,10 @@ class Controller:
 
     # ---- validation ----
 
-    def valid_step(self, sample):
+    def valid_step(self, sample, stats):
+        """Add one validation batch's stats to ``stats`` (a StatsExchange)."""
         loss, n, logs = self.task.valid_step(self.model, move_to(sample, self.ctx.device))
-        totals = {}
-        _accumulate(totals, loss, n, logs)
-        return totals
-
-    def all_reduce_totals(self, totals):
-        return self._all_reduce_stats(totals, 0.0)[0]
+        stats.add(loss, n, logs)
 
     # ---- state ----
 
@@ -178,17 +162,3 @@ class Controller:
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.num_updates = state["num_updates"]
         self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
-
-
-def _zero_backward(loss):
-    # A padding batch: run backward so DDP's collectives match the other ranks,
-    # but contribute exactly zero gradient.
-    (loss * 0.0).backward()
-
-
-def _accumulate(totals, loss, sample_size, logs, weight=1.0):
-    # Values may be device tensors: they are summed as they are and read once,
-    # in the stats all-reduce, so micro-batches never wait on the device.
-    entries = {**logs, "loss": loss, "sample_size": sample_size}
-    for key, value in entries.items():
-        totals[key] = totals.get(key, 0.0) + weight * value

@@ -16,6 +16,7 @@ from hetseq.logging import setup_logging
 from hetseq.logging.meters import Meters
 from hetseq.logging.progress import Progress
 from hetseq.logging.tensorboard import TensorBoard
+from hetseq.stats import StatsExchange
 from hetseq.tasks import TASKS, import_builtin_tasks, import_user_dir
 from hetseq.utils import set_seed
 
@@ -177,14 +178,15 @@ class Run:
                 self.valid_data[split] = self.make_iterator(split, self.args.max_sentences_valid,
                                                             shuffle=False)
             data = self.valid_data[split]
-            # Start from zeros with the task's keys (a rank may get no samples at
-            # all) so every rank all-reduces a vector of the same layout.
-            totals = {k: 0.0 * v for k, v in self.controller.valid_step(data.dummy_batch()).items()}
+            # Start with the task's keys at zero (a rank may get no samples at all)
+            # so every rank all-reduces a vector of the same layout.
+            stats = StatsExchange(self.ctx)
+            self.controller.valid_step(data.dummy_batch(), stats)
+            stats.totals = {key: 0.0 * value for key, value in stats.totals.items()}
             for sample in data.next_epoch_itr():
                 if sample is not None:
-                    for key, value in self.controller.valid_step(sample).items():
-                        totals[key] += value
-            totals = self.controller.all_reduce_totals(totals)
+                    self.controller.valid_step(sample, stats)
+            totals = stats.result()[0]
             metrics = self.task.reduce_metrics(totals)
             if self.ctx.is_main:
                 logger.info("valid on '%s' | epoch %03d | %s", split, epoch,

@@ -41,6 +41,14 @@ def test_three_ranks_20_8_4_with_accumulation_match(tmp):
     assert diff < 1e-5
 
 
+def test_task_overriding_train_step_without_stats_matches(tmp):
+    # backward(loss) alone: the stats travel after backward instead of during it.
+    ref = reference(tmp, "--update-freq", 2)
+    diff = max_diff(ref, nodes(tmp, "plain", [(1, 24), (1, 8)], "--update-freq", 2,
+                               "--toy-plain-backward"))
+    assert diff < 1e-5
+
+
 def test_nodes_with_different_process_counts_match(tmp):
     # A node spawning 2 processes (8 each) and a node with 1 process (16).
     diff = max_diff(reference(tmp), nodes(tmp, "split", [(2, 8), (1, 16)]))

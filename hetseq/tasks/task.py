@@ -40,13 +40,21 @@ class Task:
 
     # ---- provided; override when a task needs something else ----
 
-    def train_step(self, model, sample, backward=torch.Tensor.backward):
-        """Forward with ``loss`` and backward. ``backward`` is supplied by the
-        Controller (it may scale the loss for mixed precision or zero it for a
-        padding batch); call it instead of ``loss.backward()`` when overriding."""
+    def train_step(self, model, sample, backward=None):
+        """Forward with ``loss``, then backward.
+
+        ``backward`` comes from the Controller: call it instead of
+        ``loss.backward()`` when overriding (it may scale the loss for mixed
+        precision or zero it for a padding batch). Passing the stats too,
+        ``backward(loss, sample_size, logs)``, lets the Controller start the
+        stats all-reduce during backward; ``backward(loss)`` also works.
+        """
         model.train()
         loss, sample_size, logs = self.loss(model, sample)
-        backward(loss)
+        if backward is None:
+            loss.backward()
+        else:
+            backward(loss, sample_size, logs)
         return loss.detach(), sample_size, logs
 
     @torch.no_grad()

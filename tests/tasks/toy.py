@@ -33,6 +33,8 @@ class ToyTask(Task):
         parser.add_argument("--toy-mean-loss", action="store_true",
                             help="return the per-rank MEAN loss with sample_size 1: the "
                                  "controller then averages ranks with equal weights (plain DDP)")
+        parser.add_argument("--toy-plain-backward", action="store_true",
+                            help="override train_step and call backward(loss) without stats")
 
     def load_dataset(self, split):
         return ToyData(self.args.toy_size if split == "train" else 30, seed=1 if split == "train" else 2)
@@ -46,3 +48,10 @@ class ToyTask(Task):
         if self.args.toy_mean_loss:
             return (err ** 2).mean(), 1, {"seen": len(err)}
         return (err ** 2).sum(), len(err), {"seen": len(err)}
+
+    def train_step(self, model, sample, backward=None):
+        if not self.args.toy_plain_backward:
+            return super().train_step(model, sample, backward)
+        loss, sample_size, logs = self.loss(model, sample)
+        backward(loss)
+        return loss.detach(), sample_size, logs

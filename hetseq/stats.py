@@ -1,0 +1,75 @@
+"""Per-update statistics, summed over micro-batches and ranks in ONE all-reduce.
+
+The vector holds the summed values (loss, sample_size and the task's logs, by
+sorted key) followed by two world-size slots: each rank writes its compute
+time and sample count of the PREVIOUS update into its own slot, so after the
+SUM every rank knows every rank's speed (capacity planning reads it).
+
+The all-reduce is started asynchronously before the last backward of an
+update when the task hands its stats to ``backward`` (the base
+``Task.train_step`` does), so its latency hides behind the backward compute;
+otherwise it runs after backward. Either way it is the same one collective.
+"""
+
+import torch
+import torch.distributed as dist
+
+
+class StatsExchange:
+    def __init__(self, ctx, previous=(0.0, 0.0)):
+        self.ctx = ctx
+        self.previous = previous    # (compute seconds, samples) of the previous update
+        self.totals = {}
+        self._keys = None
+        self._vec = None
+        self._work = None
+
+    def add(self, loss, sample_size, logs, weight=1.0):
+        # Values may be device tensors: summed as they are and read once, after
+        # the all-reduce, so no micro-batch waits on the device.
+        for key, value in {**logs, "loss": loss, "sample_size": sample_size}.items():
+            self.totals[key] = self.totals.get(key, 0.0) + weight * value
+
+    def launch(self):
+        device, W, r = self.ctx.device, self.ctx.world_size, self.ctx.rank
+        self._keys = sorted(self.totals)
+        values = [torch.as_tensor(self.totals[k], dtype=torch.float64, device=device).reshape(())
+                  for k in self._keys]
+        slots = torch.zeros(2 * W, dtype=torch.float64, device=device)
+        slots[r], slots[W + r] = self.previous
+        self._vec = torch.cat([torch.stack(values), slots])
+        if self.ctx.distributed:
+            self._work = dist.all_reduce(self._vec, async_op=True)
+
+    def result(self):
+        """(summed totals, per-rank compute seconds, per-rank samples)."""
+        if self._vec is None:
+            self.launch()
+        if self._work is not None:
+            self._work.wait()
+        values = self._vec.tolist()
+        k, W = len(self._keys), self.ctx.world_size
+        return dict(zip(self._keys, values[:k])), values[k:k + W], values[k + W:]
+
+
+class Backward:
+    """The ``backward`` callable a task's ``train_step`` receives.
+
+    ``backward(loss, sample_size, logs)`` adds the micro-batch's stats before
+    running backward (and, on the last micro-batch, starts the stats
+    all-reduce). ``backward(loss)`` alone also works; the Controller then adds
+    the stats that ``train_step`` returns. ``weight`` 0 marks a padding batch:
+    it runs forward/backward so the collectives match, but contributes nothing.
+    """
+
+    def __init__(self, stats, weight, last):
+        self.stats, self.weight, self.last = stats, weight, last
+        self.announced = False
+
+    def __call__(self, loss, sample_size=None, logs=None):
+        if sample_size is not None:
+            self.stats.add(loss.detach(), sample_size, logs or {}, self.weight)
+            self.announced = True
+            if self.last:
+                self.stats.launch()
+        (loss if self.weight == 1.0 else loss * self.weight).backward()

@@ -1,0 +1,59 @@
+"""The MNIST example, a task defined outside the package, trains end to end."""
+
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, run_train
+
+sys.path.insert(0, str(ROOT / "examples" / "mnist"))
+import make_demo_data  # noqa: E402
+from idx import read_idx, write_idx  # noqa: E402
+
+MNIST = ["--task", "mnist", "--user-dir", ROOT / "examples" / "mnist"]
+
+
+def test_idx_round_trip_plain_and_gzip(tmp_path):
+    data = np.arange(2 * 28 * 28, dtype=np.uint8).reshape(2, 28, 28)
+    for name in ("a-idx3-ubyte", "a-idx3-ubyte.gz"):
+        write_idx(tmp_path / name, data)
+        assert (read_idx(tmp_path / name) == data).all()
+
+
+def test_idx_rejects_foreign_files(tmp_path):
+    (tmp_path / "bad").write_bytes(b"PK\x03\x04 not idx")
+    with pytest.raises(ValueError, match="not an IDX file"):
+        read_idx(tmp_path / "bad")
+
+
+def test_two_processes_learn(tmp_path):
+    data = tmp_path / "data"
+    make_demo_data.main(["--out", str(data), "--train", "768", "--test", "256"])
+    result = run_train(*MNIST, "--data", data, "--optimizer", "adadelta", "--lr", 1.0,
+                       "--max-sentences", 32, "--max-epoch", 3, "--distributed-world-size", 2,
+                       "--save-dir", tmp_path / "ckpt", "--tensorboard-logdir", tmp_path / "tb")
+    assert result.returncode == 0, result.stderr[-3000:]
+    valid = [float(x) for x in re.findall(r"valid on 'valid' \| epoch \d+ \| loss=([\d.]+)",
+                                          result.stderr)]
+    train = [float(x) for x in re.findall(r"avg_loss=([\d.]+)", result.stderr)]
+    assert len(valid) == 3 and len(train) == 3, result.stderr[-3000:]
+    assert valid[-1] < 0.7 * valid[0] and train[-1] < train[0]
+    accuracy = float(re.findall(r"accuracy=([\d.]+)", result.stderr)[-1])
+    assert accuracy > 0.5   # ten classes: chance is 0.1
+    assert list((tmp_path / "tb" / "train").glob("events.out.tfevents.*"))
+    assert (tmp_path / "ckpt" / "checkpoint3.pt").exists()
+
+
+def test_uncompressed_files_and_missing_data_message(tmp_path):
+    data = tmp_path / "plain"
+    make_demo_data.main(["--out", str(data), "--train", "64", "--test", "32"])
+    for gz in data.glob("*.gz"):     # Fashion-MNIST style: uncompressed files work too
+        write_idx(gz.with_suffix(""), read_idx(gz))
+        gz.unlink()
+    ok = run_train(*MNIST, "--data", data, "--optimizer", "adadelta", "--lr", 1.0,
+                   "--max-sentences", 16, "--max-update", 2, "--no-save")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    missing = run_train(*MNIST, "--data", tmp_path / "nothing", "--max-sentences", 16, "--no-save")
+    assert missing.returncode == 2 and "not a directory" in missing.stderr
