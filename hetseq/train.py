@@ -118,27 +118,28 @@ class Run:
 
     def train(self):
         args = self.args
-        while not self.should_stop():
+        while not self.stop_reason():
             epoch = self.train_data.epoch
             self.train_epoch(epoch)
-            finished = self.train_data.iterations_in_epoch == 0
-            if finished and not args.disable_validation and epoch % args.validate_interval == 0:
+            end_of_epoch = self.train_data.iterations_in_epoch == 0
+            stopping = self.stop_reason() is not None
+            if not args.disable_validation and (
+                    stopping or (end_of_epoch and epoch % args.validate_interval == 0)):
                 self.validate(epoch)
-            if not finished or epoch % args.save_interval == 0:
-                self.save(epoch if finished else None)
+            if stopping or (end_of_epoch and epoch % args.save_interval == 0):
+                self.save(epoch if end_of_epoch else None)
+        logger.info("done: %s", self.stop_reason())
         self.tensorboard.close()
 
-    def should_stop(self):
+    def stop_reason(self):
         args, controller = self.args, self.controller
         if args.max_epoch and self.train_data.epoch > args.max_epoch:
-            return True
+            return f"reached --max-epoch {args.max_epoch}"
         if args.max_update and controller.num_updates >= args.max_update:
-            return True
+            return f"reached --max-update {args.max_update}"
         if controller.lr <= args.min_lr:
-            logger.info("learning rate %.3g reached --min-lr %.3g; stopping", controller.lr,
-                        args.min_lr)
-            return True
-        return False
+            return f"learning rate {controller.lr:.3g} reached --min-lr {args.min_lr:.3g}"
+        return None
 
     def train_epoch(self, epoch):
         args, controller = self.args, self.controller
