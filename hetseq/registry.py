@@ -8,8 +8,9 @@ from hetseq.errors import UserError
 
 
 class Registry:
-    def __init__(self, kind, base=None):
+    def __init__(self, kind, base=None, hint=""):
         self.kind = kind          # "task", "optimizer", ... used in messages
+        self.hint = hint          # appended to the message for an unknown name
         self.base = base          # registered classes must subclass it
         self._entries = {}        # canonical name -> class
         self._aliases = {}        # any accepted name -> canonical name
@@ -40,7 +41,7 @@ class Registry:
         if name not in self._aliases:
             raise UserError(
                 f"unknown {self.kind} '{name}'; registered {self.kind}s: "
-                f"{', '.join(self.names()) or '(none)'}")
+                f"{', '.join(self.names()) or '(none)'}{self.hint}")
         return self._entries[self._aliases[name]]
 
     def canonical(self, name):

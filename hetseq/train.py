@@ -13,7 +13,7 @@ from hetseq.data import GlobalBatches, GlobalBatchIterator
 from hetseq.distributed import WorkerFailed, all_gather_object, broadcast_from_main, launch
 from hetseq.errors import UserError
 from hetseq.logging import setup_logging
-from hetseq.logging.meters import Meters
+from hetseq.logging.meters import Meters, RateMeter
 from hetseq.logging.progress import Progress
 from hetseq.logging.tensorboard import TensorBoard
 from hetseq.stats import StatsExchange
@@ -150,17 +150,20 @@ class Run:
         progress = Progress(math.ceil(remaining / update_freq), f"epoch {epoch:03d}",
                             self.ctx.is_main, not args.no_progress_bar, args.log_interval)
         self.meters.reset()
+        rate = RateMeter()
         steps = self.train_data.next_epoch_itr()
         dummy = self.train_data.dummy_batch()
         for samples in _chunks(steps, update_freq):
             start = time.perf_counter()
             metrics = controller.train_step(samples, dummy)
             stats = self.update_stats(metrics, time.perf_counter() - start)
+            rate.update(metrics["sample_size"])
             progress.log(stats, controller.num_updates)
             if args.max_update and controller.num_updates >= args.max_update:
                 break
         progress.summary({"epoch": epoch, "updates": controller.num_updates,
-                          **{f"avg_{k}": v for k, v in self.meters.averages().items()}})
+                          **{f"avg_{k}": v for k, v in self.meters.averages().items()},
+                          "samples_per_s": rate.rate})
 
     def update_stats(self, metrics, wall_time):
         rank_times, rank_samples = metrics.pop("rank_times"), metrics.pop("rank_samples")

@@ -15,7 +15,7 @@ from hetseq.errors import UserError
 from hetseq.registry import Registry
 from hetseq.tasks.task import Task
 
-TASKS = Registry("task", base=Task)
+TASKS = Registry("task", base=Task, hint="; tasks of your own load with --user-dir DIR")
 register_task = TASKS.register
 
 # Built-in tasks register themselves on import.
