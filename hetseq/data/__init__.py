@@ -1,0 +1,5 @@
+"""Data: global batches sharded by capacity, and dataset helpers."""
+
+from hetseq.data.iterators import GlobalBatches, GlobalBatchIterator, split_sizes
+
+__all__ = ["GlobalBatches", "GlobalBatchIterator", "split_sizes"]

@@ -1,0 +1,152 @@
+"""Global batches, cut per rank by capacity; resumable mid-epoch.
+
+One epoch is a seeded permutation of the dataset cut into global batches of
+size B. The sequence of global batches depends only on (seed, epoch, dataset
+size, B): never on the world size or on how B is split, which is what makes a
+run's mathematics independent of the machines that took part. Rank i takes a
+contiguous slice of each global batch whose size is proportional to its share
+(b_i for full batches, so sum(b_i) = B). Every index is used exactly once per
+epoch. A rank whose slice is empty (the short last batch) still takes part,
+with no samples: the iterator yields ``None`` for it.
+"""
+
+import numpy as np
+from torch.utils.data import DataLoader
+
+
+def split_sizes(total, weights):
+    """Split ``total`` into non-negative ints proportional to ``weights``, summing to it.
+
+    Largest-remainder rounding; ties go to the lower rank. When ``weights`` sum
+    to ``total`` the result is ``weights`` itself.
+    """
+    weights = np.asarray(weights, dtype=np.float64)
+    if len(weights) == 0 or (weights < 0).any() or weights.sum() <= 0:
+        raise ValueError(f"shares must be non-negative with a positive sum, got {weights.tolist()}")
+    exact = total * weights / weights.sum()
+    sizes = np.floor(exact).astype(np.int64)
+    leftover = int(total - sizes.sum())
+    order = np.argsort(-(exact - sizes), kind="stable")
+    sizes[order[:leftover]] += 1
+    return sizes.tolist()
+
+
+class GlobalBatches:
+    """The global batches of every epoch, and each rank's slice of them."""
+
+    def __init__(self, dataset_size, global_batch_size, seed, shuffle=True):
+        if dataset_size <= 0:
+            raise ValueError("the dataset is empty")
+        if global_batch_size <= 0:
+            raise ValueError(f"global batch size must be positive, got {global_batch_size}")
+        self.dataset_size = dataset_size
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+
+    def __len__(self):
+        return -(-self.dataset_size // self.global_batch_size)
+
+    def epoch(self, epoch):
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.dataset_size)
+        else:
+            order = np.arange(self.dataset_size)
+        B = self.global_batch_size
+        return [order[start:start + B] for start in range(0, self.dataset_size, B)]
+
+    @staticmethod
+    def local_bounds(length, shares, rank):
+        """[start, end) of ``rank``'s slice of a global batch of ``length``."""
+        sizes = split_sizes(length, shares)
+        start = sum(sizes[:rank])
+        return start, start + sizes[rank]
+
+
+class _LocalSlices:
+    """Lazy batch sampler: this rank's non-empty slices of the given global batches."""
+
+    def __init__(self, global_batches, local):
+        self.global_batches = global_batches
+        self.local = local
+
+    def __iter__(self):
+        for global_batch in self.global_batches:
+            indices = self.local(global_batch)
+            if len(indices):
+                yield indices.tolist()
+
+
+class GlobalBatchIterator:
+    """This rank's batches, step by step, with the state needed to resume.
+
+    ``shares`` (one weight per rank) may change between steps (rebalancing);
+    the data loader is then rebuilt from the current position.
+    """
+
+    def __init__(self, dataset, collate_fn, batches, shares, rank, num_workers=0):
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.batches = batches
+        self.shares = list(shares)
+        self.rank = rank
+        self.num_workers = num_workers
+        self.epoch = 1                 # the epoch next_epoch_itr() runs
+        self.iterations_in_epoch = 0   # global batches of it already consumed
+        self._shares_changed = False
+        self._dummy = None
+
+    def __len__(self):
+        return len(self.batches)
+
+    def set_shares(self, shares):
+        if list(shares) != self.shares:
+            self.shares = list(shares)
+            self._shares_changed = True
+
+    def dummy_batch(self):
+        """A one-sample batch for steps where this rank has no samples."""
+        if self._dummy is None:
+            self._dummy = self.collate_fn([self.dataset[0]])
+        return self._dummy
+
+    def next_epoch_itr(self):
+        """Yield this rank's batch (or None) for each remaining step of the epoch."""
+        batches = self.batches.epoch(self.epoch)
+        while self.iterations_in_epoch < len(batches):
+            self._shares_changed = False
+            start = self.iterations_in_epoch
+            local = self._local_slicer()
+            loaded = iter(self._loader(_LocalSlices(batches[start:], local)))
+            for offset, global_batch in enumerate(batches[start:]):
+                batch = next(loaded) if len(local(global_batch)) else None
+                self.iterations_in_epoch = start + offset + 1
+                yield batch
+                if self._shares_changed:
+                    break
+        self.epoch += 1
+        self.iterations_in_epoch = 0
+
+    def _local_slicer(self):
+        """global batch -> this rank's indices, for the current shares.
+        Bounds depend only on the batch length, so they are computed once per length."""
+        bounds = {}
+        shares, rank = list(self.shares), self.rank
+
+        def local(global_batch):
+            n = len(global_batch)
+            if n not in bounds:
+                bounds[n] = GlobalBatches.local_bounds(n, shares, rank)
+            return global_batch[bounds[n][0]:bounds[n][1]]
+        return local
+
+    def _loader(self, batch_sampler):
+        return DataLoader(self.dataset, batch_sampler=batch_sampler,
+                          collate_fn=self.collate_fn, num_workers=self.num_workers)
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "iterations_in_epoch": self.iterations_in_epoch}
+
+    def load_state_dict(self, state):
+        self.epoch = state["epoch"]
+        self.iterations_in_epoch = state["iterations_in_epoch"]
