@@ -7,7 +7,8 @@ setup(
     packages=find_packages(include=["hetseq", "hetseq.*"]),
     python_requires=">=3.10",
     # Install torch==2.13.0 first (README): a bare "torch" pulls CUDA wheels.
-    install_requires=["torch>=2.4", "numpy", "h5py", "tqdm", "tensorboard"],
-    extras_require={"test": ["pytest"]},
+    install_requires=["torch>=2.4", "numpy", "h5py", "tqdm", "tensorboard", "tokenizers"],
+    # Loading Hugging Face *.safetensors weights (optional; .bin files need nothing).
+    extras_require={"test": ["pytest"], "hf": ["safetensors"]},
     entry_points={"console_scripts": ["hetseq-train=hetseq.train:main"]},
 )

@@ -1,0 +1,129 @@
+"""BERT pretraining data in the HDF5 format of NVIDIA's BERT recipe, read as is.
+
+Each shard holds six datasets with one row per sequence:
+    input_ids [N, L]  input_mask [N, L]  segment_ids [N, L]
+    masked_lm_positions [N, P]  masked_lm_ids [N, P]  next_sentence_labels [N]
+(positions/ids padded with 0; position 0 is [CLS] and never masked).
+
+Start-up reads only each shard's shape (never the data), so the time to the
+first step does not grow with the size of the data set. Files are opened
+lazily, once per process (so each data-loader worker has its own handles),
+and a batch is read with one sorted fancy-index read per shard and key.
+"""
+
+import os
+import re
+
+import h5py
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from hetseq.errors import UserError
+
+KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids",
+        "next_sentence_labels")
+SUFFIXES = (".hdf5", ".h5", ".hdf")
+
+
+def _natural(name):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def find_shards(folder, split, num_files=0):
+    """Shards in ``folder`` whose name contains ``split`` (so 'train' matches
+    NVIDIA's '..._training_0.hdf5'), in natural order; the first ``num_files``."""
+    if not folder or not os.path.isdir(folder):
+        raise UserError(f"--data {folder}: not a directory; pass the folder of HDF5 shards")
+    shards = [name for name in os.listdir(folder) if name.endswith(SUFFIXES)]
+    if not shards:
+        raise UserError(f"--data {folder} holds no .hdf5 shards; create them with "
+                        "preprocessing/create_pretraining_data.py")
+    chosen = sorted((n for n in shards if split in n), key=_natural)
+    if not chosen:
+        raise UserError(f"--data {folder}: no shard name contains '{split}' (shards: "
+                        f"{', '.join(sorted(shards)[:5])}{' ...' if len(shards) > 5 else ''}); "
+                        "check --train-subset/--valid-subset")
+    if num_files > 0:
+        chosen = chosen[:num_files]
+    return [os.path.join(folder, name) for name in chosen]
+
+
+def _shard_rows(path):
+    """Rows in one shard, after checking its keys and shapes (metadata only)."""
+    try:
+        with h5py.File(path, "r") as f:
+            missing = [key for key in KEYS if key not in f]
+            if missing:
+                raise UserError(f"{path} lacks datasets {missing}; expected NVIDIA's BERT HDF5 "
+                                f"keys {list(KEYS)}")
+            shapes = {key: f[key].shape for key in KEYS}
+    except OSError as err:
+        raise UserError(f"{path} is not a readable HDF5 file ({err})") from None
+    rows = shapes["input_ids"][0]
+    if any(shape[0] != rows for shape in shapes.values()) or len(shapes["input_ids"]) != 2:
+        raise UserError(f"{path}: datasets disagree on the number of sequences: {shapes}")
+    return rows, shapes
+
+
+class BertH5Dataset(Dataset):
+    """All shards of one split as one dataset. ``__getitem__`` returns the index;
+    ``collater`` reads a whole batch at once (vectorised)."""
+
+    def __init__(self, files, max_pred_length=None):
+        self.files = list(files)
+        rows, shapes = zip(*(_shard_rows(path) for path in self.files))
+        self.offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+        self.seq_length = shapes[0]["input_ids"][1]
+        self.max_pred = shapes[0]["masked_lm_positions"][1]
+        if max_pred_length:
+            self.max_pred = min(self.max_pred, max_pred_length)
+        self._handles = {}
+        self._pid = None
+
+    def __len__(self):
+        return int(self.offsets[-1])
+
+    def __getitem__(self, index):
+        return index
+
+    def __getstate__(self):
+        # Open HDF5 handles must not travel to data-loader workers.
+        return {**self.__dict__, "_handles": {}, "_pid": None}
+
+    def _file(self, shard):
+        if self._pid != os.getpid():
+            self._handles, self._pid = {}, os.getpid()
+        if shard not in self._handles:
+            self._handles[shard] = h5py.File(self.files[shard], "r")
+        return self._handles[shard]
+
+    def read(self, indices):
+        """Rows ``indices`` (global) as a dict of int64 numpy arrays."""
+        indices = np.asarray(indices, dtype=np.int64)
+        shard_of = np.searchsorted(self.offsets, indices, side="right") - 1
+        out = {}
+        for shard in np.unique(shard_of):
+            where = np.nonzero(shard_of == shard)[0]
+            local = indices[where] - self.offsets[shard]
+            order = np.argsort(local, kind="stable")
+            # h5py reads a sorted, duplicate-free selection in one call.
+            unique, inverse = np.unique(local[order], return_inverse=True)
+            f = self._file(shard)
+            for key in KEYS:
+                rows = f[key][unique][inverse]
+                block = out.setdefault(key, np.zeros((len(indices),) + rows.shape[1:], np.int64))
+                block[where[order]] = rows
+        return out
+
+    def collater(self, indices):
+        batch = self.read(indices)
+        P = self.max_pred
+        return {
+            "input_ids": torch.from_numpy(batch["input_ids"]),
+            "segment_ids": torch.from_numpy(batch["segment_ids"]),
+            "input_mask": torch.from_numpy(batch["input_mask"]),
+            "masked_lm_positions": torch.from_numpy(batch["masked_lm_positions"][:, :P]),
+            "masked_lm_ids": torch.from_numpy(batch["masked_lm_ids"][:, :P]),
+            "next_sentence_labels": torch.from_numpy(batch["next_sentence_labels"].reshape(-1)),
+        }

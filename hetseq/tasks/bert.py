@@ -1,0 +1,116 @@
+"""BERT pretraining (masked LM + next sentence) on NVIDIA-format HDF5 shards.
+
+Weighting: ``sample_size`` is the number of sequences, as in HetSeq. Each
+sequence's loss is its masked-LM loss averaged over ITS real masked positions
+(padding positions excluded) plus its next-sentence loss; the batch loss is
+the sum over sequences. The loss is therefore a per-sequence quantity and the
+global update is exact whatever the split across ranks. (NVIDIA's recipe
+averages the masked-LM loss over all masked tokens of a batch, which depends
+on the batch; both agree when sequences have equally many masked tokens.)
+The token-level masked-LM loss and accuracy are reported too.
+
+Without ``--data`` the task builds (once) a small default corpus from Python's
+own documentation, with its own vocab and a 4-layer BERT config.
+"""
+
+import logging
+import os
+
+import torch.nn.functional as F
+
+from hetseq.data.bert_default import ensure_default_data
+from hetseq.data.bert_hdf5 import BertH5Dataset, find_shards
+from hetseq.errors import UserError
+from hetseq.models.bert import BertConfig, BertForPreTraining
+from hetseq.models.hf_weights import load_hf_weights
+from hetseq.tasks import Task, register_task
+
+logger = logging.getLogger(__name__)
+
+
+@register_task("bert")
+class BertTask(Task):
+    @classmethod
+    def add_args(cls, parser):
+        parser.add_argument("--dict", metavar="FILE",
+                            help="WordPiece vocab.txt of the data (checked against the config)")
+        parser.add_argument("--config_file", "--config-file", metavar="FILE",
+                            help="BERT config JSON (Google/NVIDIA bert_config.json)")
+        parser.add_argument("--max_pred_length", "--max-pred-length", type=int, default=512,
+                            help="use at most this many masked positions per sequence")
+        parser.add_argument("--num_file", "--num-file", type=int, default=0,
+                            help="use only the first N shards of a split (0: all)")
+        parser.add_argument("--load-hf-weights", "--transformers_state_dict", metavar="PATH",
+                            help="start from Hugging Face BERT weights (a folder with "
+                                 "model.safetensors or pytorch_model.bin, or the file)")
+
+    def __init__(self, args):
+        super().__init__(args)
+        if args.data is None:
+            default = ensure_default_data()
+            args.data = default.data
+            args.dict = args.dict or default.vocab
+            args.config_file = args.config_file or default.config
+        if not args.config_file:
+            raise UserError("--task bert needs --config_file (a bert_config.json) with --data")
+        self.config = BertConfig.from_json(args.config_file)
+        if args.dict:
+            check_vocab(args.dict, self.config, args.config_file)
+
+    def load_dataset(self, split):
+        # NVIDIA's recipe names its held-out shards "test": "valid" falls back to them.
+        name = split
+        if split == "valid" and not any("valid" in f for f in _shard_names(self.args.data)):
+            name = "test"
+        return BertH5Dataset(find_shards(self.args.data, name, self.args.num_file),
+                             self.args.max_pred_length)
+
+    def build_model(self):
+        model = BertForPreTraining(self.config)
+        if self.args.load_hf_weights:
+            load_hf_weights(model, self.args.load_hf_weights)
+        return model
+
+    def loss(self, model, sample):
+        mlm_logits, nsp_logits = model(sample["input_ids"], sample["segment_ids"],
+                                       sample["input_mask"], sample["masked_lm_positions"])
+        target, valid = sample["masked_lm_ids"], sample["masked_lm_positions"] > 0
+        token_loss = F.cross_entropy(mlm_logits.flatten(0, 1).float(), target.flatten(),
+                                     reduction="none").view_as(target) * valid
+        per_sequence = token_loss.sum(1) / valid.sum(1).clamp(min=1)
+        labels = sample["next_sentence_labels"]
+        nsp_loss = F.cross_entropy(nsp_logits.float(), labels, reduction="none")
+        loss = (per_sequence + nsp_loss).sum()
+        logs = {
+            "mlm_loss_sum": token_loss.sum().detach(),
+            "mlm_tokens": valid.sum(),
+            "mlm_correct": ((mlm_logits.argmax(-1) == target) & valid).sum(),
+            "nsp_loss_sum": nsp_loss.sum().detach(),
+            "nsp_correct": (nsp_logits.argmax(-1) == labels).sum(),
+        }
+        return loss, labels.numel(), logs
+
+    def reduce_metrics(self, totals):
+        n, tokens = max(totals["sample_size"], 1e-12), max(totals["mlm_tokens"], 1e-12)
+        return {"loss": totals["loss"] / n,
+                "mlm_loss": totals["mlm_loss_sum"] / tokens,
+                "mlm_accuracy": totals["mlm_correct"] / tokens,
+                "nsp_loss": totals["nsp_loss_sum"] / n,
+                "nsp_accuracy": totals["nsp_correct"] / n}
+
+
+def _shard_names(folder):
+    return os.listdir(folder) if folder and os.path.isdir(folder) else []
+
+
+def check_vocab(path, config, config_path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            size = sum(1 for _ in f)
+    except OSError as err:
+        raise UserError(f"--dict {path}: cannot read it ({err.strerror})") from None
+    # A config may round vocab_size up (NVIDIA pads 30522 to 30528); fewer is an error.
+    if size > config.vocab_size:
+        raise UserError(f"--dict {path} has {size} tokens but --config_file {config_path} says "
+                        f"vocab_size {config.vocab_size}; use the vocab and config that belong "
+                        "together")
