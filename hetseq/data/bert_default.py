@@ -22,7 +22,7 @@ from hetseq.models.bert import BertConfig
 
 logger = logging.getLogger(__name__)
 
-VERSION = "bert-default-v1"
+VERSION = "bert-default-v2"
 MAX_CORPUS_BYTES = 8_000_000
 VOCAB_SIZE = 8192
 SETTINGS = Settings(max_seq_length=128, max_predictions_per_seq=20, dupe_factor=5, seed=12345,

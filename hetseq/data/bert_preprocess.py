@@ -11,6 +11,7 @@ seeded per input file, so the same seed writes identical shards.
 Tokenization uses Hugging Face ``tokenizers`` (Rust) for speed.
 """
 
+import collections
 import dataclasses
 import os
 import random
@@ -74,12 +75,52 @@ def load_tokenizer(vocab_path, lowercase=True):
 
 
 def train_vocab(files, out_dir, vocab_size, lowercase=True):
-    """Train a WordPiece vocab on ``files``; returns the path of vocab.txt."""
-    tokenizer = _tokenizers()(lowercase=lowercase)
-    tokenizer.train([str(f) for f in files], vocab_size=vocab_size, min_frequency=2,
-                    special_tokens=SPECIAL_TOKENS, show_progress=False)
+    """Build a WordPiece vocab from ``files``; returns the path of vocab.txt.
+
+    Deterministic on purpose (Hugging Face's WordPiece trainer breaks ties
+    differently from run to run, and nodes that build the same default data
+    independently must get the same vocab): every character (word-initial and
+    ``##`` continuation), then the most frequent whole words, word stems and
+    ``##`` endings, ties broken by the token itself. Words are split exactly
+    as the BERT tokenizer splits them.
+    """
+    from tokenizers.normalizers import BertNormalizer
+    from tokenizers.pre_tokenizers import BertPreTokenizer
+    normalizer, splitter = BertNormalizer(lowercase=lowercase), BertPreTokenizer()
+    words = collections.Counter()
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                words.update(w for w, _ in splitter.pre_tokenize_str(normalizer.normalize_str(line)))
+    vocab = wordpiece_vocab(words, vocab_size)
     os.makedirs(out_dir, exist_ok=True)
-    return tokenizer.save_model(str(out_dir))[0]
+    path = os.path.join(out_dir, "vocab.txt")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(vocab) + "\n")
+    return path
+
+
+def wordpiece_vocab(words, size):
+    """Special tokens, all characters, then frequent words and pieces (see train_vocab)."""
+    chars, pieces = collections.Counter(), collections.Counter()
+    for word, count in words.items():
+        chars[word[0]] += count
+        for ch in word[1:]:
+            chars["##" + ch] += count
+        pieces[word] += count
+        for n in range(2, min(len(word) - 1, 5) + 1):
+            pieces[word[:n + 1]] += count          # stems of 3..6 characters
+            pieces["##" + word[-n:]] += count       # endings of 2..5 characters
+    ranked = lambda counter: sorted(counter, key=lambda t: (-counter[t], t))  # noqa: E731
+    vocab = SPECIAL_TOKENS + ranked(chars)
+    chosen = set(vocab)
+    for token in ranked(pieces):
+        if len(vocab) >= size:
+            break
+        if token not in chosen:
+            vocab.append(token)
+            chosen.add(token)
+    return vocab
 
 
 def _truncate_pair(a, b, max_tokens, rng):
