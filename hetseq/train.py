@@ -107,7 +107,7 @@ class Run:
             raise UserError(f"ranks see different sizes of split '{split}': "
                             f"{[size for size, _ in peers]}; every node needs the same data")
         shares = [share for _, share in peers]
-        batches = GlobalBatches(len(dataset), sum(shares), self.args.seed, shuffle=shuffle)
+        batches = GlobalBatches.for_dataset(dataset, sum(shares), self.args.seed, shuffle)
         if self.ctx.is_main:
             logger.info("split '%s': %d samples, global batch %d = %s", split, len(dataset),
                         sum(shares), " + ".join(map(str, shares)))

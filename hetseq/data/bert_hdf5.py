@@ -6,11 +6,15 @@ Each shard holds six datasets with one row per sequence:
 (positions/ids padded with 0; position 0 is [CLS] and never masked).
 
 Start-up reads only each shard's shape (never the data), so the time to the
-first step does not grow with the size of the data set. Files are opened
-lazily, once per process (so each data-loader worker has its own handles),
-and a batch is read with one sorted fancy-index read per shard and key.
+first step does not grow with the size of the data set. NVIDIA's shards are
+gzip-compressed in chunks that span many rows, so reading rows at random
+decompresses a chunk per row; instead a shard is decompressed whole, once,
+when first needed, and kept (the last ``cached_shards`` of them, per
+process). ``shard_sizes`` lets the global batch order visit one shard at a
+time (rows shuffled within it), so each shard is loaded about once an epoch.
 """
 
+import collections
 import os
 import re
 
@@ -70,15 +74,17 @@ class BertH5Dataset(Dataset):
     """All shards of one split as one dataset. ``__getitem__`` returns the index;
     ``collater`` reads a whole batch at once (vectorised)."""
 
-    def __init__(self, files, max_pred_length=None):
+    def __init__(self, files, max_pred_length=None, cached_shards=2):
         self.files = list(files)
         rows, shapes = zip(*(_shard_rows(path) for path in self.files))
+        self.shard_sizes = list(rows)
         self.offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         self.seq_length = shapes[0]["input_ids"][1]
         self.max_pred = shapes[0]["masked_lm_positions"][1]
         if max_pred_length:
             self.max_pred = min(self.max_pred, max_pred_length)
-        self._handles = {}
+        self.cached_shards = cached_shards
+        self._cache = collections.OrderedDict()   # shard -> {key: array}, per process
         self._pid = None
 
     def __len__(self):
@@ -88,15 +94,20 @@ class BertH5Dataset(Dataset):
         return index
 
     def __getstate__(self):
-        # Open HDF5 handles must not travel to data-loader workers.
-        return {**self.__dict__, "_handles": {}, "_pid": None}
+        # Loaded shards stay with the process that loaded them.
+        return {**self.__dict__, "_cache": collections.OrderedDict(), "_pid": None}
 
-    def _file(self, shard):
+    def _shard(self, shard):
         if self._pid != os.getpid():
-            self._handles, self._pid = {}, os.getpid()
-        if shard not in self._handles:
-            self._handles[shard] = h5py.File(self.files[shard], "r")
-        return self._handles[shard]
+            self._cache, self._pid = collections.OrderedDict(), os.getpid()
+        if shard in self._cache:
+            self._cache.move_to_end(shard)
+        else:
+            with h5py.File(self.files[shard], "r") as f:
+                self._cache[shard] = {key: f[key][()] for key in KEYS}
+            while len(self._cache) > self.cached_shards:
+                self._cache.popitem(last=False)
+        return self._cache[shard]
 
     def read(self, indices):
         """Rows ``indices`` (global) as a dict of int64 numpy arrays."""
@@ -106,14 +117,11 @@ class BertH5Dataset(Dataset):
         for shard in np.unique(shard_of):
             where = np.nonzero(shard_of == shard)[0]
             local = indices[where] - self.offsets[shard]
-            order = np.argsort(local, kind="stable")
-            # h5py reads a sorted, duplicate-free selection in one call.
-            unique, inverse = np.unique(local[order], return_inverse=True)
-            f = self._file(shard)
+            arrays = self._shard(shard)
             for key in KEYS:
-                rows = f[key][unique][inverse]
+                rows = arrays[key][local]
                 block = out.setdefault(key, np.zeros((len(indices),) + rows.shape[1:], np.int64))
-                block[where[order]] = rows
+                block[where] = rows
         return out
 
     def collater(self, indices):

@@ -1,8 +1,8 @@
 """Global batches, cut per rank by capacity; resumable mid-epoch.
 
 One epoch is a seeded permutation of the dataset cut into global batches of
-size B. The sequence of global batches depends only on (seed, epoch, dataset
-size, B): never on the world size or on how B is split, which is what makes a
+size B. The sequence of global batches depends only on (seed, epoch, the dataset's
+size and shard sizes, B): never on the world size or on how B is split, which is what makes a
 run's mathematics independent of the machines that took part. Rank i takes a
 contiguous slice of each global batch whose size is proportional to its share
 (b_i for full batches, so sum(b_i) = B). Every index is used exactly once per
@@ -34,7 +34,7 @@ def split_sizes(total, weights):
 class GlobalBatches:
     """The global batches of every epoch, and each rank's slice of them."""
 
-    def __init__(self, dataset_size, global_batch_size, seed, shuffle=True):
+    def __init__(self, dataset_size, global_batch_size, seed, shuffle=True, groups=None):
         if dataset_size <= 0:
             raise ValueError("the dataset is empty")
         if global_batch_size <= 0:
@@ -43,17 +43,37 @@ class GlobalBatches:
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.shuffle = shuffle
+        # Sizes of contiguous groups (a sharded dataset's files), or None.
+        self.groups = list(groups) if groups is not None and len(groups) > 1 else None
+        if self.groups is not None and sum(self.groups) != dataset_size:
+            raise ValueError(f"group sizes {self.groups} do not add up to {dataset_size}")
+
+    @classmethod
+    def for_dataset(cls, dataset, global_batch_size, seed, shuffle=True):
+        """Batches of ``dataset``, grouped by its ``shard_sizes`` when it has them."""
+        return cls(len(dataset), global_batch_size, seed, shuffle,
+                   groups=getattr(dataset, "shard_sizes", None))
 
     def __len__(self):
         return -(-self.dataset_size // self.global_batch_size)
 
     def epoch(self, epoch):
-        if self.shuffle:
+        if not self.shuffle:
+            order = np.arange(self.dataset_size)
+        elif self.groups is None:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.dataset_size)
         else:
-            order = np.arange(self.dataset_size)
+            order = self._grouped_order(np.random.default_rng([self.seed, epoch]))
         B = self.global_batch_size
         return [order[start:start + B] for start in range(0, self.dataset_size, B)]
+
+    def _grouped_order(self, rng):
+        """Shards in random order, rows shuffled within each shard (as NVIDIA's
+        recipe reads its files): a reader then needs one shard in memory at a
+        time instead of seeking across all of them for every batch."""
+        starts = np.concatenate([[0], np.cumsum(self.groups)])
+        return np.concatenate([starts[g] + rng.permutation(self.groups[g])
+                               for g in rng.permutation(len(self.groups))])
 
     @staticmethod
     def local_bounds(length, shares, rank):
