@@ -6,7 +6,7 @@ anything are accepted and say so in --help (``LEGACY``).
 
 import argparse
 
-from hetseq import checkpoint
+from hetseq import capacity, checkpoint
 from hetseq.errors import UserError
 from hetseq.optim import OPTIMIZERS, SCHEDULERS, add_optimization_args
 from hetseq.tasks import TASKS, import_builtin_tasks, import_user_dir
@@ -134,6 +134,7 @@ def build_parser(task_cls=None):
     add_dataset_args(parser)
     add_distributed_args(parser)
     add_training_args(parser)
+    capacity.add_args(parser.add_argument_group("Capacity: per-rank batch sizes"))
     checkpoint.add_args(parser.add_argument_group("Checkpoints"))
     if task_cls is not None:
         task_cls.add_args(parser.add_argument_group(f"Task '{task_cls.registered_name}'"))
@@ -164,6 +165,10 @@ def check_args(args):
                         "yet; use --max-sentences (samples per rank)")
     if args.use_bmuf:
         raise UserError("--use-bmuf is not supported: HetSeq updates are always fully synchronous")
+    if args.capacity not in ("manual", "equal", "auto"):
+        capacity.parse_weights(args.capacity, len(args.capacity.split(",")))
+    if args.global_batch_size is not None and args.global_batch_size < 1:
+        raise UserError(f"--global-batch-size {args.global_batch_size}: expected 1 or more")
     if args.max_sentences is not None and args.max_sentences < 1:
         raise UserError(f"--max-sentences {args.max_sentences}: expected 1 or more samples per rank")
     if any(freq < 1 for freq in args.update_freq):

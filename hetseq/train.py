@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from hetseq import checkpoint, cli
+from hetseq import capacity, checkpoint, cli
 from hetseq.controller import Controller
 from hetseq.data import GlobalBatches, GlobalBatchIterator
 from hetseq.distributed import WorkerFailed, all_gather_object, broadcast_from_main, launch
@@ -51,7 +51,13 @@ class Run:
         set_seed(args.seed)
         self.task = TASKS.get(args.task)(args)
         self.controller = Controller(args, self.task, self.task.build_model(), ctx)
-        self.train_data = self.make_iterator(args.train_subset, args.max_sentences, shuffle=True)
+        dataset = self.load(args.train_subset)
+        self.plan, self.devices = capacity.make_plan(args, ctx, self.controller, dataset,
+                                                     self.task.collater(dataset),
+                                                     ctx.local_world_size)
+        self.rebalancer = (capacity.Rebalancer(self.plan)
+                           if args.capacity == "auto" and not args.no_rebalance else None)
+        self.train_data = self.make_iterator(dataset, self.plan.batch_sizes, shuffle=True)
         self.valid_data = {}   # split -> iterator, built on first validation
         self.tensorboard = TensorBoard(args.tensorboard_logdir, ctx.is_main)
         self.meters = Meters()
@@ -63,13 +69,17 @@ class Run:
 
     def state_dict(self):
         return {"format": checkpoint.FORMAT, "args": checkpoint.plain_args(self.args),
-                "controller": self.controller.state_dict(),
+                "controller": self.controller.state_dict(), "plan": self.plan.state_dict(),
                 "train_iterator": self.train_data.state_dict(), "meters": self.meters.state_dict()}
 
     def load_state_dict(self, state):
         self.controller.load_state_dict(state["controller"])
         self.train_data.load_state_dict(state["train_iterator"])
         self.meters.load_state_dict(state["meters"])
+        plan = capacity.Plan.from_state_dict(state["plan"])
+        # The saved split continues the run; a different world or batch starts afresh.
+        if plan.global_batch == self.plan.global_batch and len(plan.batch_sizes) == self.ctx.world_size:
+            self.set_plan(plan)
 
     def restore(self):
         """Resume from --restore-file when it exists (rank 0's copy is what counts:
@@ -92,27 +102,30 @@ class Run:
             checkpoint.copy(last, os.path.join(self.args.save_dir, f"checkpoint{epoch}.pt"))
         logger.info("saved %s (%d updates)", last, self.controller.num_updates)
 
-    def make_iterator(self, split, batch_size, shuffle):
-        """Global batches of ``split``: every rank's batch size is exchanged, the
-        global batch is their sum and each rank takes its own share."""
-        if batch_size is None:
-            raise UserError("--max-sentences is required: the number of samples per step on "
-                            "each rank of this node")
+    def load(self, split):
+        """The task's dataset for ``split``, checked to be the same size on every rank."""
         dataset = self.task.load_dataset(split)
-        if len(dataset) == 0:
-            raise UserError(f"split '{split}' of --data {self.args.data} is empty")
-        peers = all_gather_object((len(dataset), batch_size), self.ctx)
-        sizes = {size for size, _ in peers}
-        if len(sizes) > 1:
-            raise UserError(f"ranks see different sizes of split '{split}': "
-                            f"{[size for size, _ in peers]}; every node needs the same data")
-        shares = [share for _, share in peers]
+        sizes = all_gather_object(len(dataset), self.ctx)
+        if len(set(sizes)) > 1 or not sizes[0]:
+            raise UserError(f"split '{split}' of --data {self.args.data} is empty or differs "
+                            f"between ranks (sizes {sizes}); every node needs the same data")
+        return dataset
+
+    def make_iterator(self, dataset, shares, shuffle):
+        """Global batches of ``dataset`` (B = sum of shares), this rank's share of each."""
         batches = GlobalBatches.for_dataset(dataset, sum(shares), self.args.seed, shuffle)
-        if self.ctx.is_main:
-            logger.info("split '%s': %d samples, global batch %d = %s", split, len(dataset),
-                        sum(shares), " + ".join(map(str, shares)))
         return GlobalBatchIterator(dataset, self.task.collater(dataset), batches, shares,
-                                   self.ctx.rank, self.args.num_workers)
+                                   self.ctx.rank, self.args.num_workers,
+                                   self.plan.micro_caps[self.ctx.rank])
+
+    def set_plan(self, plan):
+        self.plan = plan
+        self.train_data.set_shares(plan.batch_sizes)
+        if self.rebalancer is not None:
+            self.rebalancer.plan = plan
+        if self.ctx.is_main:
+            logger.info("capacity plan changed at update %d:\n%s", self.controller.num_updates,
+                        capacity.describe(plan, self.devices))
 
     # ---- the loop ----
 
@@ -153,9 +166,9 @@ class Run:
         rate = RateMeter()
         steps = self.train_data.next_epoch_itr()
         dummy = self.train_data.dummy_batch()
-        for samples in _chunks(steps, update_freq):
+        for chunk in _chunks(steps, update_freq):
             start = time.perf_counter()
-            metrics = controller.train_step(samples, dummy)
+            metrics = controller.train_step([micro for step in chunk for micro in step], dummy)
             stats = self.update_stats(metrics, time.perf_counter() - start)
             rate.update(metrics["sample_size"])
             progress.log(stats, controller.num_updates)
@@ -167,6 +180,9 @@ class Run:
 
     def update_stats(self, metrics, wall_time):
         rank_times, rank_samples = metrics.pop("rank_times"), metrics.pop("rank_samples")
+        new_plan = self.rebalancer and self.rebalancer.observe(rank_times, rank_samples)
+        if new_plan:
+            self.set_plan(new_plan)
         n = metrics["sample_size"]
         self.meters.update({k: v for k, v in metrics.items() if k not in ("lr", "sample_size")},
                            weight=n)
@@ -179,17 +195,19 @@ class Run:
     def validate(self, epoch):
         for split in self.args.valid_subset.split(","):
             if split not in self.valid_data:
-                self.valid_data[split] = self.make_iterator(split, self.args.max_sentences_valid,
-                                                            shuffle=False)
+                sizes = all_gather_object(self.args.max_sentences_valid, self.ctx)
+                shares = self.plan.batch_sizes if None in sizes else sizes
+                self.valid_data[split] = self.make_iterator(self.load(split), shares, shuffle=False)
             data = self.valid_data[split]
             # Start with the task's keys at zero (a rank may get no samples at all)
             # so every rank all-reduces a vector of the same layout.
             stats = StatsExchange(self.ctx)
             self.controller.valid_step(data.dummy_batch(), stats)
             stats.totals = {key: 0.0 * value for key, value in stats.totals.items()}
-            for sample in data.next_epoch_itr():
-                if sample is not None:
-                    self.controller.valid_step(sample, stats)
+            for step in data.next_epoch_itr():
+                for sample in step:
+                    if sample is not None:
+                        self.controller.valid_step(sample, stats)
             totals = stats.result()[0]
             metrics = self.task.reduce_metrics(totals)
             if self.ctx.is_main:

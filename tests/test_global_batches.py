@@ -24,14 +24,19 @@ def collate(items):
     return list(items)
 
 
-def run_epoch(size, batch, shares, seed=3, epoch=1):
+def flat(step):
+    """A step's micro-batches joined (None when the rank had nothing)."""
+    return None if step == [None] else sum(step, [])
+
+
+def run_epoch(size, batch, shares, seed=3, epoch=1, cap=0):
     """Each rank's per-step batches for one epoch (None where it had nothing)."""
     batches = GlobalBatches(size, batch, seed)
     per_rank = []
     for rank in range(len(shares)):
-        it = GlobalBatchIterator(Indices(size), collate, batches, shares, rank)
+        it = GlobalBatchIterator(Indices(size), collate, batches, shares, rank, micro_cap=cap)
         it.epoch = epoch
-        per_rank.append(list(it.next_epoch_itr()))
+        per_rank.append([flat(step) for step in it.next_epoch_itr()])
     return per_rank
 
 
@@ -84,7 +89,7 @@ def test_shares_change_mid_epoch_keeps_coverage():
             for it in iters:
                 it.set_shares([24, 8])
         for g in gens:
-            seen += next(g) or []
+            seen += flat(next(g)) or []
     assert sorted(seen) == list(range(size))
 
 
@@ -92,10 +97,27 @@ def test_resume_mid_epoch_continues_where_it_stopped():
     batches = GlobalBatches(100, 10, seed=1)
     it = GlobalBatchIterator(Indices(100), collate, batches, [10], 0)
     gen = it.next_epoch_itr()
-    first = [next(gen) for _ in range(4)]
+    first = [flat(next(gen)) for _ in range(4)]
     state = it.state_dict()
     resumed = GlobalBatchIterator(Indices(100), collate, batches, [10], 0)
     resumed.load_state_dict(state)
-    rest = list(resumed.next_epoch_itr())
+    rest = [flat(step) for step in resumed.next_epoch_itr()]
     assert sorted(np.concatenate(first + rest).tolist()) == list(range(100))
     assert resumed.epoch == 2
+
+
+def test_micro_batches_respect_the_cap_and_keep_order():
+    batches = GlobalBatches(100, 32, seed=0)
+    it = GlobalBatchIterator(Indices(100), collate, batches, [24, 8], 0, micro_cap=10)
+    steps = list(it.next_epoch_itr())
+    assert [len(m) for m in steps[0]] == [8, 8, 8]           # 24 in three near-equal parts
+    assert all(len(m) <= 10 for step in steps for m in step if m)
+    assert [flat(s) for s in steps] == run_epoch(100, 32, [24, 8], seed=0)[0]
+
+
+def test_grouped_order_visits_one_shard_at_a_time():
+    batches = GlobalBatches(60, 10, seed=0, groups=[20, 30, 10])
+    order = np.concatenate(batches.epoch(1))
+    assert sorted(order.tolist()) == list(range(60))
+    shard = np.searchsorted([20, 50, 60], order, side="right")
+    assert (np.diff(shard) != 0).sum() == 2                  # three runs, one per shard

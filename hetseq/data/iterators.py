@@ -83,34 +83,45 @@ class GlobalBatches:
         return start, start + sizes[rank]
 
 
-class _LocalSlices:
-    """Lazy batch sampler: this rank's non-empty slices of the given global batches."""
+def micro_split(indices, cap):
+    """``indices`` in ceil(n/cap) near-equal micro-batches (one when cap is 0)."""
+    if not cap or len(indices) <= cap:
+        return [indices] if len(indices) else []
+    bounds = np.cumsum([0] + split_sizes(len(indices), [1] * -(-len(indices) // cap)))
+    return [indices[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
-    def __init__(self, global_batches, local):
+
+class _LocalSlices:
+    """Lazy batch sampler: the micro-batches of this rank's slices of the given global batches."""
+
+    def __init__(self, global_batches, local, cap):
         self.global_batches = global_batches
         self.local = local
+        self.cap = cap
 
     def __iter__(self):
         for global_batch in self.global_batches:
-            indices = self.local(global_batch)
-            if len(indices):
-                yield indices.tolist()
+            for micro in micro_split(self.local(global_batch), self.cap):
+                yield micro.tolist()
 
 
 class GlobalBatchIterator:
     """This rank's batches, step by step, with the state needed to resume.
 
-    ``shares`` (one weight per rank) may change between steps (rebalancing);
-    the data loader is then rebuilt from the current position.
+    Each step yields a list: this rank's slice of the global batch cut into
+    micro-batches of at most ``micro_cap`` samples, or ``[None]`` when the
+    slice is empty. ``shares`` (one weight per rank) may change between steps
+    (rebalancing); the data loader is then rebuilt from the current position.
     """
 
-    def __init__(self, dataset, collate_fn, batches, shares, rank, num_workers=0):
+    def __init__(self, dataset, collate_fn, batches, shares, rank, num_workers=0, micro_cap=0):
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.batches = batches
         self.shares = list(shares)
         self.rank = rank
         self.num_workers = num_workers
+        self.micro_cap = micro_cap
         self.epoch = 1                 # the epoch next_epoch_itr() runs
         self.iterations_in_epoch = 0   # global batches of it already consumed
         self._shares_changed = False
@@ -131,17 +142,19 @@ class GlobalBatchIterator:
         return self._dummy
 
     def next_epoch_itr(self):
-        """Yield this rank's batch (or None) for each remaining step of the epoch."""
+        """Yield this rank's micro-batches ([None] if none) for each remaining step."""
         batches = self.batches.epoch(self.epoch)
         while self.iterations_in_epoch < len(batches):
             self._shares_changed = False
             start = self.iterations_in_epoch
             local = self._local_slicer()
-            loaded = iter(self._loader(_LocalSlices(batches[start:], local)))
+            cap = self.micro_cap
+            loaded = iter(self._loader(_LocalSlices(batches[start:], local, cap)))
             for offset, global_batch in enumerate(batches[start:]):
-                batch = next(loaded) if len(local(global_batch)) else None
+                count = len(micro_split(local(global_batch), cap))
+                micro = [next(loaded) for _ in range(count)] or [None]
                 self.iterations_in_epoch = start + offset + 1
-                yield batch
+                yield micro
                 if self._shares_changed:
                     break
         self.epoch += 1

@@ -34,6 +34,7 @@ class DistContext:
     local_rank: int
     device: torch.device
     backend: str | None = None
+    local_world_size: int = 1    # ranks on this node (they share its memory)
 
     @property
     def is_main(self):
@@ -99,7 +100,7 @@ def _run_rank(index, topology, args, worker, worker_args):
     _set_threads(topology)
     device = _device(topology, index)
     ctx = DistContext(rank, topology.world_size, topology.first_device + index, device,
-                      topology.backend)
+                      topology.backend, topology.local_world_size)
     store = None
     if ctx.distributed:
         store = rendezvous.init_process_group(topology, rank, args.distributed_timeout)

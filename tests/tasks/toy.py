@@ -4,6 +4,8 @@ Parity tests need a task whose result depends only on which samples form each
 global batch, never on how they were split across ranks.
 """
 
+import time
+
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -33,6 +35,11 @@ class ToyTask(Task):
         parser.add_argument("--toy-mean-loss", action="store_true",
                             help="return the per-rank MEAN loss with sample_size 1: the "
                                  "controller then averages ranks with equal weights (plain DDP)")
+        parser.add_argument("--toy-slow-rank", type=int, default=-1,
+                            help="this rank sleeps --toy-slow-ms per sample in training")
+        parser.add_argument("--toy-slow-ms", type=float, default=4.0)
+        parser.add_argument("--toy-slow-after", type=int, default=0,
+                            help="start sleeping after this many train_step calls")
         parser.add_argument("--toy-plain-backward", action="store_true",
                             help="override train_step and call backward(loss) without stats")
 
@@ -50,6 +57,10 @@ class ToyTask(Task):
         return (err ** 2).sum(), len(err), {"seen": len(err)}
 
     def train_step(self, model, sample, backward=None):
+        self.calls = getattr(self, "calls", 0) + 1
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank == self.args.toy_slow_rank and self.calls > self.args.toy_slow_after:
+            time.sleep(self.args.toy_slow_ms / 1000 * len(sample["x"]))   # a slower device
         if not self.args.toy_plain_backward:
             return super().train_step(model, sample, backward)
         loss, sample_size, logs = self.loss(model, sample)

@@ -1,0 +1,3 @@
+"""Benchmark-only tasks (loaded with --user-dir bench/tasks)."""
+
+from . import hetero  # noqa: F401

@@ -1,0 +1,56 @@
+"""A small CNN task (compute-heavy, few parameters) whose chosen rank is made slower per sample, for bench/hetero.py.
+
+The slowdown sleeps ``(factor - 1) x`` the measured compute time per sample
+(``--bench-ms-per-sample``), so a rank with factor 2 takes twice as long per
+sample: a stable, CPU-friendly stand-in for an older GPU. ``--bench-slow-after``
+lets the slowdown start mid-run (a GPU that gets shared or throttled).
+"""
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from hetseq.tasks import Task, register_task
+
+
+def make_cnn():
+    # ~60 MFLOP per sample for 19k parameters: compute dominates communication,
+    # as it does for real models on real interconnects.
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+
+
+@register_task("bench_hetero")
+class HeteroBenchTask(Task):
+    @classmethod
+    def add_args(cls, parser):
+        parser.add_argument("--bench-slow-rank", type=int, default=1)
+        parser.add_argument("--bench-slow-factor", type=float, default=2.0)
+        parser.add_argument("--bench-slow-after", type=int, default=0,
+                            help="train_step calls before the slowdown starts")
+        parser.add_argument("--bench-ms-per-sample", type=float, default=0.5,
+                            help="compute time per sample the slowdown is scaled from")
+
+    def load_dataset(self, split):
+        g = torch.Generator().manual_seed(0)
+        return TensorDataset(torch.randn(20000, 1, 28, 28, generator=g),
+                             torch.randint(0, 10, (20000,), generator=g))
+
+    def build_model(self):
+        return make_cnn()
+
+    def loss(self, model, sample):
+        x, y = sample
+        return F.cross_entropy(model(x), y, reduction="sum"), len(y), {}
+
+    def train_step(self, model, sample, backward=None):
+        self.calls = getattr(self, "calls", 0) + 1
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank == self.args.bench_slow_rank and self.calls > self.args.bench_slow_after:
+            extra = (self.args.bench_slow_factor - 1) * self.args.bench_ms_per_sample / 1000
+            time.sleep(extra * len(sample[1]))
+        return super().train_step(model, sample, backward)

@@ -1,0 +1,311 @@
+"""Capacity planning: how many samples of each global batch every rank takes.
+
+With equal batches every step waits for the slowest device, so the job runs at
+N x (slowest rate). Giving rank i a share b_i proportional to its rate r_i
+makes all ranks finish together and the job runs at sum(r_i). The global
+batch B = sum(b_i) never changes, so neither does the mathematics: any split
+gives the same update (see controller.py).
+
+Modes (``--capacity``): ``manual`` (each node's --max-sentences), ``equal``,
+weights (``3,1,1`` per rank, or ``--capacity-weight`` per node) and ``auto``
+(measured). A rank's micro-batch is capped by its memory (``micro_cap``); the
+rest of its share is accumulated locally, without extra communication.
+While training, ``Rebalancer`` follows the per-rank compute times of the stats
+all-reduce and recomputes an ``auto`` plan when a rank's speed drifts.
+"""
+
+import dataclasses
+import logging
+import math
+
+from hetseq.data.iterators import split_sizes
+from hetseq.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Plan:
+    batch_sizes: list        # b_i per rank; sums to the global batch
+    micro_caps: list         # largest micro-batch per rank (0: no cap)
+    rates: list              # samples/s per rank the plan was made from (0: unknown)
+
+    @property
+    def global_batch(self):
+        return sum(self.batch_sizes)
+
+    def micro_batches(self, rank):
+        cap = self.micro_caps[rank]
+        return max(1, math.ceil(self.batch_sizes[rank] / cap)) if cap else 1
+
+    def state_dict(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state_dict(cls, state):
+        return cls(**state)
+
+
+def proportional(global_batch, weights, caps, rates=None):
+    """The plan with b_i proportional to ``weights`` (summing exactly to B)."""
+    for rank, weight in enumerate(weights):
+        if not math.isfinite(weight) or weight <= 0:
+            raise UserError(f"rank {rank} has capacity {weight}: every rank needs a positive, "
+                            "finite speed or weight; a rank that measured 0 samples/s failed "
+                            "its warm-up (check its device) or should leave the job")
+    if global_batch < len(weights):
+        raise UserError(f"global batch {global_batch} is smaller than the {len(weights)} ranks; "
+                        "raise --global-batch-size or --max-sentences")
+    return Plan(split_sizes(global_batch, weights), list(caps), list(rates or [0.0] * len(caps)))
+
+
+def parse_weights(text, world_size):
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        raise UserError(f"--capacity {text}: expected equal, manual, auto or one weight per "
+                        "rank such as 3,1,1") from None
+    if len(weights) != world_size:
+        raise UserError(f"--capacity {text} gives {len(weights)} weights for {world_size} ranks")
+    return weights
+
+
+def describe(plan, devices):
+    """One log line per rank: device, rate, memory cap, share and micro-batches."""
+    lines = []
+    for rank, device in enumerate(devices):
+        rate = f"{plan.rates[rank]:.1f}/s" if plan.rates[rank] else "n/a"
+        cap = plan.micro_caps[rank] or "none"
+        lines.append(f"  rank {rank} {device}: rate {rate}, memory cap {cap}, batch "
+                     f"{plan.batch_sizes[rank]} in {plan.micro_batches(rank)} micro-batch(es)")
+    return "\n".join(lines)
+
+
+class Rebalancer:
+    """Recomputes an auto plan when measured speeds drift, with hysteresis.
+
+    Rates are smoothed (EMA). A new plan is made only when the current one is
+    predicted to be more than ``threshold`` slower than the ideal for
+    ``patience`` updates in a row, and not within ``cooldown`` updates of the
+    last change, so noise does not make the split thrash.
+    """
+
+    def __init__(self, plan, threshold=0.08, patience=3, cooldown=4, smoothing=0.3):
+        self.plan = plan
+        self.threshold, self.patience, self.cooldown = threshold, patience, cooldown
+        self.smoothing = smoothing
+        self.rates = [r or None for r in plan.rates]
+        self.slow_updates = 0
+        self.since_change = cooldown
+
+    def observe(self, rank_times, rank_samples):
+        """Feed one update's per-rank compute seconds and samples; returns a new
+        Plan when the split should change, else None."""
+        for rank, (t, n) in enumerate(zip(rank_times, rank_samples)):
+            if t > 0 and n > 0:
+                old = self.rates[rank]
+                self.rates[rank] = n / t if old is None else (
+                    self.smoothing * n / t + (1 - self.smoothing) * old)
+        self.since_change += 1
+        if any(r is None for r in self.rates):
+            return None
+        makespan = max(b / r for b, r in zip(self.plan.batch_sizes, self.rates))
+        ideal = self.plan.global_batch / sum(self.rates)
+        self.slow_updates = self.slow_updates + 1 if makespan > (1 + self.threshold) * ideal else 0
+        if self.slow_updates < self.patience or self.since_change < self.cooldown:
+            return None
+        new = proportional(self.plan.global_batch, self.rates, self.plan.micro_caps, self.rates)
+        self.slow_updates = 0
+        if new.batch_sizes == self.plan.batch_sizes:
+            return None
+        self.plan, self.since_change = new, 0
+        return new
+
+
+# ---- measuring a rank: speed and memory cap ----
+
+def add_args(group):
+    group.add_argument("--capacity", default="manual", metavar="MODE",
+                       help="how the global batch is split: manual (each node's "
+                            "--max-sentences), equal, auto (measured speed), or one weight "
+                            "per rank such as 3,1,1 (default: manual)")
+    group.add_argument("--capacity-weight", type=float, metavar="W",
+                       help="this node's weight per rank (all nodes must pass it; "
+                            "instead of a --capacity list)")
+    group.add_argument("--global-batch-size", type=int, metavar="B",
+                       help="samples per global batch (default: sum of the nodes' --max-sentences)")
+    group.add_argument("--micro-batch-cap", type=int, default=0, metavar="N",
+                       help="largest micro-batch on this node's ranks; the rest of a share is "
+                            "accumulated locally (0: none; auto measures one)")
+    group.add_argument("--max-memory-gb", type=float, metavar="GB",
+                       help="memory each CPU rank may use for activations when --capacity auto "
+                            "sizes micro-batches (default: available memory / ranks on the node)")
+    group.add_argument("--no-rebalance", action="store_true",
+                       help="keep the auto plan fixed (no rebalancing while training)")
+
+
+def device_name(device):
+    import socket
+
+    import torch
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} ({socket.gethostname()} cuda:{device.index})"
+    return f"cpu ({socket.gethostname()})"
+
+
+def measure_rate(run_batch, micro, steps=3):
+    """Samples/s of forward+backward at micro-batch ``micro`` (first call is a
+    warm-up; nothing is communicated and no update is made)."""
+    import time
+    run_batch(micro)
+    start = time.perf_counter()
+    for _ in range(steps):
+        run_batch(micro)
+    return steps * micro / (time.perf_counter() - start)
+
+
+def cuda_memory_cap(run_batch, start, limit):
+    """Largest micro-batch <= ``limit`` that fits, by doubling then bisecting."""
+    import torch
+    fits, fails, size = 0, None, max(1, start)
+    while fails is None and fits < limit:
+        try:
+            run_batch(min(size, limit))
+            fits, size = min(size, limit), size * 2
+        except torch.cuda.OutOfMemoryError:
+            fails = size
+        torch.cuda.empty_cache()
+    while fails is not None and fails - fits > 1:
+        middle = (fits + fails) // 2
+        try:
+            run_batch(middle)
+            fits = middle
+        except torch.cuda.OutOfMemoryError:
+            fails = middle
+        torch.cuda.empty_cache()
+    if fits == 0:
+        raise UserError("not even one sample fits in this GPU's memory; use a smaller model, "
+                        "mixed precision, or leave this GPU out")
+    return 0 if fails is None else max(1, int(fits * 0.9))   # margin for fragmentation
+
+
+def cpu_memory_cap(run_batch, probe, budget_bytes):
+    """Micro-batch cap from the resident-memory growth between two probe sizes."""
+    import resource
+    run_batch(probe)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    run_batch(2 * probe)
+    per_sample = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before) / probe
+    if per_sample <= 0 or budget_bytes <= 0:
+        return 0          # no growth seen: memory does not limit this rank
+    return max(1, int(budget_bytes / per_sample))
+
+
+def available_memory_bytes():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# ---- making the plan at start-up ----
+
+def _shares_manual(args, peers, world):
+    return [peer["max_sentences"] for peer in peers]
+
+
+def _shares_equal(args, peers, world):
+    return [1.0] * world
+
+
+def _shares_auto(args, peers, world):
+    return [peer["rate"] for peer in peers]
+
+
+SHARES = {"manual": _shares_manual, "equal": _shares_equal, "auto": _shares_auto}
+
+
+def _weights(args, peers):
+    world = len(peers)
+    node_weights = [peer["weight"] for peer in peers]
+    if any(w is not None for w in node_weights):
+        if None in node_weights or args.capacity not in ("manual", "weights"):
+            raise UserError("--capacity-weight must be given on every node (ranks without it: "
+                            f"{[r for r, w in enumerate(node_weights) if w is None]}) and not "
+                            "together with another --capacity mode")
+        return node_weights
+    if args.capacity in SHARES:
+        return SHARES[args.capacity](args, peers, world)
+    return parse_weights(args.capacity, world)
+
+
+def _global_batch(args, peers):
+    asked = {peer["global_batch"] for peer in peers}
+    if len(asked) > 1:
+        raise UserError(f"nodes disagree on --global-batch-size: {sorted(asked, key=str)}")
+    sizes = [peer["max_sentences"] for peer in peers]
+    total = sum(sizes) if None not in sizes else None
+    batch = asked.pop() or total
+    if batch is None:
+        raise UserError("set --global-batch-size, or --max-sentences on every node (the global "
+                        "batch is then their sum)")
+    if args.capacity == "manual" and total is not None and batch != total:
+        raise UserError(f"--global-batch-size {batch} differs from the sum of the nodes' "
+                        f"--max-sentences ({total}) with --capacity manual; drop one or pick "
+                        "another --capacity mode")
+    return batch
+
+
+def _batch_runner(controller, dataset, collate_fn):
+    """Forward+backward of the first ``size`` samples on the bare model."""
+    import torch
+
+    from hetseq.utils import move_to
+
+    def run(size):
+        sample = collate_fn([dataset[i % len(dataset)] for i in range(size)])
+        controller.task.train_step(controller.model, move_to(sample, controller.ctx.device))
+        controller.optimizer.zero_grad(set_to_none=True)
+        if controller.ctx.device.type == "cuda":
+            torch.cuda.synchronize(controller.ctx.device)
+    return run
+
+
+def _measure(args, ctx, controller, dataset, collate_fn, local_world_size):
+    """This rank's (samples/s, micro-batch cap) on the real model and task."""
+    run = _batch_runner(controller, dataset, collate_fn)
+    # Profile at about the share this rank will get: per-step overheads make
+    # a tiny probe batch under-estimate the rate.
+    even_share = (args.global_batch_size or 8 * ctx.world_size) // ctx.world_size
+    probe = max(1, args.micro_batch_cap or args.max_sentences or even_share)
+    if ctx.device.type == "cuda":
+        cap = cuda_memory_cap(run, probe, args.global_batch_size or 4 * probe)
+    else:
+        budget = (args.max_memory_gb * 2**30 if args.max_memory_gb
+                  else available_memory_bytes() * 0.8 / local_world_size)
+        cap = cpu_memory_cap(run, probe, budget)
+    if args.micro_batch_cap:
+        cap = min(cap, args.micro_batch_cap) if cap else args.micro_batch_cap
+    micro = min(probe, cap) if cap else probe
+    return measure_rate(run, micro), cap
+
+
+def make_plan(args, ctx, controller, dataset, collate_fn, local_world_size=1):
+    """Every rank's share of the global batch, agreed by all ranks."""
+    from hetseq.distributed import all_gather_object
+    rate, cap = 0.0, args.micro_batch_cap
+    if args.capacity == "auto":
+        rate, cap = _measure(args, ctx, controller, dataset, collate_fn, local_world_size)
+    peers = all_gather_object({"max_sentences": args.max_sentences, "weight": args.capacity_weight,
+                               "global_batch": args.global_batch_size, "rate": rate, "cap": cap,
+                               "device": device_name(ctx.device)}, ctx)
+    plan = proportional(_global_batch(args, peers), _weights(args, peers),
+                        [peer["cap"] for peer in peers], [peer["rate"] for peer in peers])
+    if ctx.is_main:
+        logger.info("capacity plan (%s), global batch %d:\n%s", args.capacity, plan.global_batch,
+                    describe(plan, [peer["device"] for peer in peers]))
+    return plan, [peer["device"] for peer in peers]
