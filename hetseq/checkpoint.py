@@ -9,9 +9,12 @@ previous checkpoint.
 
 import logging
 import os
+import random
+import re
 import shutil
 import tempfile
 
+import numpy as np
 import torch
 
 from hetseq.errors import UserError
@@ -29,9 +32,46 @@ def add_args(group):
                             "(default: checkpoint_last.pt; a missing file starts afresh)")
     group.add_argument("--save-interval", type=int, default=1, metavar="N",
                        help="save every N epochs (default: 1)")
+    group.add_argument("--save-interval-updates", type=int, default=0, metavar="N",
+                       help="also save every N updates, mid-epoch (0: off)")
+    group.add_argument("--keep-interval-updates", type=int, default=-1, metavar="N",
+                       help="keep only the last N checkpoints of --save-interval-updates")
+    group.add_argument("--keep-last-epochs", type=int, default=-1, metavar="N",
+                       help="keep only the last N checkpoint<EPOCH>.pt")
     group.add_argument("--no-save", action="store_true", help="do not write checkpoints")
     group.add_argument("--no-epoch-checkpoints", action="store_true",
-                       help="keep only checkpoint_last.pt, not checkpoint<EPOCH>.pt")
+                       help="keep only checkpoint_last.pt (and _best), not checkpoint<EPOCH>.pt")
+    group.add_argument("--best-checkpoint-metric", default="loss", metavar="NAME",
+                       help="validation metric that picks checkpoint_best.pt (default: loss)")
+    group.add_argument("--maximize-best-checkpoint-metric", action="store_true",
+                       help="a larger --best-checkpoint-metric is better (e.g. accuracy)")
+    for part in ("optimizer", "lr-scheduler", "dataloader", "meters"):
+        group.add_argument(f"--reset-{part}", action="store_true",
+                           help=f"on resume, do not load the {part.replace('-', ' ')} state")
+
+
+def rng_state():
+    """This process's random generators, as plain data and tensors."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(_tuples(state["python"]))
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuples(value):
+    # A checkpoint may hand back lists where random.setstate wants tuples.
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def plain_args(args):
@@ -96,3 +136,98 @@ def check_save_dir(save_dir):
         raise UserError(f"--save-dir {save_dir} cannot be created: {err.strerror}") from None
     if not os.access(save_dir, os.W_OK):
         raise UserError(f"--save-dir {save_dir} is not writable; pick another folder or --no-save")
+
+
+def remove_stale_temporaries(save_dir):
+    """Temporary files of a save that was killed midway."""
+    for name in os.listdir(save_dir):
+        if name.startswith(".tmp-") and name.endswith(".pt"):
+            os.remove(os.path.join(save_dir, name))
+
+
+def _numbered(save_dir, pattern):
+    """(number, path) of checkpoints whose name matches ``pattern``, oldest first."""
+    found = []
+    for name in os.listdir(save_dir):
+        match = re.fullmatch(pattern, name)
+        if match:
+            found.append((tuple(int(g) for g in match.groups()), os.path.join(save_dir, name)))
+    return sorted(found)
+
+
+def prune(save_dir, pattern, keep):
+    if keep < 0:
+        return
+    for _, path in _numbered(save_dir, pattern)[:-keep or None]:
+        os.remove(path)
+
+
+class Checkpointer:
+    """When and what a run saves, and how it resumes.
+
+    ``save`` must be called on every rank (each rank's RNG state is gathered
+    into the checkpoint); rank 0 writes. ``restore`` reads rank 0's copy and
+    sends it to all ranks, so nodes need no shared filesystem.
+    """
+
+    def __init__(self, args, ctx):
+        self.args, self.ctx = args, ctx
+        self.best = None
+        if not args.no_save and ctx.is_main:
+            check_save_dir(args.save_dir)
+            remove_stale_temporaries(args.save_dir)
+
+    def restore(self, run):
+        from hetseq.distributed import broadcast_from_main
+        path = restore_path(self.args)
+        state = broadcast_from_main(lambda: load(path) if os.path.exists(path) else None, self.ctx)
+        if state is None:
+            return False
+        try:
+            run.load_state_dict(state)
+        except (RuntimeError, KeyError, ValueError) as err:
+            raise UserError(f"checkpoint {path} does not fit this run ({type(err).__name__}: "
+                            f"{str(err).splitlines()[0][:300]}); it was made for another model "
+                            "or task: pass another --restore-file or --save-dir") from None
+        rng = state.get("rng") or []
+        if len(rng) == self.ctx.world_size and not self.args.reset_dataloader:
+            set_rng_state(rng[self.ctx.rank])
+        self.best = state.get("best")
+        logger.info("resumed from %s: epoch %d, %d updates done", path, run.train_data.epoch,
+                    run.controller.num_updates)
+        return True
+
+    def save(self, run, epoch=None, metric=None):
+        """checkpoint_last.pt, plus checkpoint<EPOCH>.pt at the end of an epoch,
+        checkpoint_<EPOCH>_<UPDATES>.pt mid-epoch, and checkpoint_best.pt when
+        ``metric`` improved."""
+        from hetseq.distributed import all_gather_object
+        rngs = all_gather_object(rng_state(), self.ctx)
+        if self.args.no_save or not self.ctx.is_main:
+            return
+        improved = metric is not None and self._improves(metric)
+        if improved:
+            self.best = metric
+        state = {**run.state_dict(), "rng": rngs, "best": self.best}
+        folder, updates = self.args.save_dir, run.controller.num_updates
+        last = os.path.join(folder, "checkpoint_last.pt")
+        save(last, state)
+        copies = []
+        if epoch is not None and not self.args.no_epoch_checkpoints:
+            copies.append(f"checkpoint{epoch}.pt")
+        elif epoch is None and self.args.save_interval_updates and \
+                updates % self.args.save_interval_updates == 0:
+            copies.append(f"checkpoint_{run.train_data.epoch}_{updates}.pt")
+        if improved:
+            copies.append("checkpoint_best.pt")
+        for name in copies:
+            copy(last, os.path.join(folder, name))
+        prune(folder, r"checkpoint_(\d+)_(\d+)\.pt", self.args.keep_interval_updates)
+        prune(folder, r"checkpoint(\d+)\.pt", self.args.keep_last_epochs)
+        logger.info("saved %s (%d updates)%s", last, updates,
+                    "".join(f", {name}" for name in copies))
+
+    def _improves(self, metric):
+        if self.best is None:
+            return True
+        return metric > self.best if self.args.maximize_best_checkpoint_metric else metric < self.best

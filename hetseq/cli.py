@@ -122,6 +122,9 @@ def add_training_args(parser):
                             "(default: 0.25)")
     group.add_argument("--clip-norm", type=float, default=25.0, metavar="NORM",
                        help="clip the gradient norm to this (0: off; default: 25)")
+    group.add_argument("--max-nan-updates", type=int, default=10, metavar="N",
+                       help="stop after N updates in a row with a non-finite loss or gradient "
+                            "(each is skipped; default: 10)")
     group.add_argument("--use-bmuf", action="store_true", help="not supported (HetSeq flag)")
     add_optimization_args(parser)
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hetseq.errors import UserError
+from hetseq.errors import TrainingFailed, UserError
 from hetseq.optim import build_lr_scheduler, build_optimizer
 from hetseq.stats import Backward, StatsExchange
 from hetseq.utils import move_to
@@ -76,7 +76,9 @@ class Controller:
         self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
         self.num_updates = 0
         self.lr = self.lr_scheduler.step_update(1)
-        self._previous = (0.0, 0.0)   # compute seconds and samples of the last update
+        self._previous = (0.0, 0.0, 0.0)  # this rank's stats slots (see stats.py)
+        self._checksum = self._parameter_checksum()
+        self.failed_updates = 0           # non-finite updates in a row
 
     # ---- training ----
 
@@ -96,8 +98,9 @@ class Controller:
             if not backward.announced:
                 stats.add(loss, n, logs, backward.weight)
         local_samples = float(stats.totals["sample_size"])
-        self._previous = (self._compute_time(start), local_samples)
-        totals, rank_times, rank_samples = stats.result()
+        self._previous = (self._compute_time(start), local_samples, self._checksum)
+        totals, (rank_times, rank_samples, checksums) = stats.result()
+        self._check_agreement(checksums)
         grad_norm = self._apply_update(totals["sample_size"])
         metrics = self.task.reduce_metrics(totals)
         metrics.update(sample_size=totals["sample_size"], grad_norm=grad_norm, lr=self.lr)
@@ -128,16 +131,46 @@ class Controller:
         # both the 1/N scaling and the clipping factor.
         grad_norm = float(torch.nn.utils.get_total_norm(grads)) / sample_size
         if not math.isfinite(grad_norm):
-            logger.warning("non-finite gradient norm at update %d; update skipped",
-                           self.num_updates + 1)
+            self._skip_update()
             return grad_norm
+        self.failed_updates = 0
         clip = self.args.clip_norm
         scale = min(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else 1.0
         torch._foreach_mul_(grads, scale / sample_size)
         self.optimizer.step()
         self.num_updates += 1
         self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
+        self._checksum = self._parameter_checksum()
         return grad_norm
+
+    def _skip_update(self):
+        """A NaN/inf loss or gradient: every rank sees the same all-reduced
+        gradient, so all skip this update together; too many in a row stop."""
+        self.failed_updates += 1
+        logger.warning("non-finite loss or gradient at update %d; update skipped (%d in a row)",
+                       self.num_updates + 1, self.failed_updates)
+        if self.failed_updates >= self.args.max_nan_updates:
+            raise TrainingFailed(
+                f"{self.failed_updates} updates in a row had a non-finite loss or gradient "
+                f"(--max-nan-updates {self.args.max_nan_updates}); lower --lr, set --clip-norm, "
+                "or check the data for broken samples")
+
+    def _parameter_checksum(self):
+        # Norm of the per-tensor norms: one fused pass, stays on the device.
+        return torch.stack(torch._foreach_norm(self.params)).double().norm()
+
+    def _check_agreement(self, checksums):
+        """Every rank must hold the same parameters (as fairseq checks grad norms).
+        The tolerance allows for different devices rounding a norm differently."""
+        reference = checksums[0]
+        bad = [r for r, c in enumerate(checksums) if abs(c - reference) > 1e-5 * abs(reference)]
+        if bad:
+            raise TrainingFailed(
+                f"parameters differ between ranks before update {self.num_updates + 1}: norm "
+                f"{reference:.9g} on rank 0 but " + ", ".join(
+                    f"{checksums[r]:.9g} on rank {r}" for r in bad) + ". Every rank must run "
+                "the same code, model and flags; a rank changing parameters outside the "
+                "Controller, or a non-deterministic optimizer, does this")
 
     # ---- validation ----
 
@@ -156,9 +189,12 @@ class Controller:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "lr_scheduler": self.lr_scheduler.state_dict(), "num_updates": self.num_updates}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state, reset_optimizer=False, reset_lr_scheduler=False):
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if not reset_optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if not reset_lr_scheduler:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.num_updates = state["num_updates"]
         self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
+        self._checksum = self._parameter_checksum()

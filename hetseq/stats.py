@@ -1,9 +1,10 @@
 """Per-update statistics, summed over micro-batches and ranks in ONE all-reduce.
 
 The vector holds the summed values (loss, sample_size and the task's logs, by
-sorted key) followed by two world-size slots: each rank writes its compute
-time and sample count of the PREVIOUS update into its own slot, so after the
-SUM every rank knows every rank's speed (capacity planning reads it).
+sorted key) followed by three world-size slots: each rank writes its compute
+time and sample count of the PREVIOUS update and a checksum of its parameters
+into its own slot, so after the SUM every rank knows every rank's speed
+(capacity planning reads it) and can check that no rank diverged.
 
 The all-reduce is started asynchronously before the last backward of an
 update when the task hands its stats to ``backward`` (the base
@@ -16,9 +17,11 @@ import torch.distributed as dist
 
 
 class StatsExchange:
-    def __init__(self, ctx, previous=(0.0, 0.0)):
+    SLOTS = 3   # per rank: compute seconds, samples, parameter checksum
+
+    def __init__(self, ctx, previous=(0.0, 0.0, 0.0)):
         self.ctx = ctx
-        self.previous = previous    # (compute seconds, samples) of the previous update
+        self.previous = previous    # this rank's slot values
         self.totals = {}
         self._keys = None
         self._vec = None
@@ -35,21 +38,23 @@ class StatsExchange:
         self._keys = sorted(self.totals)
         values = [torch.as_tensor(self.totals[k], dtype=torch.float64, device=device).reshape(())
                   for k in self._keys]
-        slots = torch.zeros(2 * W, dtype=torch.float64, device=device)
-        slots[r], slots[W + r] = self.previous
+        slots = torch.zeros(self.SLOTS * W, dtype=torch.float64, device=device)
+        for i, value in enumerate(self.previous):
+            slots[i * W + r] = value
         self._vec = torch.cat([torch.stack(values), slots])
         if self.ctx.distributed:
             self._work = dist.all_reduce(self._vec, async_op=True)
 
     def result(self):
-        """(summed totals, per-rank compute seconds, per-rank samples)."""
+        """(summed totals, [per-rank values of each slot])."""
         if self._vec is None:
             self.launch()
         if self._work is not None:
             self._work.wait()
         values = self._vec.tolist()
         k, W = len(self._keys), self.ctx.world_size
-        return dict(zip(self._keys, values[:k])), values[k:k + W], values[k + W:]
+        slots = [values[k + i * W:k + (i + 1) * W] for i in range(self.SLOTS)]
+        return dict(zip(self._keys, values[:k])), slots
 
 
 class Backward:

@@ -3,15 +3,14 @@
 import itertools
 import logging
 import math
-import os
-import sys
 import time
 
 from hetseq import capacity, checkpoint, cli
 from hetseq.controller import Controller
 from hetseq.data import GlobalBatches, GlobalBatchIterator
-from hetseq.distributed import WorkerFailed, all_gather_object, broadcast_from_main, launch
-from hetseq.errors import UserError
+from hetseq.distributed import WorkerFailed, all_gather_object, launch
+from hetseq.distributed.launch import exit_now
+from hetseq.errors import HetSeqError, UserError
 from hetseq.logging import setup_logging
 from hetseq.logging.meters import Meters, RateMeter
 from hetseq.logging.progress import Progress
@@ -28,12 +27,9 @@ def main(argv=None):
     try:
         args = cli.parse_args(argv)
         launch(args, train_worker)
-    except UserError as err:
+    except (HetSeqError, WorkerFailed) as err:
         logger.error("%s", err)
-        sys.exit(err.exit_code)
-    except WorkerFailed as err:
-        logger.error("%s", err)
-        sys.exit(err.exit_code)
+        exit_now(err.exit_code)
 
 
 def train_worker(args, ctx):
@@ -61,11 +57,10 @@ class Run:
         self.valid_data = {}   # split -> iterator, built on first validation
         self.tensorboard = TensorBoard(args.tensorboard_logdir, ctx.is_main)
         self.meters = Meters()
-        if not args.no_save and ctx.is_main:
-            checkpoint.check_save_dir(args.save_dir)
-        self.restore()
+        self.checkpointer = checkpoint.Checkpointer(args, ctx)
+        self.checkpointer.restore(self)
 
-    # ---- checkpoints ----
+    # ---- state ----
 
     def state_dict(self):
         return {"format": checkpoint.FORMAT, "args": checkpoint.plain_args(self.args),
@@ -73,34 +68,17 @@ class Run:
                 "train_iterator": self.train_data.state_dict(), "meters": self.meters.state_dict()}
 
     def load_state_dict(self, state):
-        self.controller.load_state_dict(state["controller"])
-        self.train_data.load_state_dict(state["train_iterator"])
-        self.meters.load_state_dict(state["meters"])
+        args = self.args
+        self.controller.load_state_dict(state["controller"], args.reset_optimizer,
+                                        args.reset_lr_scheduler)
+        if not args.reset_dataloader:
+            self.train_data.load_state_dict(state["train_iterator"])
+        if not args.reset_meters:
+            self.meters.load_state_dict(state["meters"])
         plan = capacity.Plan.from_state_dict(state["plan"])
         # The saved split continues the run; a different world or batch starts afresh.
         if plan.global_batch == self.plan.global_batch and len(plan.batch_sizes) == self.ctx.world_size:
             self.set_plan(plan)
-
-    def restore(self):
-        """Resume from --restore-file when it exists (rank 0's copy is what counts:
-        nodes without a shared filesystem receive it from rank 0)."""
-        path = checkpoint.restore_path(self.args)
-        state = broadcast_from_main(lambda: checkpoint.load(path) if os.path.exists(path) else None,
-                                    self.ctx)
-        if state is None:
-            return
-        self.load_state_dict(state)
-        logger.info("resumed from %s: epoch %d, %d updates done", path, self.train_data.epoch,
-                    self.controller.num_updates)
-
-    def save(self, epoch=None):
-        if self.args.no_save or not self.ctx.is_main:
-            return
-        last = os.path.join(self.args.save_dir, "checkpoint_last.pt")
-        checkpoint.save(last, self.state_dict())
-        if epoch is not None and not self.args.no_epoch_checkpoints:
-            checkpoint.copy(last, os.path.join(self.args.save_dir, f"checkpoint{epoch}.pt"))
-        logger.info("saved %s (%d updates)", last, self.controller.num_updates)
 
     def load(self, split):
         """The task's dataset for ``split``, checked to be the same size on every rank."""
@@ -136,11 +114,12 @@ class Run:
             self.train_epoch(epoch)
             end_of_epoch = self.train_data.iterations_in_epoch == 0
             stopping = self.stop_reason() is not None
+            metric = None
             if not args.disable_validation and (
                     stopping or (end_of_epoch and epoch % args.validate_interval == 0)):
-                self.validate(epoch)
+                metric = self.validate(epoch)
             if stopping or (end_of_epoch and epoch % args.save_interval == 0):
-                self.save(epoch if end_of_epoch else None)
+                self.checkpointer.save(self, epoch if end_of_epoch else None, metric)
         logger.info("done: %s", self.stop_reason())
         self.tensorboard.close()
 
@@ -174,6 +153,8 @@ class Run:
             progress.log(stats, controller.num_updates)
             if args.max_update and controller.num_updates >= args.max_update:
                 break
+            if args.save_interval_updates and controller.num_updates % args.save_interval_updates == 0:
+                self.checkpointer.save(self)
         progress.summary({"epoch": epoch, "updates": controller.num_updates,
                           **{f"avg_{k}": v for k, v in self.meters.averages().items()},
                           "samples_per_s": rate.rate})
@@ -193,6 +174,9 @@ class Run:
         return stats
 
     def validate(self, epoch):
+        """Validate on every --valid-subset; returns the first one's
+        --best-checkpoint-metric (None when the task does not report it)."""
+        best = None
         for split in self.args.valid_subset.split(","):
             if split not in self.valid_data:
                 sizes = all_gather_object(self.args.max_sentences_valid, self.ctx)
@@ -208,12 +192,15 @@ class Run:
                 for sample in step:
                     if sample is not None:
                         self.controller.valid_step(sample, stats)
-            totals = stats.result()[0]
+            totals, _ = stats.result()
             metrics = self.task.reduce_metrics(totals)
             if self.ctx.is_main:
                 logger.info("valid on '%s' | epoch %03d | %s", split, epoch,
                             " | ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
             self.tensorboard.log(f"valid_{split}", metrics, self.controller.num_updates)
+            if best is None:
+                best = metrics.get(self.args.best_checkpoint_metric)
+        return best
 
 
 def _chunks(iterable, size):

@@ -7,7 +7,7 @@ import pytest
 from hetseq.capacity import Plan, Rebalancer, proportional
 from hetseq.errors import UserError
 
-from conftest import TOY, assert_ok, final_params, free_port, max_diff, run_nodes
+from conftest import assert_ok, final_params, free_port, max_diff, run_nodes
 from test_parity import COMMON, reference
 
 

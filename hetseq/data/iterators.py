@@ -11,6 +11,7 @@ with no samples: the iterator yields ``None`` for it.
 """
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader
 
 
@@ -174,7 +175,10 @@ class GlobalBatchIterator:
         return local
 
     def _loader(self, batch_sampler):
-        return DataLoader(self.dataset, batch_sampler=batch_sampler,
+        # Its own generator: creating a loader must not draw from the global RNG,
+        # or resuming mid-epoch (a new loader) would shift the dropout stream.
+        generator = torch.Generator().manual_seed(self.batches.seed * 1_000_003 + self.epoch)
+        return DataLoader(self.dataset, batch_sampler=batch_sampler, generator=generator,
                           collate_fn=self.collate_fn, num_workers=self.num_workers)
 
     def state_dict(self):

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hetseq.distributed import rendezvous
+from hetseq.distributed import health, rendezvous
 from hetseq.distributed.topology import resolve_topology
-from hetseq.errors import UserError
+from hetseq.errors import HetSeqError
 from hetseq.logging import setup_logging
 
 logger = logging.getLogger(__name__)
@@ -89,9 +89,18 @@ def _hosted_store(topology):
 def _spawned_rank(index, topology, args, worker, worker_args):
     try:
         _run_rank(index, topology, args, worker, worker_args)
-    except UserError as err:
+    except HetSeqError as err:
         logging.getLogger("hetseq").error("rank %d: %s", topology.first_rank + index, err)
-        sys.exit(err.exit_code)
+        exit_now(err.exit_code)
+
+
+def exit_now(code):
+    """Exit with ``code`` at once: after a lost peer, tearing down the process
+    group at interpreter exit can abort the process and hide the code."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _run_rank(index, topology, args, worker, worker_args):
@@ -101,21 +110,24 @@ def _run_rank(index, topology, args, worker, worker_args):
     device = _device(topology, index)
     ctx = DistContext(rank, topology.world_size, topology.first_device + index, device,
                       topology.backend, topology.local_world_size)
-    store = None
-    if ctx.distributed:
-        store = rendezvous.init_process_group(topology, rank, args.distributed_timeout)
-    clean = False
+    if not ctx.distributed:
+        return worker(args, ctx, *worker_args)
+    store, peers = rendezvous.init_process_group(topology, rank, args.distributed_timeout)
+    heartbeat = health.Heartbeat(store, rank)
     try:
         result = worker(args, ctx, *worker_args)
-        clean = True
-        return result
+    except RuntimeError as err:
+        if not health.is_communication_error(err):
+            raise
+        raise health.peer_lost(err, store, rank, ctx.world_size, peers) from None
     finally:
-        if ctx.distributed:
-            # Objects holding the process group (DDP) must be gone before it is
-            # destroyed; reference cycles would keep them to interpreter exit,
-            # where tearing down gloo's threads aborts the process.
-            gc.collect()
-            rendezvous.shutdown(topology, rank, store, clean)
+        heartbeat.stop()
+    # Objects holding the process group (DDP) must be gone before it is
+    # destroyed; reference cycles would keep them to interpreter exit, where
+    # tearing down gloo's threads aborts the process.
+    gc.collect()
+    rendezvous.shutdown(topology, rank, store)
+    return result
 
 
 def _set_threads(topology):

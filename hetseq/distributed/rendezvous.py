@@ -86,7 +86,8 @@ def open_store(url, rank, world_size, timeout, hosted=False):
 
 
 def claim_rank(store, rank, world_size, timeout, url):
-    """Take rank ``rank`` in the store, then wait until all ranks are taken."""
+    """Take rank ``rank`` in the store, then wait until all ranks are taken.
+    Returns {rank: {"host", "pid", "world_size"}} of every rank."""
     me = {"host": socket.gethostname(), "pid": os.getpid(), "world_size": world_size}
     if store.add(f"hetseq/claim/{rank}", 1) != 1:
         raise UserError(
@@ -95,11 +96,11 @@ def claim_rank(store, rank, world_size, timeout, url):
             "nodes before it); with file:// a file left by an earlier job does this too: "
             f"delete it or use a new path ({url})")
     store.set(f"hetseq/who/{rank}", json.dumps(me))
-    _wait_for_all(store, world_size, timeout, url)
+    return _wait_for_all(store, world_size, timeout, url)
 
 
 def _wait_for_all(store, world_size, timeout, url):
-    pending = set(range(world_size))
+    pending, peers = set(range(world_size)), {}
     deadline = time.monotonic() + timeout.total_seconds()
     while pending:
         for other in sorted(pending):
@@ -113,6 +114,7 @@ def _wait_for_all(store, world_size, timeout, url):
                                 f"({str(err).splitlines()[0]}); see rank 0's message") from None
             if present:
                 _check_peer(other, info, world_size)
+                peers[other] = info
                 pending.discard(other)
         if pending and time.monotonic() > deadline:
             raise UserError(
@@ -120,6 +122,7 @@ def _wait_for_all(store, world_size, timeout, url):
                 f"{sorted(pending)} of {world_size}: start them, or check that each node's "
                 "--distributed-rank and --distributed-gpus add up to --distributed-world-size")
         time.sleep(0.02)
+    return peers
 
 
 def _check_peer(rank, info, world_size):
@@ -130,30 +133,28 @@ def _check_peer(rank, info, world_size):
 
 
 def init_process_group(topology, rank, timeout_s):
-    """Meet the other ranks and start torch.distributed; returns the store."""
+    """Meet the other ranks and start torch.distributed; returns the store and
+    what every rank registered (host, pid)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     url = topology.init_method
     store = open_store(url, rank, topology.world_size, timeout, topology.store_hosted)
-    claim_rank(store, rank, topology.world_size, timeout, url)
+    peers = claim_rank(store, rank, topology.world_size, timeout, url)
     dist.init_process_group(topology.backend, store=dist.PrefixStore("pg", store), rank=rank,
                             world_size=topology.world_size, timeout=timeout)
     logger.info("rank %d of %d joined via %s (%s)", rank, topology.world_size, url,
                 topology.backend)
-    return store
+    return store, peers
 
 
-def shutdown(topology, rank, store, clean):
-    """Leave the process group. On a clean exit the ranks leave together: the
+def shutdown(topology, rank, store):
+    """Leave the process group after a clean run. The ranks leave together: the
     process serving the TCP store (rank 0) waits until every rank has let go
     of it, since a client whose server vanished can abort at exit. Rank 0 then
     removes a file:// store file (a leftover file breaks the next job there)."""
     if not dist.is_initialized():
         return
-    if clean:
-        dist.barrier()
+    dist.barrier()
     dist.destroy_process_group()
-    if not clean:
-        return
     store.add("hetseq/left", 1)
     url = topology.init_method or ""
     if rank == 0:

@@ -40,6 +40,10 @@ class ToyTask(Task):
         parser.add_argument("--toy-slow-ms", type=float, default=4.0)
         parser.add_argument("--toy-slow-after", type=int, default=0,
                             help="start sleeping after this many train_step calls")
+        parser.add_argument("--toy-perturb-after", type=int, default=0,
+                            help="after N train_step calls, nudge a parameter on this rank only")
+        parser.add_argument("--toy-nan-after", type=int, default=0,
+                            help="after N train_step calls, every loss is NaN")
         parser.add_argument("--toy-plain-backward", action="store_true",
                             help="override train_step and call backward(loss) without stats")
 
@@ -52,6 +56,8 @@ class ToyTask(Task):
 
     def loss(self, model, sample):
         err = model(sample["x"]) - sample["y"]
+        if self.args.toy_nan_after and getattr(self, "calls", 0) > self.args.toy_nan_after:
+            err = err * float("nan")
         if self.args.toy_mean_loss:
             return (err ** 2).mean(), 1, {"seen": len(err)}
         return (err ** 2).sum(), len(err), {"seen": len(err)}
@@ -61,6 +67,9 @@ class ToyTask(Task):
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if rank == self.args.toy_slow_rank and self.calls > self.args.toy_slow_after:
             time.sleep(self.args.toy_slow_ms / 1000 * len(sample["x"]))   # a slower device
+        if self.args.toy_perturb_after and self.calls == self.args.toy_perturb_after:
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] += 1.0   # outside the Controller
         if not self.args.toy_plain_backward:
             return super().train_step(model, sample, backward)
         loss, sample_size, logs = self.loss(model, sample)

@@ -1,0 +1,79 @@
+"""Naming the rank that stopped answering.
+
+A collective whose peer died raises within a second (gloo: connection
+closed) or, for a frozen peer, after --distributed-timeout; neither says
+which rank it was. Every rank therefore bumps a counter in the rendezvous
+store once a second from a daemon thread. When a collective fails, the
+survivors watch the counters for a few seconds: the ranks whose counters
+stand still are the lost ones, named with the host and pid they registered.
+"""
+
+import logging
+import threading
+import time
+
+import torch.distributed as dist
+
+from hetseq.errors import PeerLost
+
+logger = logging.getLogger(__name__)
+
+INTERVAL_S = 1.0
+
+
+def _key(rank):
+    return f"hetseq/beat/{rank}"
+
+
+class Heartbeat:
+    def __init__(self, store, rank):
+        self.store, self.rank = store, rank
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hetseq-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                self.store.add(_key(self.rank), 1)
+            except Exception:   # the store is gone: the failure is reported elsewhere
+                return
+            self._stop.wait(INTERVAL_S)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=2 * INTERVAL_S)
+
+
+def silent_ranks(store, world_size, watch_s=3 * INTERVAL_S):
+    """Ranks whose heartbeat does not advance over ``watch_s``; None when the
+    store itself is unreachable (its server, rank 0, is gone)."""
+    try:
+        before = [store.add(_key(r), 0) for r in range(world_size)]
+        time.sleep(watch_s)
+        after = [store.add(_key(r), 0) for r in range(world_size)]
+    except Exception:
+        return None
+    return [r for r in range(world_size) if after[r] == before[r]]
+
+
+def is_communication_error(err):
+    text = str(err)
+    return isinstance(err, dist.DistError) or any(
+        word in text for word in ("Gloo", "gloo", "NCCL", "Connection closed", "Connection reset",
+                                  "Timed out", "timed out"))
+
+
+def peer_lost(err, store, rank, world_size, peers):
+    """The PeerLost to raise for a failed collective, naming the lost ranks."""
+    silent = silent_ranks(store, world_size) if store is not None else None
+    if silent is None:
+        lost = [0]
+        how = "rank 0 serves the rendezvous store and it is unreachable"
+    else:
+        lost = [r for r in silent if r != rank]
+        how = "its heartbeat stopped" if lost else "no rank's heartbeat stopped"
+    names = ", ".join(f"rank {r} ({peers.get(r, {}).get('host', '?')} pid "
+                      f"{peers.get(r, {}).get('pid', '?')})" for r in lost) or "no rank identified"
+    cause = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+    return PeerLost(f"lost {names}: {how}. Rank {rank} stops too. Collective error: {cause}")

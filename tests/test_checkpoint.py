@@ -1,0 +1,137 @@
+"""Checkpoints: bit-exact resume, safe writes, retention; and failure handling."""
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from hetseq import checkpoint
+
+from conftest import (ROOT, TOY, assert_ok, child_env, final_params, free_port, run_nodes,
+                      run_train, train_cmd)
+from test_mnist_example import MNIST, make_demo_data
+
+
+@pytest.fixture(scope="module")
+def mnist_data(tmp_path_factory):
+    data = tmp_path_factory.mktemp("mnist")
+    make_demo_data.main(["--out", str(data), "--train", "256", "--test", "64"])
+    return data
+
+
+def mnist_nodes(data, save_dir, updates, *extra):
+    """2 ranks with different batches (16 + 8), dropout on: RNG state matters."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    common = [*MNIST, "--data", data, "--optimizer", "adam", "--lr", 0.001, "--max-update",
+              updates, "--save-dir", save_dir, "--disable-validation", "--distributed-world-size",
+              2, "--distributed-gpus", 1, "--distributed-init-method", url, *extra]
+    assert_ok(run_nodes([[*common, "--distributed-rank", 0, "--max-sentences", 16],
+                         [*common, "--distributed-rank", 1, "--max-sentences", 8]]))
+    return torch.load(save_dir / "checkpoint_last.pt", weights_only=True)
+
+
+def test_resume_mid_epoch_is_bit_exact(mnist_data, tmp_path):
+    # 256 samples / 24 per update: 11 updates an epoch, so update 5 is mid-epoch.
+    straight = mnist_nodes(mnist_data, tmp_path / "straight", 9)
+    mnist_nodes(mnist_data, tmp_path / "resumed", 5)
+    resumed = mnist_nodes(mnist_data, tmp_path / "resumed", 9)   # same command, resumes
+    assert resumed["train_iterator"] == straight["train_iterator"]
+    assert resumed["controller"]["num_updates"] == 9
+    for key, value in straight["controller"]["model"].items():
+        assert torch.equal(value, resumed["controller"]["model"][key]), key
+    assert len(straight["rng"]) == 2
+
+
+def _save_forever(path):
+    big = {"format": checkpoint.FORMAT, "weights": torch.randn(64, 1024, 1024)}
+    while True:
+        checkpoint.save(path, big)
+
+
+def test_kill_while_saving_keeps_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "checkpoint_last.pt"
+    checkpoint.save(str(path), {"format": checkpoint.FORMAT, "value": torch.arange(5)})
+    writer = multiprocessing.get_context("spawn").Process(target=_save_forever, args=(str(path),))
+    writer.start()
+    deadline = time.time() + 60
+    while not any(p.name.startswith(".tmp-") and p.stat().st_size > 1 << 20
+                  for p in tmp_path.iterdir()):
+        assert time.time() < deadline
+        time.sleep(0.01)
+    os.kill(writer.pid, signal.SIGKILL)                        # mid-write
+    writer.join()
+    assert torch.equal(checkpoint.load(str(path))["value"], torch.arange(5))
+    assert any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+    checkpoint.remove_stale_temporaries(str(tmp_path))        # what the next run does
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_last.pt"]
+
+
+def test_interval_checkpoints_retention_and_best(tmp_path):
+    result = run_train(*TOY, "--max-sentences", 16, "--max-update", 9, "--lr", 0.1,
+                       "--save-interval-updates", 2, "--keep-interval-updates", 2,
+                       "--keep-last-epochs", 1, "--save-dir", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    # 7 updates an epoch: updates 6 and 8 are the last two interval saves.
+    assert [n for n in names if n.count("_") == 2] == ["checkpoint_1_6.pt", "checkpoint_2_8.pt"]
+    assert "checkpoint1.pt" in names and "checkpoint_best.pt" in names
+    best = torch.load(tmp_path / "checkpoint_best.pt", weights_only=True)
+    assert best["best"] is not None and best["args"]["max_update"] == 9
+
+
+def test_reset_flags_keep_the_model_only(tmp_path):
+    assert run_train(*TOY, "--max-sentences", 16, "--max-update", 3, "--optimizer", "adam",
+                     "--save-dir", tmp_path).returncode == 0
+    before = final_params(tmp_path)
+    result = run_train(*TOY, "--max-sentences", 16, "--max-update", 4, "--optimizer", "adam",
+                       "--save-dir", tmp_path, "--reset-dataloader", "--reset-optimizer",
+                       "--reset-meters", "--disable-validation")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stderr
+    after = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
+    assert after["train_iterator"]["epoch"] == 1 and after["controller"]["num_updates"] == 4
+    assert any(not torch.equal(before[k], after["controller"]["model"][k]) for k in before)
+
+
+def test_sigkill_of_one_rank_names_it(tmp_path):
+    url = f"tcp://127.0.0.1:{free_port()}"
+    common = [*TOY, "--max-sentences", 8, "--max-update", 100000, "--no-save",
+              "--disable-validation", "--toy-slow-rank", 0, "--toy-slow-ms", 2,
+              "--distributed-world-size", 2, "--distributed-gpus", 1,
+              "--distributed-init-method", url, "--distributed-timeout", 20]
+    procs = [subprocess.Popen(train_cmd(*common, "--distributed-rank", r), cwd=ROOT,
+                              env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for r in (0, 1)]
+    time.sleep(8)                                   # well into training
+    procs[1].send_signal(signal.SIGKILL)
+    start = time.time()
+    out, _ = procs[0].communicate(timeout=60)
+    procs[1].wait()
+    assert procs[0].returncode == 3, out[-3000:]
+    assert time.time() - start < 20
+    assert "lost rank 1 (" in out and "heartbeat stopped" in out, out[-3000:]
+
+
+def test_ranks_with_different_parameters_are_detected(tmp_path):
+    url = f"tcp://127.0.0.1:{free_port()}"
+    common = [*TOY, "--max-sentences", 8, "--max-update", 5, "--no-save", "--disable-validation",
+              "--distributed-world-size", 2, "--distributed-gpus", 1,
+              "--distributed-init-method", url]
+    results = run_nodes([[*common, "--distributed-rank", 0],
+                         [*common, "--distributed-rank", 1, "--toy-perturb-after", 2]])
+    for code, out in results:
+        assert code == 4, out[-3000:]
+    assert "parameters differ between ranks" in results[0][1]
+
+
+def test_non_finite_losses_skip_then_stop(tmp_path):
+    result = run_train(*TOY, "--max-sentences", 8, "--max-update", 50, "--no-save",
+                       "--toy-nan-after", 3, "--max-nan-updates", 4, "--disable-validation")
+    assert result.returncode == 4, result.stderr[-3000:]
+    assert result.stderr.count("update skipped") == 4
+    assert "4 updates in a row had a non-finite loss" in result.stderr
