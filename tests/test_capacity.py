@@ -78,3 +78,16 @@ def test_parity_holds_while_the_split_changes(tmp, ranks, extra):
                              "--toy-slow-after", 12, "--max-update", 16, *extra)
     assert "capacity plan changed" in log, log[-3000:]
     assert max_diff(ref, params) < 1e-5
+
+
+@pytest.mark.parametrize("per_rank", [[["--capacity", "3,1"]] * 2,
+                                      [["--capacity-weight", 3], ["--capacity-weight", 1]]])
+def test_weights_split_the_global_batch(tmp, per_rank):
+    out, url = tmp / "weights", f"tcp://127.0.0.1:{free_port()}"
+    results = run_nodes([[*COMMON, "--global-batch-size", 32, "--save-dir", out,
+                          "--distributed-world-size", 2, "--distributed-rank", r,
+                          "--distributed-gpus", 1, "--distributed-init-method", url, *flags]
+                         for r, flags in enumerate(per_rank)])
+    assert_ok(results)
+    assert plan_batches(results[0][1], 0) == [24] and plan_batches(results[0][1], 1) == [8]
+    assert max_diff(reference(tmp), final_params(out)) < 1e-5
