@@ -135,3 +135,25 @@ def test_non_finite_losses_skip_then_stop(tmp_path):
     assert result.returncode == 4, result.stderr[-3000:]
     assert result.stderr.count("update skipped") == 4
     assert "4 updates in a row had a non-finite loss" in result.stderr
+
+
+def test_frozen_rank_is_named_after_the_timeout(tmp_path):
+    url = f"tcp://127.0.0.1:{free_port()}"
+    common = [*TOY, "--max-sentences", 8, "--max-update", 100000, "--no-save",
+              "--disable-validation", "--toy-slow-rank", 0, "--toy-slow-ms", 2,
+              "--distributed-world-size", 2, "--distributed-gpus", 1,
+              "--distributed-init-method", url, "--distributed-timeout", 6]
+    procs = [subprocess.Popen(train_cmd(*common, "--distributed-rank", r), cwd=ROOT,
+                              env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for r in (0, 1)]
+    try:
+        time.sleep(8)
+        procs[1].send_signal(signal.SIGSTOP)            # hung, not dead
+        start = time.time()
+        out, _ = procs[0].communicate(timeout=60)
+        assert procs[0].returncode == 3, out[-3000:]
+        assert time.time() - start < 6 + 10            # the timeout, then a short watch
+        assert "lost rank 1 (" in out, out[-3000:]
+    finally:
+        procs[1].kill()
+        procs[1].wait()
