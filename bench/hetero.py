@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Equal vs capacity-aware (auto) batches on 2 CPU ranks, one about 2x slower.
 
-1. Each rank's standalone rate (one process, no communication): the ideal
-   aggregate is their sum; equal batches are capped at 2 x the slower rate.
+1. Each rank's standalone rate (no communication; both measured at the same
+   time in two processes, so they share the 2 cores as the job's ranks do):
+   the ideal aggregate is their sum; equal batches are capped at 2 x the
+   slower rate.
 2. The same job with --capacity equal and --capacity auto: aggregate samples/s
    over the updates after warm-up.
 3. auto again, both ranks equally fast until update 30, then rank 1 becomes
@@ -42,6 +44,7 @@ def flags(mode, updates, extra=()):
 
 
 def standalone_rate(ms_per_sample, factor, batch=64, steps=8, repeats=5):
+    import_user_dir(TASK_DIR)
     """Samples/s of one rank alone with the given slowdown factor (1 thread;
     median of ``repeats`` timings, this machine is noisy)."""
     torch.set_num_threads(1)
@@ -49,7 +52,7 @@ def standalone_rate(ms_per_sample, factor, batch=64, steps=8, repeats=5):
                                              "--bench-ms-per-sample", ms_per_sample]))
     task = TASKS.get("bench_hetero")(args)
     model, data = task.build_model(), task.load_dataset("train")
-    sample = (data.tensors[0][:batch], data.tensors[1][:batch])
+    sample = data.collater(list(range(batch)))
     task.train_step(model, sample)
     rates = []
     for _ in range(repeats):
@@ -58,6 +61,19 @@ def standalone_rate(ms_per_sample, factor, batch=64, steps=8, repeats=5):
             task.train_step(model, sample)
         rates.append(steps * batch / (time.perf_counter() - start))
     return statistics.median(rates)
+
+
+def _standalone(index, ms_per_sample, factors, queue):
+    queue.put((index, standalone_rate(ms_per_sample, factors[index])))
+
+
+def standalone_pair(ms_per_sample, factors):
+    """Both ranks' standalone rates, measured concurrently."""
+    import torch.multiprocessing as mp
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_standalone, args=(ms_per_sample, factors, queue), nprocs=len(factors))
+    rates = dict(queue.get() for _ in factors)
+    return [rates[i] for i in range(len(factors))]
 
 
 def timed_worker(args, ctx, out):
@@ -103,7 +119,7 @@ def main():
     opts = p.parse_args()
     import_user_dir(TASK_DIR)
     ms = calibrate()
-    fast, slow = standalone_rate(ms, 1.0), standalone_rate(ms, 2.0)
+    fast, slow = standalone_pair(ms, [1.0, 2.0])
     ideal = fast + slow
     slowed = ["--bench-slow-factor", 2.0, "--bench-ms-per-sample", ms]
     report = {"global_batch": GLOBAL_BATCH, "ms_per_sample": round(ms, 3),

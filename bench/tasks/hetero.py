@@ -11,7 +11,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset
 
 from hetseq.tasks import Task, register_task
 
@@ -22,6 +22,23 @@ def make_cnn():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(),
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+
+
+class SlicedImages(Dataset):
+    """Yields indices; the collater cuts a batch with one slice (as MNIST does)."""
+
+    def __init__(self, images, labels):
+        self.images, self.labels = images, labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return index
+
+    def collater(self, indices):
+        index = torch.as_tensor(indices)
+        return self.images[index], self.labels[index]
 
 
 @register_task("bench_hetero")
@@ -37,8 +54,8 @@ class HeteroBenchTask(Task):
 
     def load_dataset(self, split):
         g = torch.Generator().manual_seed(0)
-        return TensorDataset(torch.randn(20000, 1, 28, 28, generator=g),
-                             torch.randint(0, 10, (20000,), generator=g))
+        return SlicedImages(torch.randn(20000, 1, 28, 28, generator=g),
+                            torch.randint(0, 10, (20000,), generator=g))
 
     def build_model(self):
         return make_cnn()
