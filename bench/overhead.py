@@ -5,11 +5,12 @@ Both loops train the same MLP on the same in-memory batches with SGD. The
 rounds alternate (DDP, HetSeq, DDP, ...) so drift in machine speed hits both;
 we report the median throughput of each and their ratio. Prints JSON.
 
-    python bench/overhead.py [--steps 60] [--rounds 5]
+    python bench/overhead.py [--steps 40] [--rounds 11]
 """
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -90,13 +91,17 @@ def worker(rank, world, port, opts, out):
                  "rounds": opts.rounds, "ddp_samples_per_s": round(rates["ddp"], 1),
                  "hetseq_samples_per_s": round(rates["hetseq"], 1),
                  "ratio_hetseq_over_ddp": round(rates["hetseq"] / rates["ddp"], 4)})
+    # DDP objects must go before the process group, or gloo aborts at exit.
+    del model, opt, controller
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--batch", type=int, default=64)
     opts = parser.parse_args()
     server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)

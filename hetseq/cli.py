@@ -125,6 +125,9 @@ def add_training_args(parser):
     group.add_argument("--max-nan-updates", type=int, default=10, metavar="N",
                        help="stop after N updates in a row with a non-finite loss or gradient "
                             "(each is skipped; default: 10)")
+    group.add_argument("--divergence-check-interval", type=int, default=10, metavar="N",
+                       help="every N updates, check that all ranks hold the same parameters "
+                            "(one fused norm pass; 0: never; default: 10)")
     group.add_argument("--use-bmuf", action="store_true", help="not supported (HetSeq flag)")
     add_optimization_args(parser)
 

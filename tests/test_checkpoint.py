@@ -121,7 +121,7 @@ def test_ranks_with_different_parameters_are_detected(tmp_path):
     url = f"tcp://127.0.0.1:{free_port()}"
     common = [*TOY, "--max-sentences", 8, "--max-update", 5, "--no-save", "--disable-validation",
               "--distributed-world-size", 2, "--distributed-gpus", 1,
-              "--distributed-init-method", url]
+              "--distributed-init-method", url, "--divergence-check-interval", 1]
     results = run_nodes([[*common, "--distributed-rank", 0],
                          [*common, "--distributed-rank", 1, "--toy-perturb-after", 2]])
     for code, out in results:
