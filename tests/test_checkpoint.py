@@ -98,16 +98,22 @@ def test_reset_flags_keep_the_model_only(tmp_path):
     assert any(not torch.equal(before[k], after["controller"]["model"][k]) for k in before)
 
 
-def test_sigkill_of_one_rank_names_it(tmp_path):
+def endless_pair(timeout):
+    """Two ranks training 'forever' (rank 0 a little slow), as separate nodes."""
     url = f"tcp://127.0.0.1:{free_port()}"
     common = [*TOY, "--max-sentences", 8, "--max-update", 100000, "--no-save",
               "--disable-validation", "--toy-slow-rank", 0, "--toy-slow-ms", 2,
               "--distributed-world-size", 2, "--distributed-gpus", 1,
-              "--distributed-init-method", url, "--distributed-timeout", 20]
+              "--distributed-init-method", url, "--distributed-timeout", timeout]
     procs = [subprocess.Popen(train_cmd(*common, "--distributed-rank", r), cwd=ROOT,
                               env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for r in (0, 1)]
     time.sleep(8)                                   # well into training
+    return procs
+
+
+def test_sigkill_of_one_rank_names_it(tmp_path):
+    procs = endless_pair(timeout=20)
     procs[1].send_signal(signal.SIGKILL)
     start = time.time()
     out, _ = procs[0].communicate(timeout=60)
@@ -138,16 +144,8 @@ def test_non_finite_losses_skip_then_stop(tmp_path):
 
 
 def test_frozen_rank_is_named_after_the_timeout(tmp_path):
-    url = f"tcp://127.0.0.1:{free_port()}"
-    common = [*TOY, "--max-sentences", 8, "--max-update", 100000, "--no-save",
-              "--disable-validation", "--toy-slow-rank", 0, "--toy-slow-ms", 2,
-              "--distributed-world-size", 2, "--distributed-gpus", 1,
-              "--distributed-init-method", url, "--distributed-timeout", 6]
-    procs = [subprocess.Popen(train_cmd(*common, "--distributed-rank", r), cwd=ROOT,
-                              env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in (0, 1)]
+    procs = endless_pair(timeout=6)
     try:
-        time.sleep(8)
         procs[1].send_signal(signal.SIGSTOP)            # hung, not dead
         start = time.time()
         out, _ = procs[0].communicate(timeout=60)
