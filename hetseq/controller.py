@@ -36,18 +36,52 @@ logger = logging.getLogger(__name__)
 
 class SumHook:
     """DDP communication hook: all-reduce gradient buckets as a SUM (DDP's
-    default divides by the world size). Also records when the last bucket became
-    ready, i.e. when this rank's own backward compute ended, so the measured
-    compute time excludes waiting for slower ranks."""
+    default divides by the world size).
+
+    It also carries the update's stats vector (stats.py) inside the FIRST
+    bucket's all-reduce, so stats cost no collective of their own, and records
+    when the last bucket became ready, i.e. when this rank's own backward
+    compute ended, so the measured compute time excludes waiting for others.
+    """
 
     def __init__(self):
         self.last_ready = None
+        self._outgoing = None     # float64 stats to send with the next first bucket
+        self._incoming = None     # their sum, once that bucket is reduced
+
+    def carry(self, vec):
+        """Send ``vec`` with the first gradient bucket of the coming backward."""
+        self._outgoing, self._incoming = vec, None
+
+    def take(self):
+        incoming, self._incoming = self._incoming, None
+        return incoming.wait() if isinstance(incoming, dist.Work) else incoming
 
     @staticmethod
     def hook(state, bucket):
         state.last_ready = time.perf_counter()
-        work = dist.all_reduce(bucket.buffer(), async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
+        buffer = bucket.buffer()
+        if state._outgoing is None or bucket.index() != 0:
+            work = dist.all_reduce(buffer, async_op=True)
+            return work.get_future().then(lambda fut: fut.value()[0])
+        vec, state._outgoing = state._outgoing, None
+        if buffer.dtype not in (torch.float32, torch.float64):
+            # Half-precision buckets cannot hold the stats: reduce them beside it.
+            state._incoming = vec
+            dist.all_reduce(vec)
+            work = dist.all_reduce(buffer, async_op=True)
+            return work.get_future().then(lambda fut: fut.value()[0])
+        # In a float32 bucket the stats keep float32 precision: plenty for logs
+        # and checks, and counts stay exact (StatsExchange carries only < 2**24).
+        joined = torch.cat([buffer, vec.to(buffer.dtype)])
+        work = dist.all_reduce(joined, async_op=True)
+
+        def unpack(fut):
+            out = fut.value()[0]
+            state._incoming = out[buffer.numel():].double()
+            buffer.copy_(out[:buffer.numel()])
+            return buffer
+        return work.get_future().then(unpack)
 
 
 def wrap_model(model, ctx, args):
@@ -87,7 +121,7 @@ class Controller:
         this step; ``dummy`` is run with zero weight so collectives still match)."""
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        stats = StatsExchange(self.ctx, self._previous)
+        stats = StatsExchange(self.ctx, self._previous, carrier=self._hook)
         for i, sample in enumerate(samples):
             last = i == len(samples) - 1
             backward = Backward(stats, weight=0.0 if sample is None else 1.0, last=last)

@@ -68,3 +68,25 @@ def test_plain_mean_averaging_does_not_match(tmp):
 @pytest.mark.parametrize("layout", [[(1, 16), (1, 16)]])
 def test_equal_split_matches_too(tmp, layout):
     assert max_diff(reference(tmp), nodes(tmp, "equal", layout)) < 1e-5
+
+
+def test_stats_ride_in_the_gradient_all_reduce(monkeypatch):
+    """The stats vector travels inside DDP's first gradient bucket: a training
+    step makes exactly one collective besides the buckets (none of its own)."""
+    import torch
+    from hetseq.controller import SumHook
+    from hetseq.stats import StatsExchange
+    hook = SumHook()
+    sent = []
+    monkeypatch.setattr(hook, "carry", lambda vec: sent.append(vec) or SumHook.carry(hook, vec))
+
+    class Ctx:
+        device, world_size, rank, distributed = torch.device("cpu"), 2, 0, True
+    stats = StatsExchange(Ctx(), carrier=hook)
+    stats.add(torch.tensor(3.0), 5, {"correct": 2})
+    stats.launch(before_backward=True)
+    assert stats._carried and len(sent) == 1 and stats._work is None
+    big = StatsExchange(Ctx(), carrier=hook)
+    big.add(torch.tensor(1.0), 2**24, {})
+    big.totals["sample_size"] = 2**24        # too large to stay exact in float32
+    assert not big._counts_fit_float32()
