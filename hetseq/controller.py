@@ -4,8 +4,8 @@ Gradient math (why the update equals large-batch single-device training)
 -----------------------------------------------------------------------
 Rank r processes n_r samples and its task returns the SUM of their losses,
 so after backward rank r holds g_r = grad( sum_{s in r} l_s ). We all-reduce
-the gradients as a SUM (a DDP communication hook) and the counts in the stats
-all-reduce, then scale by 1/N:
+the gradients as a SUM (a DDP communication hook) and the counts with them
+(the stats vector of stats.py), then scale by 1/N:
 
     G / N = (1/N) * sum_r g_r = grad( (1/N) * sum_s l_s ),   N = sum_r n_r,
 
