@@ -55,7 +55,7 @@ class SumHook:
 
     def take(self):
         incoming, self._incoming = self._incoming, None
-        return incoming.wait() if isinstance(incoming, dist.Work) else incoming
+        return incoming
 
     @staticmethod
     def hook(state, bucket):

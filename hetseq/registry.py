@@ -44,11 +44,6 @@ class Registry:
                 f"{', '.join(self.names()) or '(none)'}{self.hint}")
         return self._entries[self._aliases[name]]
 
-    def canonical(self, name):
-        """The registered name behind ``name`` (which may be an alias)."""
-        self.get(name)
-        return self._aliases[name]
-
     def names(self):
         return sorted(self._entries)
 

@@ -13,12 +13,6 @@ def all_gather_object(obj, ctx):
     return out
 
 
-def all_reduce_sum_(tensor, ctx):
-    if ctx.distributed:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
 def broadcast_from_main(make, ctx):
     """``make()`` on rank 0, its result sent to every rank (pickled; small objects
     or one-off states such as a checkpoint being resumed)."""

@@ -12,9 +12,10 @@ class TensorBoard:
         if self.logdir is None:
             return
         writer = self._writer(split)
+        # No flush here: this runs every update; SummaryWriter flushes on its
+        # own timer and at close().
         for name, value in scalars.items():
             writer.add_scalar(name, value, step)
-        writer.flush()
 
     def _writer(self, split):
         if split not in self._writers:

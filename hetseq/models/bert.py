@@ -230,7 +230,3 @@ class BertForPreTraining(nn.Module):
         index = masked_lm_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
         mlm_logits = self.cls.predictions(torch.gather(hidden, 1, index))
         return mlm_logits, self.cls.seq_relationship(pooled)
-
-
-def num_parameters(model):
-    return sum(p.numel() for p in model.parameters())
