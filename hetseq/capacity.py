@@ -267,6 +267,7 @@ def _batch_runner(controller, dataset, collate_fn):
     from hetseq.utils import move_to
 
     def run(size):
+        controller.model.train()
         sample = collate_fn([dataset[i % len(dataset)] for i in range(size)])
         controller.task.train_step(controller.model, move_to(sample, controller.ctx.device))
         controller.optimizer.zero_grad(set_to_none=True)

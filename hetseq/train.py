@@ -147,7 +147,11 @@ class Run:
         dummy = self.train_data.dummy_batch()
         for chunk in _chunks(steps, update_freq):
             start = time.perf_counter()
-            metrics = controller.train_step([micro for step in chunk for micro in step], dummy)
+            # With --clip-norm 0 the grad norm is only measured when it is shown.
+            shown = self.tensorboard.logdir is not None or \
+                (controller.num_updates + 1) % args.log_interval == 0
+            metrics = controller.train_step([micro for step in chunk for micro in step], dummy,
+                                            grad_norm=shown)
             stats = self.update_stats(metrics, time.perf_counter() - start)
             rate.update(metrics["sample_size"])
             progress.log(stats, controller.num_updates)

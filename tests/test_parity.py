@@ -70,23 +70,50 @@ def test_equal_split_matches_too(tmp, layout):
     assert max_diff(reference(tmp), nodes(tmp, "equal", layout)) < 1e-5
 
 
-def test_stats_ride_in_the_gradient_all_reduce(monkeypatch):
-    """The stats vector travels inside DDP's first gradient bucket: a training
-    step makes exactly one collective besides the buckets (none of its own)."""
-    import torch
-    from hetseq.controller import SumHook
-    from hetseq.stats import StatsExchange
-    hook = SumHook()
-    sent = []
-    monkeypatch.setattr(hook, "carry", lambda vec: sent.append(vec) or SumHook.carry(hook, vec))
+def _count_collectives(rank, world, init, plain, out):
+    """One rank: three updates of a 3 + 1 split, counting Python-level collectives."""
+    import gc
 
-    class Ctx:
-        device, world_size, rank, distributed = torch.device("cpu"), 2, 0, True
-    stats = StatsExchange(Ctx(), carrier=hook)
-    stats.add(torch.tensor(3.0), 5, {"correct": 2})
-    stats.launch(before_backward=True)
-    assert stats._carried and len(sent) == 1 and stats._work is None
-    big = StatsExchange(Ctx(), carrier=hook)
-    big.add(torch.tensor(1.0), 2**24, {})
-    big.totals["sample_size"] = 2**24        # too large to stay exact in float32
-    assert not big._counts_fit_float32()
+    import torch
+    import torch.distributed as dist
+    from hetseq import cli
+    from hetseq.controller import Controller
+    from hetseq.distributed import DistContext
+    from hetseq.tasks import TASKS, import_user_dir
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    import_user_dir(TOY[3])
+    args = cli.parse_args([*COMMON, *(["--toy-plain-backward"] if plain else [])])
+    task = TASKS.get("toy")(args)
+    controller = Controller(args, task, task.build_model(), DistContext(rank, world, rank, torch.device("cpu"), "gloo"))
+    data = task.load_dataset("train")
+    calls = []
+    for name in ("all_reduce", "all_gather", "broadcast", "all_gather_object"):
+        real = getattr(dist, name)
+        setattr(dist, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    sizes = []
+    for step in range(3):
+        rows = list(range(4 * step, 4 * step + 4))[:3] if rank == 0 else [4 * step + 3]
+        batch = {"x": data.x[rows], "y": data.y[rows]}
+        sizes.append(controller.train_step([batch], batch)["sample_size"])
+    out.put((rank, calls, sizes))
+    del controller    # DDP must go before its process group, or gloo aborts at exit
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_stats_ride_in_the_gradient_all_reduce(tmp, plain):
+    """With the stats passed to backward, an update makes no collective of its
+    own: they travel in DDP's gradient all-reduce. A task calling
+    backward(loss) alone costs one all-reduce after backward instead."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    init = f"file://{tmp / 'rendezvous'}"
+    mp.start_processes(_count_collectives, args=(2, init, plain, out), nprocs=2, start_method="spawn")
+    for _ in range(2):
+        rank, calls, sizes = out.get()
+        assert sizes == [4, 4, 4]     # summed counts arrive exactly
+        assert calls == (["all_reduce"] * 3 if plain else []), (rank, calls)

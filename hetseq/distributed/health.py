@@ -61,7 +61,7 @@ def is_communication_error(err):
     text = str(err)
     return isinstance(err, dist.DistError) or any(
         word in text for word in ("Gloo", "gloo", "NCCL", "Connection closed", "Connection reset",
-                                  "Timed out", "timed out"))
+                                  "Timed out", "timed out", "timeout", "pair closure"))
 
 
 def peer_lost(err, store, rank, world_size, peers):

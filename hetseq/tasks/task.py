@@ -41,7 +41,8 @@ class Task:
     # ---- provided; override when a task needs something else ----
 
     def train_step(self, model, sample, backward=None):
-        """Forward with ``loss``, then backward.
+        """Forward with ``loss``, then backward. The Controller has already put
+        the model in training mode (``valid_step``: evaluation mode).
 
         ``backward`` comes from the Controller: call it instead of
         ``loss.backward()`` when overriding (it may scale the loss for mixed
@@ -49,7 +50,6 @@ class Task:
         ``backward(loss, sample_size, logs)``, lets the Controller start the
         stats all-reduce during backward; ``backward(loss)`` also works.
         """
-        model.train()
         loss, sample_size, logs = self.loss(model, sample)
         if backward is None:
             loss.backward()
@@ -59,7 +59,6 @@ class Task:
 
     @torch.no_grad()
     def valid_step(self, model, sample):
-        model.eval()
         loss, sample_size, logs = self.loss(model, sample)
         return loss.detach(), sample_size, logs
 
