@@ -134,6 +134,20 @@ def test_ranks_with_different_parameters_are_detected(tmp_path):
     assert "parameters differ between ranks" in results[0][1]
 
 
+@pytest.mark.parametrize("clip", ["25", "0"])   # grad-norm pass / fused scale-and-check pass
+def test_non_finite_gradient_on_one_rank_skips_on_all(tmp_path, clip):
+    # Rank 1's gradients turn NaN while every loss stays finite: the NaN reaches
+    # every rank through the all-reduce, so all skip the same updates and stop.
+    result = run_train(*TOY, "--max-sentences", 8, "--max-update", 50, "--no-save",
+                       "--distributed-world-size", 2, "--toy-nan-grad-after", 3,
+                       "--max-nan-updates", 3, "--disable-validation", "--clip-norm", clip,
+                       "--log-interval", 1000)
+    assert result.returncode == 4, result.stderr[-3000:]
+    for rank in (0, 1):
+        lines = [line for line in result.stderr.splitlines() if f"| rank {rank} |" in line]
+        assert sum("update skipped" in line for line in lines) == 3, result.stderr[-3000:]
+
+
 def test_non_finite_losses_skip_then_stop(tmp_path):
     result = run_train(*TOY, "--max-sentences", 8, "--max-update", 50, "--no-save",
                        "--toy-nan-after", 3, "--max-nan-updates", 4, "--disable-validation")

@@ -28,8 +28,11 @@ def nodes(tmp, name, layout, *extra):
     return final_params(out)
 
 
-def test_two_ranks_24_plus_8_match_one_process_32(tmp):
-    diff = max_diff(reference(tmp), nodes(tmp, "split", [(1, 24), (1, 8)]))
+# --find-unused-parameters: DDP marks unreached parameters done before backward,
+# so the stats cannot ride in the gradient all-reduce and travel on their own.
+@pytest.mark.parametrize("extra", [[], ["--find-unused-parameters"]])
+def test_two_ranks_24_plus_8_match_one_process_32(tmp, extra):
+    diff = max_diff(reference(tmp), nodes(tmp, "split", [(1, 24), (1, 8)], *extra))
     assert diff < 1e-5
 
 

@@ -44,6 +44,9 @@ class ToyTask(Task):
                             help="after N train_step calls, nudge a parameter on this rank only")
         parser.add_argument("--toy-nan-after", type=int, default=0,
                             help="after N train_step calls, every loss is NaN")
+        parser.add_argument("--toy-nan-grad-after", type=int, default=0,
+                            help="after N train_step calls, rank 1's gradients are NaN while "
+                                 "its loss stays finite")
         parser.add_argument("--toy-plain-backward", action="store_true",
                             help="override train_step and call backward(loss) without stats")
 
@@ -56,8 +59,13 @@ class ToyTask(Task):
 
     def loss(self, model, sample):
         err = model(sample["x"]) - sample["y"]
-        if self.args.toy_nan_after and getattr(self, "calls", 0) > self.args.toy_nan_after:
+        calls = getattr(self, "calls", 0)
+        if self.args.toy_nan_after and calls > self.args.toy_nan_after:
             err = err * float("nan")
+        if self.args.toy_nan_grad_after and calls > self.args.toy_nan_grad_after and \
+                torch.distributed.is_initialized() and torch.distributed.get_rank() == 1 and \
+                torch.is_grad_enabled():
+            err.register_hook(lambda grad: grad * float("nan"))
         if self.args.toy_mean_loss:
             return (err ** 2).mean(), 1, {"seen": len(err)}
         return (err ** 2).sum(), len(err), {"seen": len(err)}
