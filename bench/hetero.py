@@ -7,6 +7,8 @@
    slower rate.
 2. The same job with --capacity equal and --capacity auto: aggregate samples/s
    over the updates after warm-up.
+   Also reported against the in-job ideal: the sum of the ranks' compute
+   rates (waits excluded) in the same updates.
 3. auto again, both ranks equally fast until update 30, then rank 1 becomes
    2x slower: updates until the aggregate is back above 0.9 of the new ideal.
 Prints JSON. Targets: auto >= 0.95 of ideal; recovery within 20 updates.
@@ -43,10 +45,10 @@ def flags(mode, updates, extra=()):
             str(GLOBAL_BATCH), "--distributed-world-size", "2", *map(str, extra)]
 
 
-def standalone_rate(ms_per_sample, factor, batch=64, steps=8, repeats=5):
-    import_user_dir(TASK_DIR)
+def standalone_rate(ms_per_sample, factor, batch=64, steps=12, repeats=7):
     """Samples/s of one rank alone with the given slowdown factor (1 thread;
     median of ``repeats`` timings, this machine is noisy)."""
+    import_user_dir(TASK_DIR)
     torch.set_num_threads(1)
     args = cli.parse_args(flags("equal", 1, ["--bench-slow-rank", 0, "--bench-slow-factor", factor,
                                              "--bench-ms-per-sample", ms_per_sample]))
@@ -82,9 +84,10 @@ def timed_worker(args, ctx, out):
     run = Run(args, ctx)
     marks, step = [], run.controller.train_step
 
-    def recorded(samples, dummy):
-        metrics = step(samples, dummy)
-        marks.append((time.perf_counter(), metrics["sample_size"], list(run.plan.batch_sizes)))
+    def recorded(samples, dummy, **kwargs):
+        metrics = step(samples, dummy, **kwargs)
+        marks.append((time.perf_counter(), metrics["sample_size"], list(run.plan.batch_sizes),
+                      metrics["rank_times"], metrics["rank_samples"]))
         return metrics
     run.controller.train_step = recorded
     run.train()
@@ -106,6 +109,20 @@ def rate(marks, first, last):
     """Aggregate samples/s of updates first+1 .. last."""
     span = marks[last][0] - marks[first][0]
     return sum(m[1] for m in marks[first + 1:last + 1]) / span
+
+
+def in_job_ideal(marks, first, last):
+    """Sum of the ranks' compute rates in the same updates (each rank's samples
+    over its compute seconds, waits excluded): the ideal measured in the job
+    itself, immune to the machine drifting between the standalone phase and
+    the job. Each update reports the previous update's times, hence the shift."""
+    times = [sum(m[3][r] for m in marks[first + 2:last + 1]) for r in range(len(marks[0][3]))]
+    samples = [sum(m[4][r] for m in marks[first + 2:last + 1]) for r in range(len(marks[0][4]))]
+    return sum(n / t for n, t in zip(samples, times) if t > 0)
+
+
+def plan_changes(marks):
+    return sum(a[2] != b[2] for a, b in zip(marks, marks[1:]))
 
 
 def calibrate():
@@ -130,7 +147,8 @@ def main():
         marks = run_job(mode, opts.updates, slowed)
         agg = rate(marks, warm, len(marks) - 1)
         report[mode] = {"samples_per_s": round(agg, 1), "of_ideal": round(agg / ideal, 3),
-                        "final_split": marks[-1][2]}
+                        "of_in_job_ideal": round(agg / in_job_ideal(marks, warm, len(marks) - 1), 3),
+                        "final_split": marks[-1][2], "plan_changes": plan_changes(marks)}
     report["auto_over_equal"] = round(report["auto"]["samples_per_s"] /
                                       report["equal"]["samples_per_s"], 3)
     report["drift"] = drift(ms, fast, slow, opts.updates)
@@ -149,7 +167,7 @@ def drift(ms, fast, slow, updates, change=30):
     tail = rate(marks, len(marks) - 11, len(marks) - 1)
     return {"slowdown_at_update": change, "new_ideal_samples_per_s": round(new_ideal, 1),
             "updates_to_recover_0.9": recovered, "final_of_new_ideal": round(tail / new_ideal, 3),
-            "final_split": marks[-1][2]}
+            "final_split": marks[-1][2], "plan_changes": plan_changes(marks)}
 
 
 if __name__ == "__main__":

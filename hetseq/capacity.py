@@ -84,13 +84,14 @@ def describe(plan, devices):
 class Rebalancer:
     """Recomputes an auto plan when measured speeds drift, with hysteresis.
 
-    Rates are smoothed (EMA). A new plan is made only when the current one is
-    predicted to be more than ``threshold`` slower than the ideal for
+    Rates are smoothed (EMA). A new plan is made only when it is predicted to
+    finish an update more than ``threshold`` faster than the current one, for
     ``patience`` updates in a row, and not within ``cooldown`` updates of the
-    last change, so noise does not make the split thrash.
+    last change, so noise does not make the split thrash. The gain is judged
+    between whole-sample splits, so rounding alone never triggers a change.
     """
 
-    def __init__(self, plan, threshold=0.08, patience=3, cooldown=4, smoothing=0.3):
+    def __init__(self, plan, threshold=0.03, patience=3, cooldown=4, smoothing=0.3):
         self.plan = plan
         self.threshold, self.patience, self.cooldown = threshold, patience, cooldown
         self.smoothing = smoothing
@@ -109,17 +110,18 @@ class Rebalancer:
         self.since_change += 1
         if any(r is None for r in self.rates):
             return None
-        makespan = max(b / r for b, r in zip(self.plan.batch_sizes, self.rates))
-        ideal = self.plan.global_batch / sum(self.rates)
-        self.slow_updates = self.slow_updates + 1 if makespan > (1 + self.threshold) * ideal else 0
+        new = proportional(self.plan.global_batch, self.rates, self.plan.micro_caps, self.rates)
+        gain = self._makespan(self.plan) / self._makespan(new) - 1
+        self.slow_updates = self.slow_updates + 1 if gain > self.threshold else 0
         if self.slow_updates < self.patience or self.since_change < self.cooldown:
             return None
-        new = proportional(self.plan.global_batch, self.rates, self.plan.micro_caps, self.rates)
         self.slow_updates = 0
-        if new.batch_sizes == self.plan.batch_sizes:
-            return None
         self.plan, self.since_change = new, 0
         return new
+
+    def _makespan(self, plan):
+        """Predicted compute seconds of an update: the slowest rank's share."""
+        return max(b / r for b, r in zip(plan.batch_sizes, self.rates))
 
 
 # ---- measuring a rank: speed and memory cap ----
