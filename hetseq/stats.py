@@ -77,7 +77,7 @@ class Carrier(nn.Module):
             send *= self.world_size
             send = torch.from_numpy(send)
             if self.slot.device.type != "cpu":
-                send = send.to(self.slot.device)
+                send = _to_device(send, self.slot.device)
         else:
             send = torch.zeros_like(self.slot, requires_grad=False)
             if vec is not None:
@@ -98,6 +98,13 @@ def _readable(value):
     if torch.is_tensor(value) and value.device.type != "cpu":
         return value.detach()
     return float(value)
+
+
+def _to_device(tensor, device):
+    # non_blocking: a blocking copy waits for all queued device work (the
+    # forward pass) before backward can be queued. From pageable memory the
+    # data is staged before the call returns, so the source may be freed.
+    return tensor.to(device, non_blocking=True)
 
 
 class StatsExchange:
@@ -128,8 +135,9 @@ class StatsExchange:
         on_device = [i for i, v in enumerate(values) if torch.is_tensor(v)]
         if on_device:
             with torch.no_grad():   # logs may be tensors still attached to the graph
-                vec = torch.tensor([0.0 if i in on_device else v for i, v in enumerate(values)],
-                                   dtype=torch.float64, device=self.ctx.device)
+                vec = _to_device(torch.tensor(
+                    [0.0 if i in on_device else v for i, v in enumerate(values)],
+                    dtype=torch.float64), self.ctx.device)
                 vec[on_device] = torch.stack([values[i].to(torch.float64).reshape(())
                                               for i in on_device])
             values = vec
