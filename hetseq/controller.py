@@ -141,8 +141,10 @@ class Controller:
             # the scaling and the clipping factor together.
             norm = float(torch.nn.utils.get_total_norm(grads)) * scale
             finite = math.isfinite(norm)
+            if finite and clip > 0:
+                scale *= min(1.0, clip / (norm + 1e-6))
             if finite:
-                torch._foreach_mul_(grads, scale * (min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0))
+                torch._foreach_mul_(grads, scale)
         else:
             finite = _scale_and_check(grads, scale)
         if not finite:
