@@ -84,6 +84,10 @@ def add_distributed_args(parser):
     group.add_argument("--distributed-init-method", metavar="URL",
                        help="where ranks meet: tcp://HOST:PORT, file:///shared/path or env:// "
                             "(default on one node: a free local port)")
+    group.add_argument("--distributed-interface", metavar="NAME",
+                       help="network interface this node's collectives bind to (gloo and nccl); "
+                            "default: the one that routes to the master address, or set "
+                            "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME")
     group.add_argument("--distributed-port", type=int, default=29500,
                        help="port used with a SLURM node list when no init method is given")
     group.add_argument("--distributed-backend", choices=["gloo", "nccl", "ccl", "mpi"],

@@ -8,6 +8,7 @@ survivors watch the counters for a few seconds: the ranks whose counters
 stand still are the lost ones, named with the host and pid they registered.
 """
 
+import datetime
 import logging
 import threading
 import time
@@ -64,8 +65,16 @@ def is_communication_error(err):
                                   "Timed out", "timed out", "timeout", "pair closure"))
 
 
+def _where(info):
+    return f"host {info.get('host', '?')}, {info.get('addr', '?')}, pid {info.get('pid', '?')}"
+
+
 def peer_lost(err, store, rank, world_size, peers):
     """The PeerLost to raise for a failed collective, naming the lost ranks."""
+    if store is not None and hasattr(store, "set_timeout"):
+        # The watch must not wait the whole job timeout on a store that is
+        # gone with its host (a cut link): a few heartbeats are enough.
+        store.set_timeout(datetime.timedelta(seconds=2 * INTERVAL_S + 1))
     silent = silent_ranks(store, world_size) if store is not None else None
     if silent is None:
         lost = [0]
@@ -73,7 +82,6 @@ def peer_lost(err, store, rank, world_size, peers):
     else:
         lost = [r for r in silent if r != rank]
         how = "its heartbeat stopped" if lost else "no rank's heartbeat stopped"
-    names = ", ".join(f"rank {r} ({peers.get(r, {}).get('host', '?')} pid "
-                      f"{peers.get(r, {}).get('pid', '?')})" for r in lost) or "no rank identified"
+    names = ", ".join(f"rank {r} ({_where(peers.get(r, {}))})" for r in lost) or "no rank identified"
     cause = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
     return PeerLost(f"lost {names}: {how}. Rank {rank} stops too. Collective error: {cause}")

@@ -112,7 +112,8 @@ def _run_rank(index, topology, args, worker, worker_args):
                       topology.backend, topology.local_world_size)
     if not ctx.distributed:
         return worker(args, ctx, *worker_args)
-    store, peers = rendezvous.init_process_group(topology, rank, args.distributed_timeout)
+    store, peers = rendezvous.init_process_group(topology, rank, args.distributed_timeout,
+                                                 args.distributed_interface)
     heartbeat = health.Heartbeat(store, rank)
     try:
         result = worker(args, ctx, *worker_args)

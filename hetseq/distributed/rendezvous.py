@@ -17,6 +17,7 @@ import urllib.parse
 
 import torch.distributed as dist
 
+from hetseq.distributed import interfaces, network
 from hetseq.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,11 @@ def _tcp_store(url, host, port, rank, world_size, timeout, hosted):
     # Rank 0 serves the store unless the launcher process already does
     # (single-node runs, torchrun's agent store).
     is_server = rank == 0 and not hosted
+    if not is_server:
+        network.wait_until_reachable(host, port, timeout.total_seconds(), lambda reason: (
+            f"rank {rank} could not reach the master at {_named(host)}:{port} ({url}) within "
+            f"{timeout.total_seconds():.0f} s: {reason}. Check that rank 0 runs, that HOST:PORT "
+            "is its address as seen from this host, and that no firewall blocks the port"))
     try:
         return dist.TCPStore(host, port, world_size, is_server, timeout, wait_for_workers=False)
     except (RuntimeError, ValueError) as err:
@@ -38,15 +44,27 @@ def _tcp_store(url, host, port, rank, world_size, timeout, hosted):
                         "that no firewall blocks the port") from None
 
 
-def _open_tcp(url, rank, world_size, timeout, hosted):
-    parsed = urllib.parse.urlparse(url)
+def _named(host):
+    """'hostA (10.0.0.1)': the name and the address it resolves to here."""
     try:
-        port = parsed.port
-    except ValueError:
-        port = None
-    if not parsed.hostname or not port:
+        address = interfaces.resolve(host)
+    except OSError:
+        return host
+    return host if address == host else f"{host} ({address})"
+
+
+def url_host_port(url):
+    """HOST and PORT of tcp://HOST:PORT as written (urlparse lowercases names)."""
+    netloc = urllib.parse.urlparse(url).netloc.rpartition("@")[2]
+    host, _, port = netloc.rpartition(":")
+    return host.strip("[]"), int(port) if port.isdigit() else None
+
+
+def _open_tcp(url, rank, world_size, timeout, hosted):
+    host, port = url_host_port(url)
+    if not host or not port:
         raise UserError(f"--distributed-init-method {url}: expected tcp://HOST:PORT")
-    return _tcp_store(url, parsed.hostname, port, rank, world_size, timeout, hosted)
+    return _tcp_store(url, host, port, rank, world_size, timeout, hosted)
 
 
 def _open_env(url, rank, world_size, timeout, hosted):
@@ -85,10 +103,20 @@ def open_store(url, rank, world_size, timeout, hosted=False):
     return STORE_OPENERS[scheme](url, rank, world_size, timeout, hosted)
 
 
-def claim_rank(store, rank, world_size, timeout, url):
+def master_host(url):
+    """The host every rank routes to: tcp://HOST:PORT or MASTER_ADDR; None for file://."""
+    if url.startswith("tcp://"):
+        return url_host_port(url)[0]
+    if url.startswith("env://"):
+        return os.environ.get("MASTER_ADDR")
+    return None
+
+
+def claim_rank(store, rank, world_size, timeout, url, address):
     """Take rank ``rank`` in the store, then wait until all ranks are taken.
-    Returns {rank: {"host", "pid", "world_size"}} of every rank."""
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "world_size": world_size}
+    Returns {rank: {"host", "pid", "world_size", "addr"}} of every rank."""
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "world_size": world_size,
+          "addr": address}
     if store.add(f"hetseq/claim/{rank}", 1) != 1:
         raise UserError(
             f"rank {rank} was claimed by two processes (this one: {me['host']} pid {me['pid']}). "
@@ -96,33 +124,36 @@ def claim_rank(store, rank, world_size, timeout, url):
             "nodes before it); with file:// a file left by an earlier job does this too: "
             f"delete it or use a new path ({url})")
     store.set(f"hetseq/who/{rank}", json.dumps(me))
-    return _wait_for_all(store, world_size, timeout, url)
-
-
-def _wait_for_all(store, world_size, timeout, url):
-    pending, peers = set(range(world_size)), {}
     deadline = time.monotonic() + timeout.total_seconds()
+    peers = wait_for_ranks(store, "hetseq/who", world_size, deadline, url)
+    for other, info in peers.items():
+        _check_peer(other, info, world_size)
+    return peers
+
+
+def wait_for_ranks(store, prefix, world_size, deadline, url):
+    """{rank: value} of the JSON keys ``prefix/<rank>`` once every rank set its own."""
+    pending, values = set(range(world_size)), {}
     while pending:
         for other in sorted(pending):
-            key = f"hetseq/who/{other}"
+            key = f"{prefix}/{other}"
             try:
                 present = store.check([key])
-                info = json.loads(store.get(key)) if present else None
+                value = json.loads(store.get(key)) if present else None
             except dist.DistError as err:
                 raise UserError(f"lost the meeting point {url} while waiting for ranks "
                                 f"{sorted(pending)}: the process serving it (rank 0) has stopped "
                                 f"({str(err).splitlines()[0]}); see rank 0's message") from None
             if present:
-                _check_peer(other, info, world_size)
-                peers[other] = info
+                values[other] = value
                 pending.discard(other)
         if pending and time.monotonic() > deadline:
             raise UserError(
-                f"timed out after {timeout.total_seconds():.0f} s waiting at {url} for ranks "
-                f"{sorted(pending)} of {world_size}: start them, or check that each node's "
-                "--distributed-rank and --distributed-gpus add up to --distributed-world-size")
+                f"timed out waiting at {url} for ranks {sorted(pending)} of {world_size}: "
+                "start them, or check that each node's --distributed-rank and "
+                "--distributed-gpus add up to --distributed-world-size")
         time.sleep(0.02)
-    return peers
+    return values
 
 
 def _check_peer(rank, info, world_size):
@@ -132,17 +163,28 @@ def _check_peer(rank, info, world_size):
                         "pass the same world size on every node")
 
 
-def init_process_group(topology, rank, timeout_s):
+def init_process_group(topology, rank, timeout_s, interface=None):
     """Meet the other ranks and start torch.distributed; returns the store and
-    what every rank registered (host, pid)."""
+    what every rank registered (host, pid, the address its collectives use)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    url = topology.init_method
-    store = open_store(url, rank, topology.world_size, timeout, topology.store_hosted)
-    peers = claim_rank(store, rank, topology.world_size, timeout, url)
+    url, world = topology.init_method, topology.world_size
+    store = open_store(url, rank, world, timeout, topology.store_hosted)
+    master = master_host(url)
+    binding = network.choose(master, interface, topology.backend)
+    peers = claim_rank(store, rank, world, timeout, url, binding.address)
+    binding = network.reconcile(binding, rank, peers, master is not None)
+    deadline = time.monotonic() + timeout_s
+    peers = network.check_reachability(
+        store, rank, world, binding, peers,
+        lambda prefix: wait_for_ranks(store, prefix, world, deadline, url))
+    network.apply(binding, topology.backend)
     dist.init_process_group(topology.backend, store=dist.PrefixStore("pg", store), rank=rank,
-                            world_size=topology.world_size, timeout=timeout)
-    logger.info("rank %d of %d joined via %s (%s)", rank, topology.world_size, url,
-                topology.backend)
+                            world_size=world, timeout=timeout)
+    logger.info("rank %d of %d joined via %s (%s, ranks from %s) on %s %s: %s", rank, world, url,
+                topology.backend, topology.launcher, binding.interface, binding.address,
+                binding.reason)
+    if rank == 0:
+        logger.info("network: %s", network.describe(peers))
     return store, peers
 
 
