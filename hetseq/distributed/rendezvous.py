@@ -18,6 +18,7 @@ import urllib.parse
 import torch.distributed as dist
 
 from hetseq.distributed import interfaces, network
+from hetseq.distributed.topology import ready_backend
 from hetseq.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -178,6 +179,7 @@ def init_process_group(topology, rank, timeout_s, interface=None):
         store, rank, world, binding, peers,
         lambda prefix: wait_for_ranks(store, prefix, world, deadline, url))
     network.apply(binding, topology.backend)
+    ready_backend(topology.backend)
     dist.init_process_group(topology.backend, store=dist.PrefixStore("pg", store), rank=rank,
                             world_size=world, timeout=timeout)
     logger.info("rank %d of %d joined via %s (%s, ranks from %s) on %s %s: %s", rank, world, url,

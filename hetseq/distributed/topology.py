@@ -11,7 +11,11 @@ every rule here is unit-tested without starting processes.
 """
 
 import dataclasses
+import importlib
 import subprocess
+
+import torch
+import torch.distributed as dist
 
 from hetseq.errors import UserError
 
@@ -88,6 +92,44 @@ def detect_launcher(env):
 
 
 BACKEND_FOR_DEVICE = {"cuda": "nccl", "cpu": "gloo"}
+CCL_MODULES = ("oneccl_bindings_for_pytorch", "torch_ccl")   # today's name, then the old one
+
+
+def _ready_ccl():
+    """Importing Intel's bindings registers the 'ccl' backend with torch."""
+    for name in CCL_MODULES:
+        try:
+            importlib.import_module(name)
+            return
+        except ImportError:
+            continue
+    raise UserError(
+        "--distributed-backend ccl needs Intel's oneCCL bindings for PyTorch (import name "
+        "oneccl_bindings_for_pytorch), which are not on PyPI: install the wheel 'oneccl_bind_pt' "
+        f"built for your torch ({torch.__version__.split('+')[0]}) from Intel's own wheel index, "
+        "or build it from source; both are described at https://github.com/intel/torch-ccl. "
+        "Or use --distributed-backend gloo, which every PyTorch build has")
+
+
+def _ready_mpi():
+    if not dist.is_mpi_available():
+        raise UserError(
+            "--distributed-backend mpi needs a PyTorch built from source against your MPI "
+            "library (the wheels on PyPI have no MPI backend). mpirun can still start the ranks "
+            "with the default gloo backend: HetSeq reads OMPI_COMM_WORLD_* / PMI_* itself "
+            "(examples/launch/mpirun_hostfile.sh)")
+
+
+BACKEND_READY = {"nccl": lambda: None, "gloo": lambda: None, "ccl": _ready_ccl, "mpi": _ready_mpi}
+
+
+def ready_backend(backend):
+    """Check (and for ccl, register) a backend; run in every rank's process, since
+    a spawned rank starts without the parent's imports."""
+    if backend not in BACKEND_READY:
+        raise UserError(f"--distributed-backend {backend}: expected one of "
+                        f"{', '.join(sorted(BACKEND_READY))}")
+    BACKEND_READY[backend]()
 
 
 def choose_backend(requested, device_type):
@@ -95,14 +137,7 @@ def choose_backend(requested, device_type):
     if backend == "nccl" and device_type != "cuda":
         raise UserError("--distributed-backend nccl needs CUDA devices, but this process runs on "
                         "CPU; use gloo (the default on CPU) or drop --cpu")
-    if backend == "ccl":
-        try:
-            import oneccl_bindings_for_pytorch  # noqa: F401  (registers the backend)
-        except ImportError:
-            raise UserError("--distributed-backend ccl needs Intel's oneccl_bindings_for_pytorch; "
-                            "install it, or use gloo")
-    if backend not in ("nccl", "gloo", "ccl", "mpi"):
-        raise UserError(f"--distributed-backend {backend}: expected nccl, gloo, ccl or mpi")
+    ready_backend(backend)
     return backend
 
 

@@ -1,0 +1,134 @@
+"""The launch recipes of examples/launch, run as a user would run them:
+torchrun across two namespace hosts, mpirun on one host, the SLURM scripts
+under a stand-in srun that starts each node's tasks on a namespace host."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from hetseq.testing import cluster as netns
+
+from conftest import ROOT, child_env, final_params, free_port, max_diff, run_train
+from test_parity import COMMON, reference
+
+LAUNCH = ROOT / "examples" / "launch"
+HOSTS_OK, HOSTS_WHY = netns.available()
+needs_hosts = pytest.mark.skipif(not HOSTS_OK, reason=f"namespace hosts: {HOSTS_WHY}")
+QUIET = "--cpu --no-progress-bar --distributed-timeout 60"
+
+
+def hetseq_args(out, *extra):
+    return " ".join(map(str, [QUIET, *COMMON, "--save-dir", out, *extra]))
+
+
+@pytest.fixture
+def hosts():
+    with netns.VirtualCluster(2, rate="1gbit") as cluster:
+        yield cluster
+
+
+def recipe_env(**values):
+    return child_env({"PYTHON": sys.executable, **{k: str(v) for k, v in values.items()}})
+
+
+def run_on_hosts(cluster, commands, timeout=180):
+    """(host, argv, env) each; returns [(output, exit code)]."""
+    procs = [cluster.popen(host, argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True) for host, argv, env in commands]
+    results = [(proc.communicate(timeout=timeout)[0], proc.returncode) for proc in procs]
+    for out, code in results:
+        assert code == 0, out[-3000:]
+    return results
+
+
+@needs_hosts
+def test_torchrun_recipe_two_hosts_different_process_counts(hosts, tmp):
+    out, script = tmp / "torchrun", ["bash", LAUNCH / "torchrun.sh"]
+    common = dict(RDZV="hostA:29400", NNODES=2, HETSEQ_ARGS=hetseq_args(out))
+    results = run_on_hosts(hosts, [(0, script, recipe_env(NPROC=2, BATCH=8, **common)),
+                                   (1, script, recipe_env(NPROC=1, BATCH=16, **common))])
+    text = "\n".join(out for out, _ in results)
+    assert "ranks from torchrun" in text and "global batch 32" in text, text[-3000:]
+    assert max_diff(reference(tmp), final_params(out)) < 1e-5
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None,
+                    reason="needs Open MPI's mpirun (apt-get install openmpi-bin)")
+def test_mpirun_recipe_one_host_two_ranks(tmp):
+    out = tmp / "mpi"
+    hostfile = tmp / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    env = recipe_env(HOSTFILE=hostfile, PPN=2, MASTER_PORT=free_port(), OMP_NUM_THREADS=1,
+                     HETSEQ_ARGS=hetseq_args(out, "--max-sentences", 16),
+                     # Open MPI refuses root unless told twice (CI runs as root).
+                     OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)
+    result = subprocess.run(["bash", LAUNCH / "mpirun_hostfile.sh"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "ranks from mpirun (Open MPI)" in result.stderr, result.stderr[-3000:]
+    assert max_diff(reference(tmp), final_params(out)) < 1e-5
+
+
+def sbatch(cluster, script, groups, **values):
+    """Run an sbatch script as SLURM would on the allocation's first node: with
+    the job's variables, and srun/scontrol stand-ins that start tasks on the
+    namespace hosts named in ``groups``."""
+    prefix = {name: cluster.command(index, []) for index, name in enumerate(cluster.names)}
+    nodes = [node for group in groups for node in group["nodes"]]
+    env = recipe_env(
+        FAKE_SLURM=json.dumps({"groups": groups, "prefix": prefix}),
+        PATH=f"{ROOT / 'tests' / 'fake_slurm'}{os.pathsep}{os.environ['PATH']}",
+        SLURM_JOB_NODELIST=",".join(nodes), SLURM_JOB_NODELIST_HET_GROUP_0=",".join(
+            groups[0]["nodes"]), SLURM_SUBMIT_DIR=ROOT, SLURM_CPUS_PER_TASK=1, **values)
+    result = subprocess.run(["bash", LAUNCH / script], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return result.stderr
+
+
+@needs_hosts
+def test_slurm_recipe_one_task_per_device(hosts, tmp):
+    out = tmp / "slurm"
+    log = sbatch(hosts, "slurm.sbatch", [{"nodes": ["hostA", "hostB"], "tasks_per_node": 1}],
+                 BATCH=16, HETSEQ_ARGS=hetseq_args(out))
+    assert "ranks from SLURM" in log, log[-3000:]
+    assert max_diff(reference(tmp), final_params(out)) < 1e-5
+
+
+@needs_hosts
+def test_slurm_heterogeneous_job_recipe(hosts, tmp):
+    # Component 0: hostA, 1 process of 16; component 1: hostB, 2 processes of 8.
+    out = tmp / "hetjob"
+    log = sbatch(hosts, "slurm_hetjob.sbatch",
+                 [{"nodes": ["hostA"], "tasks_per_node": 1}, {"nodes": ["hostB"], "tasks_per_node": 1}],
+                 NODES0=1, GPUS0=1, BATCH0=16, NODES1=1, GPUS1=2, BATCH1=8,
+                 HETSEQ_ARGS=hetseq_args(out))
+    assert "hostB 10.213.0.2 (eth0): ranks 1-2" in log, log[-3000:]
+    assert max_diff(reference(tmp), final_params(out)) < 1e-5
+
+
+RUN = [*COMMON, "--no-save", "--max-sentences", 8, "--distributed-world-size", 2]
+
+
+def test_ccl_backend_is_used_when_its_bindings_import():
+    result = run_train(*RUN, "--distributed-backend", "ccl",
+                       env={"PYTHONPATH": str(ROOT / "tests" / "fake_ccl")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "joined via" in result.stderr and "(ccl," in result.stderr
+    assert result.stderr.count("fake ccl: process group for rank") == 2, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("backend, words", [
+    ("ccl", ["oneccl_bind_pt", "not on PyPI", "github.com/intel/torch-ccl", "gloo"]),
+    ("mpi", ["built from source", "mpirun can still start the ranks"]),
+])
+def test_missing_backend_says_what_to_install(backend, words):
+    result = run_train(*RUN, "--distributed-backend", backend)
+    assert result.returncode == 2, result.stderr[-3000:]
+    for word in words:
+        assert word in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
