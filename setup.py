@@ -9,6 +9,7 @@ setup(
     # Install torch==2.13.0 first (README): a bare "torch" pulls CUDA wheels.
     install_requires=["torch>=2.4", "numpy", "h5py", "tqdm", "tensorboard", "tokenizers"],
     # Loading Hugging Face *.safetensors weights (optional; .bin files need nothing).
-    extras_require={"test": ["pytest"], "hf": ["safetensors"]},
+    extras_require={"test": ["pytest"], "hf": ["safetensors"],
+                    "bench": ["matplotlib"]},   # bench/scaling.py's plot
     entry_points={"console_scripts": ["hetseq-train=hetseq.train:main"]},
 )
