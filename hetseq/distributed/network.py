@@ -59,15 +59,14 @@ def choose(master_host, flag, backend, env=os.environ):
     variable = _variable(backend)
     name, source = (flag, "flag") if flag else (env.get(variable, "").split(",")[0], variable)
     if name:
+        what = "--distributed-interface" if source == "flag" else variable
         address = interfaces.address_of(name)
         if address is None:
             known = sorted({iface for iface, *_ in interfaces.list_addresses()})
-            what = "--distributed-interface" if source == "flag" else variable
             raise UserError(f"{what} {name}: this host has no interface of that name with an "
                             f"address (interfaces here: {', '.join(known) or 'none found'}); "
                             "name one that the other hosts can reach")
-        return Binding(address, name, f"set by {'--distributed-interface' if source == 'flag' else variable}",
-                       source)
+        return Binding(address, name, f"set by {what}", source)
     if master_host:
         try:
             target = interfaces.resolve(master_host)
