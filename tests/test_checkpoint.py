@@ -168,3 +168,19 @@ def test_frozen_rank_is_named_after_the_timeout(tmp_path):
     finally:
         procs[1].kill()
         procs[1].wait()
+
+
+def test_frozen_rank_zero_is_named_by_the_others(tmp_path):
+    # Rank 0 serves the store: when it hangs, the watch that names the lost
+    # rank must not block on the store (TCPStore.add has no deadline).
+    procs = endless_pair(timeout=6)
+    try:
+        procs[0].send_signal(signal.SIGSTOP)
+        start = time.time()
+        out, _ = procs[1].communicate(timeout=60)
+        assert procs[1].returncode == 3, out[-3000:]
+        assert time.time() - start < 6 + 10
+        assert "lost rank 0 (" in out and "rendezvous store" in out, out[-3000:]
+    finally:
+        procs[0].kill()
+        procs[0].wait()

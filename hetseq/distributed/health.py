@@ -8,7 +8,6 @@ survivors watch the counters for a few seconds: the ranks whose counters
 stand still are the lost ones, named with the host and pid they registered.
 """
 
-import datetime
 import logging
 import threading
 import time
@@ -46,13 +45,38 @@ class Heartbeat:
         self._thread.join(timeout=2 * INTERVAL_S)
 
 
+def _within(seconds, query):
+    """``query()``, or TimeoutError after ``seconds``: TCPStore.add has no
+    deadline of its own, and a store whose host became unreachable (a cut
+    link, a frozen rank 0) would block it forever. The abandoned daemon
+    thread ends with the process."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = query()
+        except Exception as err:   # handed to the caller
+            box["error"] = err
+
+    thread = threading.Thread(target=run, name="hetseq-store-query", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"the rendezvous store did not answer within {seconds:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def silent_ranks(store, world_size, watch_s=3 * INTERVAL_S):
     """Ranks whose heartbeat does not advance over ``watch_s``; None when the
     store itself is unreachable (its server, rank 0, is gone)."""
+    def counters():
+        return [store.add(_key(r), 0) for r in range(world_size)]
     try:
-        before = [store.add(_key(r), 0) for r in range(world_size)]
+        before = _within(watch_s, counters)
         time.sleep(watch_s)
-        after = [store.add(_key(r), 0) for r in range(world_size)]
+        after = _within(watch_s, counters)
     except Exception:
         return None
     return [r for r in range(world_size) if after[r] == before[r]]
@@ -71,10 +95,6 @@ def _where(info):
 
 def peer_lost(err, store, rank, world_size, peers):
     """The PeerLost to raise for a failed collective, naming the lost ranks."""
-    if store is not None and hasattr(store, "set_timeout"):
-        # The watch must not wait the whole job timeout on a store that is
-        # gone with its host (a cut link): a few heartbeats are enough.
-        store.set_timeout(datetime.timedelta(seconds=2 * INTERVAL_S + 1))
     silent = silent_ranks(store, world_size) if store is not None else None
     if silent is None:
         lost = [0]
