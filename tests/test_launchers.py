@@ -1,6 +1,7 @@
 """The launch recipes of examples/launch, run as a user would run them:
-torchrun across two namespace hosts, mpirun on one host, the SLURM scripts
-under a stand-in srun that starts each node's tasks on a namespace host."""
+torchrun across two namespace hosts, mpirun on one host and from a hostfile
+across two (an ssh stand-in enters the other host), the SLURM scripts under a
+stand-in srun that starts each node's tasks on a namespace host."""
 
 import json
 import os
@@ -16,8 +17,12 @@ from conftest import ROOT, child_env, final_params, free_port, max_diff, run_tra
 from test_parity import COMMON, reference
 
 LAUNCH = ROOT / "examples" / "launch"
+STAND_INS = ROOT / "tests" / "stand_ins"     # srun, scontrol, an ssh for namespace hosts
 HOSTS_OK, HOSTS_WHY = netns.available()
 needs_hosts = pytest.mark.skipif(not HOSTS_OK, reason=f"namespace hosts: {HOSTS_WHY}")
+MPI_AS_ROOT = dict(OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)  # CI is root
+needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None,
+                                  reason="needs Open MPI's mpirun (apt-get install openmpi-bin)")
 QUIET = "--cpu --no-progress-bar --distributed-timeout 60"
 
 
@@ -56,20 +61,33 @@ def test_torchrun_recipe_two_hosts_different_process_counts(hosts, tmp):
     assert max_diff(reference(tmp), final_params(out)) < 1e-5
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None,
-                    reason="needs Open MPI's mpirun (apt-get install openmpi-bin)")
+@needs_mpirun
 def test_mpirun_recipe_one_host_two_ranks(tmp):
     out = tmp / "mpi"
     hostfile = tmp / "hostfile"
     hostfile.write_text("localhost slots=2\n")
     env = recipe_env(HOSTFILE=hostfile, PPN=2, MASTER_PORT=free_port(), OMP_NUM_THREADS=1,
-                     HETSEQ_ARGS=hetseq_args(out, "--max-sentences", 16),
-                     # Open MPI refuses root unless told twice (CI runs as root).
-                     OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)
+                     HETSEQ_ARGS=hetseq_args(out, "--max-sentences", 16), **MPI_AS_ROOT)
     result = subprocess.run(["bash", LAUNCH / "mpirun_hostfile.sh"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "ranks from mpirun (Open MPI)" in result.stderr, result.stderr[-3000:]
+    assert max_diff(reference(tmp), final_params(out)) < 1e-5
+
+
+@needs_hosts
+@needs_mpirun
+def test_mpirun_hostfile_recipe_across_two_hosts(hosts, tmp):
+    # mpirun runs on hostA and starts hostB's rank through an ssh stand-in
+    # that enters hostB's namespace (Open MPI's plm_rsh_agent).
+    out, hostfile = tmp / "mpi", tmp / "hostfile"
+    hostfile.write_text("hostA slots=1\nhostB slots=1\n")
+    env = recipe_env(HOSTFILE=hostfile, PPN=1, HETSEQ_ARGS=hetseq_args(out, "--max-sentences", 16),
+                     OMPI_MCA_plm_rsh_agent=STAND_INS / "netns-rsh", NETNS_HOSTS=",".join(
+                         f"{name}={ns}" for name, ns in zip(hosts.names, hosts.namespaces)),
+                     **MPI_AS_ROOT)
+    (log, _), = run_on_hosts(hosts, [(0, ["bash", LAUNCH / "mpirun_hostfile.sh"], env)])
+    assert "hostA 10.213.0.1 (eth0): rank 0; hostB 10.213.0.2 (eth0): rank 1" in log, log[-3000:]
     assert max_diff(reference(tmp), final_params(out)) < 1e-5
 
 
@@ -81,7 +99,7 @@ def sbatch(cluster, script, groups, **values):
     nodes = [node for group in groups for node in group["nodes"]]
     env = recipe_env(
         FAKE_SLURM=json.dumps({"groups": groups, "prefix": prefix}),
-        PATH=f"{ROOT / 'tests' / 'fake_slurm'}{os.pathsep}{os.environ['PATH']}",
+        PATH=f"{STAND_INS}{os.pathsep}{os.environ['PATH']}",
         SLURM_JOB_NODELIST=",".join(nodes), SLURM_JOB_NODELIST_HET_GROUP_0=",".join(
             groups[0]["nodes"]), SLURM_SUBMIT_DIR=ROOT, SLURM_CPUS_PER_TASK=1, **values)
     result = subprocess.run(["bash", LAUNCH / script], cwd=ROOT, env=env, capture_output=True,
