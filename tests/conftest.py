@@ -25,9 +25,12 @@ def train_cmd(*args):
 
 
 def child_env(extra=None):
+    """This environment without a launcher's variables or an interface choice
+    (the tests show that HetSeq finds the interface by itself)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI_",
-                                "SLURM_", "TORCHELASTIC"))}
+                                "SLURM_", "TORCHELASTIC", "GLOO_SOCKET_IFNAME",
+                                "NCCL_SOCKET_IFNAME"))}
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra or {})
     return env
