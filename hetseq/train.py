@@ -9,6 +9,7 @@ from hetseq import capacity, checkpoint, cli
 from hetseq.controller import Controller
 from hetseq.data import GlobalBatches, GlobalBatchIterator
 from hetseq.distributed import WorkerFailed, all_gather_object, launch
+from hetseq.distributed.identity import job_identity
 from hetseq.distributed.launch import exit_now
 from hetseq.errors import HetSeqError, UserError
 from hetseq.logging import setup_logging
@@ -26,7 +27,8 @@ def main(argv=None):
     setup_logging(0)
     try:
         args = cli.parse_args(argv)
-        launch(args, train_worker)
+        task_cls = TASKS.get(args.task)
+        launch(args, train_worker, identity=job_identity(args, task_cls.per_node_flags))
     except (HetSeqError, WorkerFailed) as err:
         logger.error("%s", err)
         exit_now(err.exit_code)

@@ -51,18 +51,19 @@ class WorkerFailed(Exception):
         self.exit_code = exit_code
 
 
-def launch(args, worker, *worker_args):
+def launch(args, worker, *worker_args, identity=None):
     """Run ``worker(args, ctx, *worker_args)`` on every rank this node owns.
+    ``identity``: what every node must agree on to join (distributed/identity.py).
 
     Returns the worker's result when it ran in this process (one local rank).
     """
     cuda_count = torch.cuda.device_count() if not args.cpu else 0
     topology = resolve_topology(args, os.environ, cuda_count)
     if topology.nprocs == 1:
-        return _run_rank(0, topology, args, worker, worker_args)
+        return _run_rank(0, topology, args, identity, worker, worker_args)
     with _hosted_store(topology) as topology:
         try:
-            mp.spawn(_spawned_rank, args=(topology, args, worker, worker_args),
+            mp.spawn(_spawned_rank, args=(topology, args, identity, worker, worker_args),
                      nprocs=topology.nprocs, join=True)
         except mp.ProcessExitedException as err:
             raise WorkerFailed(err.exit_code or 1, f"rank {topology.first_rank + err.error_index}"
@@ -86,9 +87,9 @@ def _hosted_store(topology):
     del store
 
 
-def _spawned_rank(index, topology, args, worker, worker_args):
+def _spawned_rank(index, topology, args, identity, worker, worker_args):
     try:
-        _run_rank(index, topology, args, worker, worker_args)
+        _run_rank(index, topology, args, identity, worker, worker_args)
     except HetSeqError as err:
         logging.getLogger("hetseq").error("rank %d: %s", topology.first_rank + index, err)
         exit_now(err.exit_code)
@@ -103,7 +104,7 @@ def exit_now(code):
     os._exit(code)
 
 
-def _run_rank(index, topology, args, worker, worker_args):
+def _run_rank(index, topology, args, identity, worker, worker_args):
     rank = topology.first_rank + index
     setup_logging(rank, all_ranks=args.log_all_ranks)
     _set_threads(topology)
@@ -113,7 +114,7 @@ def _run_rank(index, topology, args, worker, worker_args):
     if not ctx.distributed:
         return worker(args, ctx, *worker_args)
     store, peers = rendezvous.init_process_group(topology, rank, args.distributed_timeout,
-                                                 args.distributed_interface)
+                                                 args.distributed_interface, identity)
     heartbeat = health.Heartbeat(store, rank)
     try:
         result = worker(args, ctx, *worker_args)

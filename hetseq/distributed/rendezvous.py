@@ -17,7 +17,7 @@ import urllib.parse
 
 import torch.distributed as dist
 
-from hetseq.distributed import interfaces, network
+from hetseq.distributed import identity, interfaces, network
 from hetseq.distributed.topology import ready_backend
 from hetseq.errors import UserError
 
@@ -164,12 +164,15 @@ def _check_peer(rank, info, world_size):
                         "pass the same world size on every node")
 
 
-def init_process_group(topology, rank, timeout_s, interface=None):
+def init_process_group(topology, rank, timeout_s, interface=None, job=None):
     """Meet the other ranks and start torch.distributed; returns the store and
-    what every rank registered (host, pid, the address its collectives use)."""
+    what every rank registered (host, pid, the address its collectives use).
+    ``job``: the flags every node must agree on (refused before claiming a rank)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     url, world = topology.init_method, topology.world_size
     store = open_store(url, rank, world, timeout, topology.store_hosted)
+    if job is not None:
+        identity.present(store, job, rank, url, f"{socket.gethostname()} pid {os.getpid()}")
     master = master_host(url)
     binding = network.choose(master, interface, topology.backend)
     peers = claim_rank(store, rank, world, timeout, url, binding.address)

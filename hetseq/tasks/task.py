@@ -19,6 +19,10 @@ from torch.utils.data import default_collate
 
 
 class Task:
+    # This task's flags that may differ from node to node (every other flag
+    # must agree across nodes: hetseq/distributed/identity.py).
+    per_node_flags = frozenset()
+
     def __init__(self, args):
         self.args = args
 

@@ -29,6 +29,9 @@ class ToyData(Dataset):
 
 @register_task("toy")
 class ToyTask(Task):
+    # Each simulates something about one node (a slow device, a bug on one rank).
+    per_node_flags = frozenset({"toy_slow_rank", "toy_slow_ms", "toy_slow_after",
+                                "toy_perturb_after", "toy_nan_grad_after"})
     @classmethod
     def add_args(cls, parser):
         parser.add_argument("--toy-size", type=int, default=100, help="samples in the train split")

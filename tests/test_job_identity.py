@@ -1,0 +1,92 @@
+"""Nodes must agree on the job: a node whose flags differ is refused before it
+claims a rank, with the flags named; the job that was there first goes on."""
+
+import argparse
+import subprocess
+import time
+
+from hetseq import cli
+from hetseq.distributed import identity
+from hetseq.tasks import TASKS
+
+from conftest import ROOT, TOY, child_env, free_port, run_nodes, train_cmd
+
+RUN = [*TOY, "--max-update", 3, "--max-sentences", 8, "--disable-validation", "--no-save"]
+
+
+def node(url, rank, *extra):
+    return [*RUN, "--distributed-world-size", 2, "--distributed-rank", rank,
+            "--distributed-gpus", 1, "--distributed-init-method", url, *extra]
+
+
+def toy_identity(*argv):
+    args = cli.parse_args([*map(str, TOY), *map(str, argv)])
+    return identity.job_identity(args, TASKS.get("toy").per_node_flags)
+
+
+def test_per_node_flags_are_left_out():
+    base = toy_identity("--max-sentences", 8, "--save-dir", "x", "--toy-slow-rank", 1)
+    other = toy_identity("--max-sentences", 64, "--save-dir", "y", "--toy-slow-rank", 0,
+                         "--num-workers", 2, "--log-interval", 5, "--cpu")
+    assert base == other
+    assert "hetseq_code" in base and "seed" in base and "max_sentences" not in base
+    changed = toy_identity("--seed", 2, "--max-epoch", 3)
+    assert identity.differences(changed, base) == \
+        "--max-epoch 3 here, 0 in the job; --seed 2 here, 19940802 in the job"
+
+
+def test_files_compare_by_content_and_folders_are_left_out(tmp_path):
+    # Each node may keep its copy of a config or vocab elsewhere.
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for folder, hidden in (("a", 4), ("b", 4)):
+        (tmp_path / folder / "config.json").write_text(f'{{"hidden": {hidden}}}')
+    ids = [identity.job_identity(argparse.Namespace(
+        config_file=str(tmp_path / f / "config.json"), data=str(tmp_path / f), seed=1))
+        for f in ("a", "b")]
+    assert ids[0] == ids[1] and "data" not in ids[0]
+    (tmp_path / "b" / "config.json").write_text('{"hidden": 8}')
+    identity._file_digest.cache_clear()
+    changed = identity.job_identity(argparse.Namespace(
+        config_file=str(tmp_path / "b" / "config.json"), seed=1))
+    assert changed["config_file"] != ids[0]["config_file"]
+
+
+def test_node_with_other_seed_and_epochs_is_refused_naming_both():
+    url = f"tcp://127.0.0.1:{free_port()}"
+    results = run_nodes([node(url, 0, "--distributed-timeout", 6),
+                         node(url, 1, "--seed", 7, "--max-epoch", 2, "--distributed-timeout", 6)])
+    (code0, out0), (code1, out1) = results
+    assert code1 == 2, out1[-3000:]
+    assert "refused by the job" in out1 and "--seed 7 here, 19940802 in the job" in out1 \
+        and "--max-epoch 2 here, 0 in the job" in out1, out1[-3000:]
+    assert "Traceback" not in out1
+    assert code0 == 2 and "waiting at" in out0 and "for ranks [1]" in out0, out0[-3000:]
+
+
+def _start(cmd):
+    return subprocess.Popen(train_cmd(*cmd), cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_two_jobs_on_one_file_path_do_not_merge(tmp_path):
+    # Per-node commands started in the order A0, B1, A1, B0 on one path: B's
+    # nodes are refused and A's job trains as if B had never come.
+    path = tmp_path / "meet"
+    url = f"file://{path}"
+    job_a, job_b = ["--seed", 1], ["--seed", 2, "--max-sentences", 16]
+    a0 = _start(node(url, 0, *job_a))
+    deadline = time.time() + 60
+    while not path.exists():                  # A's rank 0 has opened the meeting point
+        assert time.time() < deadline and a0.poll() is None
+        time.sleep(0.05)
+    time.sleep(1.0)
+    b1 = _start(node(url, 1, *job_b))
+    out_b1 = b1.communicate(timeout=60)[0]
+    a1 = _start(node(url, 1, *job_a))
+    b0 = _start(node(url, 0, *job_b))
+    outs = [proc.communicate(timeout=120)[0] for proc in (a0, a1, b0)]
+    assert b1.returncode == 2 and "--seed 2 here, 1 in the job" in out_b1, out_b1[-3000:]
+    assert b0.returncode == 2 and "refused by the job" in outs[2], outs[2][-3000:]
+    assert a0.returncode == 0 and a1.returncode == 0, (outs[0] + outs[1])[-3000:]
+    assert "global batch 16" in outs[0], outs[0][-3000:]
