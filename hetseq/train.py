@@ -73,14 +73,28 @@ class Run:
         args = self.args
         self.controller.load_state_dict(state["controller"], args.reset_optimizer,
                                         args.reset_lr_scheduler)
+        plan = capacity.Plan.from_state_dict(state["plan"])
         if not args.reset_dataloader:
             self.train_data.load_state_dict(state["train_iterator"])
+            self._log_resume(plan)
         if not args.reset_meters:
             self.meters.load_state_dict(state["meters"])
-        plan = capacity.Plan.from_state_dict(state["plan"])
         # The saved split continues the run; a different world or batch starts afresh.
-        if plan.global_batch == self.plan.global_batch and len(plan.batch_sizes) == self.ctx.world_size:
+        if plan.global_batch == self.plan.global_batch and len(plan.batch_sizes) == self.ctx.world_size \
+                and plan.batch_sizes != self.plan.batch_sizes:
             self.set_plan(plan)
+
+    def _log_resume(self, saved):
+        """Say how the data continues when the global batch or the world changed:
+        from the saved sample of the epoch (the position is kept in samples)."""
+        data, plan = self.train_data, self.plan
+        if self.ctx.is_main and (saved.global_batch != plan.global_batch
+                                 or len(saved.batch_sizes) != len(plan.batch_sizes)):
+            logger.info("resuming epoch %d at sample %d of %d with a global batch of %d on %d "
+                        "ranks (saved: %d on %d ranks): the epoch goes on from that sample, "
+                        "none repeated or skipped", data.epoch, data.samples_in_epoch,
+                        data.batches.dataset_size, plan.global_batch, len(plan.batch_sizes),
+                        saved.global_batch, len(saved.batch_sizes))
 
     def load(self, split):
         """The task's dataset for ``split``, checked to be the same size on every rank."""
@@ -114,7 +128,7 @@ class Run:
         while not self.stop_reason():
             epoch = self.train_data.epoch
             self.train_epoch(epoch)
-            end_of_epoch = self.train_data.iterations_in_epoch == 0
+            end_of_epoch = self.train_data.samples_in_epoch == 0
             stopping = self.stop_reason() is not None
             metric = None
             if not args.disable_validation and (
@@ -140,7 +154,7 @@ class Run:
         self.train_data.batches.shuffle = epoch > args.curriculum
         controller.set_epoch(epoch)
         update_freq = args.update_freq[min(epoch, len(args.update_freq)) - 1]
-        remaining = len(self.train_data) - self.train_data.iterations_in_epoch
+        remaining = self.train_data.remaining_steps
         progress = Progress(math.ceil(remaining / update_freq), f"epoch {epoch:03d}",
                             self.ctx.is_main, not args.no_progress_bar, args.log_interval)
         self.meters.reset()

@@ -184,3 +184,33 @@ def test_frozen_rank_zero_is_named_by_the_others(tmp_path):
     finally:
         procs[0].kill()
         procs[0].wait()
+
+
+def trained_indices(prefix):
+    return sorted(int(i) for path in prefix.parent.glob(prefix.name + ".*")
+                  for i in path.read_text().split())
+
+
+def toy_nodes(layout, save_dir, log, *extra):
+    """One command per rank; ``layout`` lists each rank's batch."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    common = [*TOY, "--save-dir", save_dir, "--disable-validation", "--toy-log-indices", log,
+              "--distributed-world-size", len(layout), "--distributed-gpus", 1,
+              "--distributed-init-method", url, *extra]
+    results = run_nodes([[*common, "--distributed-rank", rank, "--max-sentences", batch]
+                         for rank, batch in enumerate(layout)])
+    assert_ok(results)
+    return results
+
+
+@pytest.mark.parametrize("resumed", [[4, 4], [4, 4, 4], [16, 16]],
+                         ids=["batch-halved", "three-ranks", "batch-doubled"])
+def test_resume_with_another_global_batch_uses_every_sample_once(tmp_path, resumed):
+    # 100 samples; 3 updates of 8 + 8 = 48 samples, then the rest of epoch 1
+    # with another global batch or world size: every sample exactly once.
+    save, log = tmp_path / "ckpt", tmp_path / "seen"
+    toy_nodes([8, 8], save, log, "--max-update", 3)
+    results = toy_nodes(resumed, save, log, "--max-epoch", 1)
+    assert trained_indices(log) == list(range(100))
+    assert f"resuming epoch 1 at sample 48 of 100 with a global batch of {sum(resumed)} " \
+           f"on {len(resumed)} ranks (saved: 16 on 2 ranks)" in results[0][1], results[0][1][-3000:]

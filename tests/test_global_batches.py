@@ -121,3 +121,21 @@ def test_grouped_order_visits_one_shard_at_a_time():
     assert sorted(order.tolist()) == list(range(60))
     shard = np.searchsorted([20, 50, 60], order, side="right")
     assert (np.diff(shard) != 0).sum() == 2                  # three runs, one per shard
+
+
+def test_position_is_kept_in_samples_and_old_checkpoints_still_load():
+    batches = GlobalBatches(100, 10, seed=1)
+    it = GlobalBatchIterator(Indices(100), collate, batches, [10], 0)
+    gen = it.next_epoch_itr()
+    first = [flat(next(gen)) for _ in range(3)]
+    assert it.state_dict() == {"epoch": 1, "samples_in_epoch": 30, "global_batch_size": 10}
+    # Resumed with a global batch of 7: the epoch goes on from sample 30.
+    other = GlobalBatchIterator(Indices(100), collate, GlobalBatches(100, 7, seed=1), [7], 0)
+    other.load_state_dict(it.state_dict())
+    assert other.remaining_steps == 10                     # ceil(70 / 7)
+    rest = [flat(step) for step in other.next_epoch_itr()]
+    assert sorted(np.concatenate(first + rest).tolist()) == list(range(100))
+    # A checkpoint that counted global batches (same B) resumes where it was.
+    old = GlobalBatchIterator(Indices(100), collate, batches, [10], 0)
+    old.load_state_dict({"epoch": 1, "iterations_in_epoch": 3})
+    assert old.samples_in_epoch == 30

@@ -58,15 +58,23 @@ class GlobalBatches:
     def __len__(self):
         return -(-self.dataset_size // self.global_batch_size)
 
-    def epoch(self, epoch):
+    def epoch(self, epoch, start=0):
+        """The global batches of ``epoch`` from its sample ``start`` on: cut at
+        start, start + B, ... (a run resumed with another B continues exactly
+        where the permutation was left)."""
+        order = self.order(epoch)
+        B = self.global_batch_size
+        return [order[at:at + B] for at in range(start, self.dataset_size, B)]
+
+    def order(self, epoch):
+        """The epoch's permutation; it depends on neither B nor the split."""
         if not self.shuffle:
-            order = np.arange(self.dataset_size)
-        elif self.groups is None:
+            return np.arange(self.dataset_size)
+        if self.groups is None:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.dataset_size)
         else:
             order = self._grouped_order(np.random.default_rng([self.seed, epoch]))
-        B = self.global_batch_size
-        return [order[start:start + B] for start in range(0, self.dataset_size, B)]
+        return order
 
     def _grouped_order(self, rng):
         """Shards in random order, rows shuffled within each shard (as NVIDIA's
@@ -124,12 +132,18 @@ class GlobalBatchIterator:
         self.num_workers = num_workers
         self.micro_cap = micro_cap
         self.epoch = 1                 # the epoch next_epoch_itr() runs
-        self.iterations_in_epoch = 0   # global batches of it already consumed
+        self.samples_in_epoch = 0      # samples of it already consumed (its next position)
         self._shares_changed = False
         self._dummy = None
 
     def __len__(self):
         return len(self.batches)
+
+    @property
+    def remaining_steps(self):
+        """Global batches left in the current epoch."""
+        left = self.batches.dataset_size - self.samples_in_epoch
+        return -(-left // self.batches.global_batch_size)
 
     def set_shares(self, shares):
         if list(shares) != self.shares:
@@ -144,22 +158,20 @@ class GlobalBatchIterator:
 
     def next_epoch_itr(self):
         """Yield this rank's micro-batches ([None] if none) for each remaining step."""
-        batches = self.batches.epoch(self.epoch)
-        while self.iterations_in_epoch < len(batches):
+        while self.samples_in_epoch < self.batches.dataset_size:
             self._shares_changed = False
-            start = self.iterations_in_epoch
-            local = self._local_slicer()
-            cap = self.micro_cap
-            loaded = iter(self._loader(_LocalSlices(batches[start:], local, cap)))
-            for offset, global_batch in enumerate(batches[start:]):
+            batches = self.batches.epoch(self.epoch, self.samples_in_epoch)
+            local, cap = self._local_slicer(), self.micro_cap
+            loaded = iter(self._loader(_LocalSlices(batches, local, cap)))
+            for global_batch in batches:
                 count = len(micro_split(local(global_batch), cap))
                 micro = [next(loaded) for _ in range(count)] or [None]
-                self.iterations_in_epoch = start + offset + 1
+                self.samples_in_epoch += len(global_batch)
                 yield micro
                 if self._shares_changed:
                     break
         self.epoch += 1
-        self.iterations_in_epoch = 0
+        self.samples_in_epoch = 0
 
     def _local_slicer(self):
         """global batch -> this rank's indices, for the current shares.
@@ -182,8 +194,14 @@ class GlobalBatchIterator:
                           collate_fn=self.collate_fn, num_workers=self.num_workers)
 
     def state_dict(self):
-        return {"epoch": self.epoch, "iterations_in_epoch": self.iterations_in_epoch}
+        return {"epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch,
+                "global_batch_size": self.batches.global_batch_size}
 
     def load_state_dict(self, state):
+        """Continue at the saved sample, whatever the global batch is now.
+        (Checkpoints before HetSeq 0.2 counted global batches of the same B.)"""
         self.epoch = state["epoch"]
-        self.iterations_in_epoch = state["iterations_in_epoch"]
+        self.samples_in_epoch = state.get("samples_in_epoch")
+        if self.samples_in_epoch is None:
+            self.samples_in_epoch = min(self.batches.dataset_size,
+                                        state["iterations_in_epoch"] * self.batches.global_batch_size)

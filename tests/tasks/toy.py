@@ -31,7 +31,7 @@ class ToyData(Dataset):
 class ToyTask(Task):
     # Each simulates something about one node (a slow device, a bug on one rank).
     per_node_flags = frozenset({"toy_slow_rank", "toy_slow_ms", "toy_slow_after",
-                                "toy_perturb_after", "toy_nan_grad_after"})
+                                "toy_perturb_after", "toy_nan_grad_after", "toy_log_indices"})
     @classmethod
     def add_args(cls, parser):
         parser.add_argument("--toy-size", type=int, default=100, help="samples in the train split")
@@ -50,6 +50,8 @@ class ToyTask(Task):
         parser.add_argument("--toy-nan-grad-after", type=int, default=0,
                             help="after N train_step calls, rank 1's gradients are NaN while "
                                  "its loss stays finite")
+        parser.add_argument("--toy-log-indices", metavar="PATH",
+                            help="append the indices each rank trains to PATH.<rank>")
         parser.add_argument("--toy-plain-backward", action="store_true",
                             help="override train_step and call backward(loss) without stats")
 
@@ -78,6 +80,9 @@ class ToyTask(Task):
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if rank == self.args.toy_slow_rank and self.calls > self.args.toy_slow_after:
             time.sleep(self.args.toy_slow_ms / 1000 * len(sample["x"]))   # a slower device
+        if self.args.toy_log_indices and getattr(backward, "weight", 1):   # not padding
+            with open(f"{self.args.toy_log_indices}.{rank}", "a") as log:
+                log.write(" ".join(map(str, sample["index"].tolist())) + "\n")
         if self.args.toy_perturb_after and self.calls == self.args.toy_perturb_after:
             with torch.no_grad():
                 next(model.parameters()).view(-1)[0] += 1.0   # outside the Controller
