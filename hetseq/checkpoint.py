@@ -7,6 +7,7 @@ renamed over the old one, so a crash while saving never damages the
 previous checkpoint.
 """
 
+import errno
 import logging
 import os
 import random
@@ -80,34 +81,62 @@ def plain_args(args):
             if v is None or isinstance(v, (bool, int, float, str, list, tuple))}
 
 
-def save(path, state):
-    """Write ``state`` to ``path`` atomically."""
-    folder = os.path.dirname(os.path.abspath(path))
+def _umask():
+    mask = os.umask(0)   # the only way to read it; set straight back
+    os.umask(mask)
+    return mask
+
+
+# mkstemp creates files 0600; checkpoints get the mode the user's umask gives
+# any new file, so colleagues on a shared cluster can read them.
+FILE_MODE = 0o666 & ~_umask()
+
+
+def _disk_full(err):
+    """True when ``err`` or an exception it was raised from is ENOSPC (torch.save
+    reports it as an 'unexpected pos' RuntimeError caused by the OSError)."""
+    while err is not None:
+        if getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _atomic_write(dst, write):
+    """``write(file)`` into a temporary file beside ``dst``, then rename it onto
+    ``dst``: a crash or a full disk leaves the previous ``dst`` as it was."""
+    folder = os.path.dirname(os.path.abspath(dst))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+        os.replace(tmp, dst)
+    except BaseException as err:
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise
+        if not _disk_full(err):
+            raise
+        kept = f"the previous checkpoint {dst} is intact" if os.path.exists(dst) else \
+            "there was no earlier checkpoint of that name"
+        raise UserError(f"no space left on device while writing {dst}; {kept}. Free space in "
+                        f"{folder} or pass --save-dir on a larger disk, then run the same "
+                        "command again to resume") from None
+
+
+def save(path, state):
+    """Write ``state`` to ``path`` atomically."""
+    _atomic_write(path, lambda f: torch.save(state, f))
 
 
 def copy(src, dst):
     """Atomic copy (an epoch checkpoint from checkpoint_last.pt)."""
-    folder = os.path.dirname(os.path.abspath(dst))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    def write(f):
+        with open(src, "rb") as source:
+            shutil.copyfileobj(source, f)
+    _atomic_write(dst, write)
 
 
 def load(path):

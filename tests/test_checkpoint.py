@@ -214,3 +214,44 @@ def test_resume_with_another_global_batch_uses_every_sample_once(tmp_path, resum
     assert trained_indices(log) == list(range(100))
     assert f"resuming epoch 1 at sample 48 of 100 with a global batch of {sum(resumed)} " \
            f"on {len(resumed)} ranks (saved: 16 on 2 ranks)" in results[0][1], results[0][1][-3000:]
+
+
+def test_checkpoints_take_the_users_umask(tmp_path):
+    result = subprocess.run(train_cmd(*TOY, "--max-sentences", 8, "--max-update", 1,
+                                      "--disable-validation", "--save-dir", tmp_path),
+                            cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                            timeout=120, preexec_fn=lambda: os.umask(0o027))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "checkpoint_last.pt").stat().st_mode & 0o777 == 0o640
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB filesystem (root: tmpfs)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs (needs root): {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_full_disk_is_named_and_keeps_the_previous_checkpoint(small_disk):
+    run = [*TOY, "--max-sentences", 8, "--disable-validation", "--save-dir", small_disk]
+    assert run_train(*run, "--max-update", 2).returncode == 0
+    with open(small_disk / "filler", "wb", buffering=0) as filler:   # every byte left
+        try:
+            while filler.write(b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+    result = run_train(*run, "--max-update", 4)
+    last = small_disk / "checkpoint_last.pt"
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"no space left on device while writing {last}; the previous checkpoint {last} " \
+           "is intact" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert torch.load(last, weights_only=True)["controller"]["num_updates"] == 2
+    assert not [p for p in small_disk.iterdir() if p.name.startswith(".tmp-")]
