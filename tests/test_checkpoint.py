@@ -255,3 +255,23 @@ def test_full_disk_is_named_and_keeps_the_previous_checkpoint(small_disk):
     assert "Traceback" not in result.stderr
     assert torch.load(last, weights_only=True)["controller"]["num_updates"] == 2
     assert not [p for p in small_disk.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_rank_killed_by_a_signal_gives_exit_3_not_the_signal_number():
+    # One command spawning both ranks; the OOM killer takes one child.
+    proc = subprocess.Popen(train_cmd(*TOY, "--max-sentences", 8, "--max-update", 100000,
+                                      "--no-save", "--disable-validation",
+                                      "--distributed-world-size", 2, "--log-interval", 1000),
+                            cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(8)                                   # well into training
+        children = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"],
+                                  capture_output=True, text=True).stdout.split()
+        assert len(children) == 2, children
+        os.kill(int(children[1]), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 3, out[-3000:]
+    assert "was killed by signal SIGKILL" in out, out[-3000:]

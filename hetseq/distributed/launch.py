@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from hetseq.distributed import health, rendezvous
 from hetseq.distributed.topology import resolve_topology
-from hetseq.errors import HetSeqError
+from hetseq.errors import HetSeqError, PeerLost
 from hetseq.logging import setup_logging
 
 logger = logging.getLogger(__name__)
@@ -66,11 +66,20 @@ def launch(args, worker, *worker_args, identity=None):
             mp.spawn(_spawned_rank, args=(topology, args, identity, worker, worker_args),
                      nprocs=topology.nprocs, join=True)
         except mp.ProcessExitedException as err:
-            raise WorkerFailed(err.exit_code or 1, f"rank {topology.first_rank + err.error_index}"
-                               f" exited with code {err.exit_code}") from None
+            raise _exited(topology.first_rank + err.error_index, err) from None
         except mp.ProcessRaisedException as err:
             raise WorkerFailed(1, f"rank {topology.first_rank + err.error_index} failed:\n{err}") \
                 from None
+
+
+def _exited(rank, err):
+    """A spawned rank that ended without a HetSeq error of its own. Killed by a
+    signal (the OOM killer, kill -9): a lost peer, exit 3, not the signal's
+    number passed on (which the shell shows as 247 and the like)."""
+    if err.exit_code is not None and err.exit_code < 0:
+        return WorkerFailed(PeerLost.exit_code, f"rank {rank} (pid {err.error_pid}) was killed by "
+                            f"signal {err.signal_name}; the other ranks of this node stop too")
+    return WorkerFailed(err.exit_code or 1, f"rank {rank} exited with code {err.exit_code}")
 
 
 @contextlib.contextmanager
