@@ -3,10 +3,11 @@
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
-from conftest import ROOT, TOY, assert_ok, child_env, free_port, run_nodes, run_train
+from conftest import ROOT, TOY, assert_ok, child_env, free_port, run_nodes, run_train, train_cmd
 
 # A short run of the toy task; each command is one "node" with one process.
 RUN = [*TOY, "--max-update", 3, "--max-sentences", 8, "--disable-validation", "--no-save"]
@@ -130,3 +131,37 @@ def test_bad_flags_exit_2_with_message(flags, words):
     for word in words:
         assert word in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# ---- a file:// meeting point that outlived its job ----
+
+def one_node(url, rank, timeout):
+    return [*RUN, "--distributed-world-size", 2, "--distributed-rank", rank, "--distributed-gpus",
+            1, "--distributed-init-method", url, "--distributed-timeout", timeout]
+
+
+def test_rank_zero_that_gives_up_removes_its_file(tmp_path):
+    path = tmp_path / "init"
+    result = run_train(*one_node(f"file://{path}", 0, 3))
+    assert result.returncode == 2 and "for ranks [1]" in result.stderr, result.stderr[-3000:]
+    assert not path.exists()
+    assert_ok(run_nodes(two_nodes(f"file://{path}")))         # the next job is not trapped
+
+
+def test_file_left_by_a_killed_job_is_named(tmp_path):
+    path = tmp_path / "init"
+    dead = subprocess.Popen(train_cmd(*one_node(f"file://{path}", 0, 60)), cwd=ROOT,
+                            env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not path.exists():
+        assert time.time() < deadline and dead.poll() is None
+        time.sleep(0.05)
+    time.sleep(2)                                           # claimed rank 0, beating
+    dead.kill()
+    dead.wait()
+    start = time.time()
+    result = run_train(*one_node(f"file://{path}", 1, 60))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "was left by an earlier job that stopped: its rank 0 (" in result.stderr
+    assert f"Delete {path}" in result.stderr, result.stderr[-3000:]
+    assert time.time() - start < 20                         # not the 60 s timeout

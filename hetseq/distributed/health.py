@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 INTERVAL_S = 1.0
 
 
-def _key(rank):
+def beat_key(rank):
     return f"hetseq/beat/{rank}"
 
 
@@ -35,7 +35,7 @@ class Heartbeat:
     def _run(self):
         while not self._stop.is_set():
             try:
-                self.store.add(_key(self.rank), 1)
+                self.store.add(beat_key(self.rank), 1)
             except Exception:   # the store is gone: the failure is reported elsewhere
                 return
             self._stop.wait(INTERVAL_S)
@@ -45,7 +45,7 @@ class Heartbeat:
         self._thread.join(timeout=2 * INTERVAL_S)
 
 
-def _within(seconds, query):
+def within(seconds, query):
     """``query()``, or TimeoutError after ``seconds``: TCPStore.add has no
     deadline of its own, and a store whose host became unreachable (a cut
     link, a frozen rank 0) would block it forever. The abandoned daemon
@@ -72,11 +72,11 @@ def silent_ranks(store, world_size, watch_s=3 * INTERVAL_S):
     """Ranks whose heartbeat does not advance over ``watch_s``; None when the
     store itself is unreachable (its server, rank 0, is gone)."""
     def counters():
-        return [store.add(_key(r), 0) for r in range(world_size)]
+        return [store.add(beat_key(r), 0) for r in range(world_size)]
     try:
-        before = _within(watch_s, counters)
+        before = within(watch_s, counters)
         time.sleep(watch_s)
-        after = _within(watch_s, counters)
+        after = within(watch_s, counters)
     except Exception:
         return None
     return [r for r in range(world_size) if after[r] == before[r]]

@@ -17,7 +17,7 @@ import urllib.parse
 
 import torch.distributed as dist
 
-from hetseq.distributed import identity, interfaces, network
+from hetseq.distributed import health, identity, interfaces, network
 from hetseq.distributed.topology import ready_backend
 from hetseq.errors import UserError
 
@@ -113,9 +113,9 @@ def master_host(url):
     return None
 
 
-def claim_rank(store, rank, world_size, timeout, url, address):
-    """Take rank ``rank`` in the store, then wait until all ranks are taken.
-    Returns {rank: {"host", "pid", "world_size", "addr"}} of every rank."""
+def claim_rank(store, rank, world_size, url, address):
+    """Take rank ``rank`` in the store and register {"host", "pid", "world_size",
+    "addr"} for it; another process holding it is a mistake."""
     me = {"host": socket.gethostname(), "pid": os.getpid(), "world_size": world_size,
           "addr": address}
     if store.add(f"hetseq/claim/{rank}", 1) != 1:
@@ -125,20 +125,20 @@ def claim_rank(store, rank, world_size, timeout, url, address):
             "nodes before it); with file:// a file left by an earlier job does this too: "
             f"delete it or use a new path ({url})")
     store.set(f"hetseq/who/{rank}", json.dumps(me))
-    deadline = time.monotonic() + timeout.total_seconds()
-    peers = wait_for_ranks(store, "hetseq/who", world_size, deadline, url)
-    for other, info in peers.items():
-        _check_peer(other, info, world_size)
-    return peers
 
 
-def wait_for_ranks(store, prefix, world_size, deadline, url):
-    """{rank: value} of the JSON keys ``prefix/<rank>`` once every rank set its own."""
-    pending, values = set(range(world_size)), {}
+def wait_for_ranks(store, prefix, world_size, deadline, url, rank=None):
+    """{rank: value} of the JSON keys ``prefix/<rank>`` once every rank set its own.
+    While waiting, ``rank``'s heartbeat advances (so a newcomer can tell a live
+    job from a file left by a dead one)."""
+    pending, values, beat_at = set(range(world_size)), {}, 0.0
     while pending:
         for other in sorted(pending):
             key = f"{prefix}/{other}"
             try:
+                if rank is not None and time.monotonic() >= beat_at:
+                    store.add(health.beat_key(rank), 1)
+                    beat_at = time.monotonic() + health.INTERVAL_S / 2
                 present = store.check([key])
                 value = json.loads(store.get(key)) if present else None
             except dist.DistError as err:
@@ -171,16 +171,31 @@ def init_process_group(topology, rank, timeout_s, interface=None, job=None):
     timeout = datetime.timedelta(seconds=timeout_s)
     url, world = topology.init_method, topology.world_size
     store = open_store(url, rank, world, timeout, topology.store_hosted)
+    refuse_stale(store, world, url)
     if job is not None:
         identity.present(store, job, rank, url, f"{socket.gethostname()} pid {os.getpid()}")
     master = master_host(url)
     binding = network.choose(master, interface, topology.backend)
-    peers = claim_rank(store, rank, world, timeout, url, binding.address)
+    claim_rank(store, rank, world, url, binding.address)
+    try:
+        return _meet(store, topology, rank, timeout, binding, master)
+    except UserError:
+        if rank == 0 and url.startswith("file://"):
+            _remove(url)   # rank 0 ends this job: its file must not trap the next one
+        raise
+
+
+def _meet(store, topology, rank, timeout, binding, master):
+    """After the claim: wait for every rank, settle addresses, start the group."""
+    url, world, timeout_s = topology.init_method, topology.world_size, timeout.total_seconds()
+    peers = wait_for_ranks(store, "hetseq/who", world, time.monotonic() + timeout_s, url, rank)
+    for other, info in peers.items():
+        _check_peer(other, info, world)
     binding = network.reconcile(binding, rank, peers, master is not None)
     deadline = time.monotonic() + timeout_s
     peers = network.check_reachability(
         store, rank, world, binding, peers,
-        lambda prefix: wait_for_ranks(store, prefix, world, deadline, url))
+        lambda prefix: wait_for_ranks(store, prefix, world, deadline, url, rank))
     network.apply(binding, topology.backend)
     ready_backend(topology.backend)
     dist.init_process_group(topology.backend, store=dist.PrefixStore("pg", store), rank=rank,
@@ -193,6 +208,9 @@ def init_process_group(topology, rank, timeout_s, interface=None, job=None):
     return store, peers
 
 
+LEAVE_S = 30.0   # how long leaving may take once every rank passed the last barrier
+
+
 def shutdown(topology, rank, store):
     """Leave the process group after a clean run. The ranks leave together: the
     process serving the TCP store (rank 0) waits until every rank has let go
@@ -200,16 +218,54 @@ def shutdown(topology, rank, store):
     removes a file:// store file (a leftover file breaks the next job there)."""
     if not dist.is_initialized():
         return
-    dist.barrier()
+    dist.barrier()                      # bounded by the process group's timeout
     dist.destroy_process_group()
-    store.add("hetseq/left", 1)
     url = topology.init_method or ""
-    if rank == 0:
-        deadline = time.monotonic() + 30
-        while store.add("hetseq/left", 0) < topology.world_size and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if url.startswith("file://"):
-            try:
-                os.remove(file_path(url))
-            except FileNotFoundError:
-                pass
+    try:
+        _leave(store, rank, topology.world_size)
+    except (TimeoutError, dist.DistError) as err:   # the run itself is complete
+        logger.warning("rank %d could not leave the meeting point cleanly: %s", rank, err)
+    if rank == 0 and url.startswith("file://"):
+        _remove(url)
+
+
+def _leave(store, rank, world_size):
+    # Store calls have no deadline of their own (TCPStore.add): bound each one.
+    health.within(LEAVE_S, lambda: store.add("hetseq/left", 1))
+    deadline = time.monotonic() + LEAVE_S
+    while rank == 0 and time.monotonic() < deadline and \
+            health.within(LEAVE_S, lambda: store.add("hetseq/left", 0)) < world_size:
+        time.sleep(0.01)
+
+
+def _remove(url):
+    try:
+        os.remove(file_path(url))
+    except FileNotFoundError:
+        pass
+
+
+STALE_AFTER_S = 3 * health.INTERVAL_S   # a live member beats well within it
+
+
+def refuse_stale(store, world_size, url):
+    """A file:// meeting point outlives a job that was killed: a newcomer would
+    take the dead job's registrations for live ranks and wait out the timeout.
+    Its members' heartbeats (which advance every half second while they wait
+    and every second while they train) tell: none advancing is a leftover."""
+    if not url.startswith("file://") or not store.check(["hetseq/job"]):
+        return
+    members = [r for r in range(world_size) if store.check([f"hetseq/who/{r}"])]
+    if not members:
+        return
+    before = [store.add(health.beat_key(r), 0) for r in members]
+    deadline = time.monotonic() + STALE_AFTER_S
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        if [store.add(health.beat_key(r), 0) for r in members] != before:
+            return
+    who = ", ".join(f"rank {r} ({info['host']} pid {info['pid']})" for r, info in
+                    ((r, json.loads(store.get(f"hetseq/who/{r}"))) for r in members))
+    raise UserError(f"{url} was left by an earlier job that stopped: its {who} no longer "
+                    f"answer. Delete {file_path(url)} (or give each job a new file name), "
+                    "then start every node again")
