@@ -251,3 +251,61 @@ def test_real_minilm_weights_give_sensible_embeddings():
                                                 "Someone plays an instrument.",
                                                 "The stock market fell sharply today."))
     assert float(guitar @ music) > 0.5 > float(guitar @ stocks) + 0.3
+
+
+def bert_job(tmp_path, damage):
+    """A one-shard BERT run after ``damage(path)`` changed the training shard."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shard = data / "wiki_training_0.hdf5"
+    write_nvidia_shard(shard, 40)
+    damage(shard)
+    config = tmp_path / "bert_config.json"
+    BertConfig(vocab_size=50, **TINY).to_json(config)
+    return shard, run_train("--task", "bert", "--data", data, "--config_file", config,
+                            "--max-sentences", 8, "--max-update", 2, "--disable-validation",
+                            "--no-save")
+
+
+def corrupt_chunk(key, which):
+    """Store ``key`` in chunks of 8 rows, then overwrite the bytes of one
+    compressed chunk (0: the first, read at start-up; -1: the last)."""
+    def damage(path):
+        with h5py.File(path, "r+") as f:
+            data, dtype = f[key][()], f[key].dtype
+            del f[key]
+            f.create_dataset(key, data=data, dtype=dtype, compression="gzip",
+                             chunks=(8,) + data.shape[1:])
+        with h5py.File(path, "r") as f:
+            dataset = f[key]
+            assert dataset.id.get_num_chunks() == 5
+            info = dataset.id.get_chunk_info(which % dataset.id.get_num_chunks())
+        with open(path, "r+b") as raw:
+            raw.seek(info.byte_offset + 2)
+            raw.write(b"\xff" * max(1, info.size - 4))
+    return damage
+
+
+@pytest.mark.parametrize("key, which, when", [
+    ("masked_lm_ids", 0, "start-up"),          # the first chunk is read at start-up
+    ("input_ids", -1, "first read"),           # a later one when the shard is loaded
+])
+def test_corrupt_hdf5_chunk_names_shard_and_dataset(tmp_path, key, which, when):
+    shard, result = bert_job(tmp_path, corrupt_chunk(key, which))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"{shard}: dataset '{key}' cannot be read" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    # Caught at start-up, or only once training began (the plan is logged first).
+    assert ("capacity plan" in result.stderr) == (when == "first read"), result.stderr[-3000:]
+
+
+def test_token_ids_outside_the_vocab_name_the_shard(tmp_path):
+    def big_ids(path):
+        with h5py.File(path, "r+") as f:
+            ids = f["input_ids"][()]
+            ids[3, 2] = 77
+            f["input_ids"][...] = ids
+    shard, result = bert_job(tmp_path, big_ids)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"{shard}: dataset 'input_ids' holds token id 77, outside the vocab of 50" \
+        in result.stderr, result.stderr[-3000:]

@@ -57,3 +57,21 @@ def test_uncompressed_files_and_missing_data_message(tmp_path):
     assert ok.returncode == 0, ok.stderr[-3000:]
     missing = run_train(*MNIST, "--data", tmp_path / "nothing", "--max-sentences", 16, "--no-save")
     assert missing.returncode == 2 and "not a directory" in missing.stderr
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bit-flipped"])
+def test_corrupt_gzipped_idx_file_is_named(tmp_path, damage):
+    data = tmp_path / "data"
+    make_demo_data.main(["--out", str(data), "--train", "64", "--test", "16"])
+    bad = data / "train-images-idx3-ubyte.gz"
+    raw = bytearray(bad.read_bytes())
+    if damage == "truncated":
+        raw = raw[:len(raw) // 2]
+    else:
+        raw[len(raw) // 2] ^= 0x10            # one bit inside the deflate stream
+    bad.write_bytes(bytes(raw))
+    result = run_train(*MNIST, "--data", data, "--max-sentences", 16, "--max-update", 1,
+                       "--no-save")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"{bad} is corrupt or truncated" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr

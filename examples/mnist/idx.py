@@ -6,6 +6,7 @@ dimension as a big-endian int32; the data follows in C order.
 
 import gzip
 import struct
+import zlib
 
 import numpy as np
 
@@ -18,8 +19,12 @@ def _open(path, mode):
 
 
 def read_idx(path):
-    with _open(path, "rb") as f:
-        raw = f.read()
+    try:
+        with _open(path, "rb") as f:
+            raw = f.read()
+    except (EOFError, gzip.BadGzipFile, zlib.error) as err:   # truncated, bad CRC
+        raise ValueError(f"{path} is corrupt or truncated ({type(err).__name__}: {err}); "
+                         "download or create it again") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _DTYPES:
         raise ValueError(f"{path} is not an IDX file (bad magic number {raw[:4].hex()})")
     ndim = raw[3]

@@ -53,8 +53,20 @@ def find_shards(folder, split, num_files=0):
     return [os.path.join(folder, name) for name in chosen]
 
 
+def _read(path, f, key, rows=()):
+    """``f[key][rows]``; a corrupt chunk is named with the shard and the dataset
+    (h5py alone says only 'filter returned failure during read')."""
+    try:
+        return f[key][rows]
+    except OSError as err:
+        raise UserError(f"{path}: dataset '{key}' cannot be read ({err}); the shard is corrupt: "
+                        "copy or create it again") from None
+
+
 def _shard_rows(path):
-    """Rows in one shard, after checking its keys and shapes (metadata only)."""
+    """Rows in one shard, after checking its keys and shapes and reading the
+    first chunk of every dataset (cheap; a corrupt chunk later in the shard is
+    named when the shard is first read)."""
     try:
         with h5py.File(path, "r") as f:
             missing = [key for key in KEYS if key not in f]
@@ -62,6 +74,8 @@ def _shard_rows(path):
                 raise UserError(f"{path} lacks datasets {missing}; expected NVIDIA's BERT HDF5 "
                                 f"keys {list(KEYS)}")
             shapes = {key: f[key].shape for key in KEYS}
+            for key in KEYS:
+                _read(path, f, key, slice(0, 1))
     except OSError as err:
         raise UserError(f"{path} is not a readable HDF5 file ({err})") from None
     rows = shapes["input_ids"][0]
@@ -70,12 +84,26 @@ def _shard_rows(path):
     return rows, shapes
 
 
+def _check_token_ids(path, arrays, vocab_size):
+    """Token ids must index the vocab: an id past it fails deep in the embedding
+    ('index out of range in self') without naming the shard."""
+    for key in ("input_ids", "masked_lm_ids"):
+        ids = arrays[key]
+        if ids.size and (ids.max() >= vocab_size or ids.min() < 0):
+            bad = int(ids.max() if ids.max() >= vocab_size else ids.min())
+            raise UserError(f"{path}: dataset '{key}' holds token id {bad}, outside the vocab "
+                            f"of {vocab_size} (ids 0..{vocab_size - 1}): the shard was made with "
+                            "another vocab; pass the --dict and --config_file it was made with, "
+                            "or create the shards again")
+
+
 class BertH5Dataset(Dataset):
     """All shards of one split as one dataset. ``__getitem__`` returns the index;
     ``collater`` reads a whole batch at once (vectorised)."""
 
-    def __init__(self, files, max_pred_length=None, cached_shards=2):
+    def __init__(self, files, max_pred_length=None, cached_shards=2, vocab_size=None):
         self.files = list(files)
+        self.vocab_size = vocab_size
         rows, shapes = zip(*(_shard_rows(path) for path in self.files))
         self.shard_sizes = list(rows)
         self.offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
@@ -103,8 +131,12 @@ class BertH5Dataset(Dataset):
         if shard in self._cache:
             self._cache.move_to_end(shard)
         else:
-            with h5py.File(self.files[shard], "r") as f:
-                self._cache[shard] = {key: f[key][()] for key in KEYS}
+            path = self.files[shard]
+            with h5py.File(path, "r") as f:
+                arrays = {key: _read(path, f, key) for key in KEYS}
+            if self.vocab_size:
+                _check_token_ids(path, arrays, self.vocab_size)
+            self._cache[shard] = arrays
             while len(self._cache) > self.cached_shards:
                 self._cache.popitem(last=False)
         return self._cache[shard]

@@ -63,7 +63,7 @@ class BertTask(Task):
         if split == "valid" and not any("valid" in f for f in _shard_names(self.args.data)):
             name = "test"
         return BertH5Dataset(find_shards(self.args.data, name, self.args.num_file),
-                             self.args.max_pred_length)
+                             self.args.max_pred_length, vocab_size=self.config.vocab_size)
 
     def build_model(self):
         model = BertForPreTraining(self.config)
