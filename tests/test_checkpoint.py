@@ -275,3 +275,13 @@ def test_rank_killed_by_a_signal_gives_exit_3_not_the_signal_number():
         proc.kill()
     assert proc.returncode == 3, out[-3000:]
     assert "was killed by signal SIGKILL" in out, out[-3000:]
+
+
+def test_killed_rank_zero_is_named_without_a_cpp_stack_dump():
+    procs = endless_pair(timeout=20)
+    procs[0].send_signal(signal.SIGKILL)
+    out, _ = procs[1].communicate(timeout=60)
+    procs[0].wait()
+    assert procs[1].returncode == 3, out[-3000:]
+    assert "lost rank 0 (" in out, out[-3000:]
+    assert "frame #" not in out and "Exception raised from" not in out, out[-3000:]
