@@ -285,3 +285,28 @@ def test_killed_rank_zero_is_named_without_a_cpp_stack_dump():
     assert procs[1].returncode == 3, out[-3000:]
     assert "lost rank 0 (" in out, out[-3000:]
     assert "frame #" not in out and "Exception raised from" not in out, out[-3000:]
+
+
+def test_node_that_stops_on_its_own_error_ends_the_job_at_once():
+    # Node 1 stops with a user error (exit 2) mid-run; node 0 must not wait
+    # for --distributed-timeout (60 s here) to notice.
+    url = f"tcp://127.0.0.1:{free_port()}"
+    common = [*TOY, "--max-sentences", 8, "--max-update", 100000, "--no-save",
+              "--disable-validation", "--distributed-world-size", 2, "--distributed-gpus", 1,
+              "--distributed-init-method", url, "--distributed-timeout", 60]
+    start = time.time()
+    (code0, out0), (code1, out1) = run_nodes([[*common, "--distributed-rank", 0],
+                                               [*common, "--distributed-rank", 1,
+                                                "--toy-fail-after", 20]])
+    assert code1 == 2 and "this node's data ends" in out1, out1[-3000:]
+    assert code0 == 3 and "lost rank 1 (" in out0, out0[-3000:]
+    assert time.time() - start < 40, (out0 + out1)[-3000:]
+
+
+def test_resume_with_the_same_plan_does_not_log_a_change(tmp_path):
+    run = [*TOY, "--max-sentences", 8, "--disable-validation", "--save-dir", tmp_path,
+           "--distributed-world-size", 2]
+    assert run_train(*run, "--max-update", 2).returncode == 0
+    result = run_train(*run, "--max-update", 4)
+    assert result.returncode == 0 and "resumed from" in result.stderr, result.stderr[-3000:]
+    assert "capacity plan changed" not in result.stderr, result.stderr[-3000:]

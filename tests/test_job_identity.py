@@ -90,3 +90,11 @@ def test_two_jobs_on_one_file_path_do_not_merge(tmp_path):
     assert b0.returncode == 2 and "refused by the job" in outs[2], outs[2][-3000:]
     assert a0.returncode == 0 and a1.returncode == 0, (outs[0] + outs[1])[-3000:]
     assert "global batch 16" in outs[0], outs[0][-3000:]
+
+
+def test_nodes_on_different_code_are_told_so():
+    base = toy_identity()
+    other = {**base, "hetseq_code": "0123456789abcdef"}
+    text = identity.differences(other, base)
+    assert text.startswith("HetSeq's code (install the same version on every node) "
+                           "'0123456789abcdef' here"), text

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from hetseq.errors import UserError
 from hetseq.tasks import Task, register_task
 
 
@@ -31,7 +32,8 @@ class ToyData(Dataset):
 class ToyTask(Task):
     # Each simulates something about one node (a slow device, a bug on one rank).
     per_node_flags = frozenset({"toy_slow_rank", "toy_slow_ms", "toy_slow_after",
-                                "toy_perturb_after", "toy_nan_grad_after", "toy_log_indices"})
+                                "toy_perturb_after", "toy_nan_grad_after", "toy_log_indices",
+                                "toy_fail_after"})
     @classmethod
     def add_args(cls, parser):
         parser.add_argument("--toy-size", type=int, default=100, help="samples in the train split")
@@ -50,6 +52,9 @@ class ToyTask(Task):
         parser.add_argument("--toy-nan-grad-after", type=int, default=0,
                             help="after N train_step calls, rank 1's gradients are NaN while "
                                  "its loss stays finite")
+        parser.add_argument("--toy-fail-after", type=int, default=0,
+                            help="after N train_step calls, this node stops with a user error "
+                                 "(as on data only this node holds)")
         parser.add_argument("--toy-log-indices", metavar="PATH",
                             help="append the indices each rank trains to PATH.<rank>")
         parser.add_argument("--toy-plain-backward", action="store_true",
@@ -80,6 +85,8 @@ class ToyTask(Task):
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if rank == self.args.toy_slow_rank and self.calls > self.args.toy_slow_after:
             time.sleep(self.args.toy_slow_ms / 1000 * len(sample["x"]))   # a slower device
+        if self.args.toy_fail_after and self.calls > self.args.toy_fail_after:
+            raise UserError(f"toy: this node's data ends at call {self.calls}")
         if self.args.toy_log_indices and getattr(backward, "weight", 1):   # not padding
             with open(f"{self.args.toy_log_indices}.{rank}", "a") as log:
                 log.write(" ".join(map(str, sample["index"].tolist())) + "\n")
