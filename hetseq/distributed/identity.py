@@ -4,9 +4,9 @@ Nodes are started by hand, by different people, from different shells. Two
 jobs on one ``file://`` path, or one node started with another ``--seed`` or
 ``--max-epoch``, would otherwise train together and silently damage the run
 (samples trained twice or never, a node waiting for one that stopped). So
-each node presents the flags that define the job at rendezvous; the first
-node to arrive sets them, and a node whose flags differ is refused, before it
-claims a rank, with the flags that differ named.
+each node presents the flags that define the job at rendezvous; rank 0 sets
+them, and a node whose flags differ is refused, before it claims a rank,
+with the flags that differ named.
 
 What may differ per node is listed in PER_NODE (README: "Checked across
 nodes"). A flag that names a file (a model config, a vocab) is compared by
@@ -19,6 +19,7 @@ import functools
 import hashlib
 import json
 import os
+import time
 
 import hetseq
 from hetseq.errors import UserError
@@ -92,14 +93,26 @@ def differences(mine, theirs):
                      for k in keys if mine.get(k) != theirs.get(k))
 
 
-def present(store, identity, rank, url, who):
-    """Join the job at ``store`` with ``identity``, or refuse: the first node to
-    arrive sets it (an atomic compare-and-set), later ones must match it."""
+def present(store, identity, rank, url, who, deadline):
+    """Join the job at ``store`` with ``identity``, or refuse. Rank 0 defines the
+    job (the first rank 0 to arrive, by an atomic compare-and-set; it serves a
+    TCP store, so the job is where it is); other ranks wait for it until
+    ``deadline`` and must match it."""
     mine = json.dumps(identity, sort_keys=True)
-    held = store.compare_set("hetseq/job", "", mine).decode()
-    if held == mine:
-        store.compare_set("hetseq/job-by", "", who)   # the first to arrive, for messages
-        return
+    if rank == 0:
+        held = store.compare_set("hetseq/job", "", mine).decode()
+        if held == mine:
+            store.compare_set("hetseq/job-by", "", who)
+            return
+    else:
+        while not store.check(["hetseq/job"]):
+            if time.monotonic() > deadline:
+                raise UserError(f"rank {rank} waited at {url} for rank 0, which defines the job, "
+                                "until --distributed-timeout: start it, or check the address")
+            time.sleep(0.05)
+        held = store.get("hetseq/job").decode()
+        if held == mine:
+            return
     founder = store.get("hetseq/job-by").decode() if store.check(["hetseq/job-by"]) else "?"
     raise UserError(
         f"rank {rank} refused by the job at {url} (started by {founder}): its flags differ: "

@@ -171,12 +171,18 @@ def init_process_group(topology, rank, timeout_s, interface=None, job=None):
     timeout = datetime.timedelta(seconds=timeout_s)
     url, world = topology.init_method, topology.world_size
     store = open_store(url, rank, world, timeout, topology.store_hosted)
-    refuse_stale(store, world, url)
-    if job is not None:
-        identity.present(store, job, rank, url, f"{socket.gethostname()} pid {os.getpid()}")
     master = master_host(url)
     binding = network.choose(master, interface, topology.backend)
-    claim_rank(store, rank, world, url, binding.address)
+    try:
+        refuse_stale(store, world, url)
+        if job is not None:
+            identity.present(store, job, rank, url, f"{socket.gethostname()} pid {os.getpid()}",
+                             time.monotonic() + timeout_s)
+        claim_rank(store, rank, world, url, binding.address)
+    except dist.DistError as err:
+        raise UserError(f"lost the meeting point {url} while joining: the process serving it "
+                        f"(rank 0) has stopped ({str(err).splitlines()[0]}); see rank 0's "
+                        "message") from None
     try:
         return _meet(store, topology, rank, timeout, binding, master)
     except UserError:
