@@ -59,7 +59,8 @@ def code_digest():
         for name in sorted(f for f in files if f.endswith(".py")):
             path = os.path.join(folder, name)
             digest.update(os.path.relpath(path, root).encode())
-            digest.update(open(path, "rb").read())
+            with open(path, "rb") as source:
+                digest.update(source.read())
     return digest.hexdigest()[:16]
 
 
