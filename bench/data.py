@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hetseq.data import GlobalBatches, GlobalBatchIterator  # noqa: E402
-from hetseq.data.bert_hdf5 import BertH5Dataset, find_shards  # noqa: E402
-from hetseq.models import BertConfig, BertForPreTraining  # noqa: E402
+from hetseq.bert.pretraining_data import BertH5Dataset, find_shards  # noqa: E402
+from hetseq.bert import BertConfig, BertForPreTraining  # noqa: E402
 
 SEQ, PRED, VOCAB, PER_FILE = 128, 20, 30522, 100_000
 

@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hetseq.data.bert_default import MODEL, VOCAB_SIZE  # noqa: E402
-from hetseq.models.bert import BertConfig, BertForPreTraining  # noqa: E402
+from hetseq.bert.demo import MODEL, VOCAB_SIZE  # noqa: E402
+from hetseq.bert.model import BertConfig, BertForPreTraining  # noqa: E402
 from hetseq.testing import cluster as netns  # noqa: E402
 
 RATES = {"100mbit": 0.1e9, "1gbit": 1e9, "10gbit": 10e9}   # bits per second

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hetseq.data.bert_default import MODEL, VOCAB_SIZE
-from hetseq.models.bert import BertConfig, BertForPreTraining
+from hetseq.bert.demo import MODEL, VOCAB_SIZE
+from hetseq.bert.model import BertConfig, BertForPreTraining
 
 
 def timed_all_reduce(size_bytes, reps):

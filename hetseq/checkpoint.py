@@ -27,7 +27,7 @@ FORMAT = "hetseq-checkpoint-1"
 
 def add_args(group):
     group.add_argument("--save-dir", default="checkpoints", metavar="DIR",
-                       help="where checkpoints go (default: checkpoints)")
+                       help="where checkpoints go (default: %(default)s)")
     group.add_argument("--restore-file", default="checkpoint_last.pt", metavar="FILE",
                        help="checkpoint to resume from, relative to --save-dir unless absolute "
                             "(default: checkpoint_last.pt; a missing file starts afresh)")
@@ -43,9 +43,14 @@ def add_args(group):
     group.add_argument("--no-epoch-checkpoints", action="store_true",
                        help="keep only checkpoint_last.pt (and _best), not checkpoint<EPOCH>.pt")
     group.add_argument("--best-checkpoint-metric", default="loss", metavar="NAME",
-                       help="validation metric that picks checkpoint_best.pt (default: loss)")
-    group.add_argument("--maximize-best-checkpoint-metric", action="store_true",
-                       help="a larger --best-checkpoint-metric is better (e.g. accuracy)")
+                       help="validation metric that picks checkpoint_best.pt "
+                            "(default: %(default)s)")
+    group.add_argument("--maximize-best-checkpoint-metric", action="store_true", default=None,
+                       help="a larger --best-checkpoint-metric is better; without the flag, "
+                            "larger is better for every metric but a loss (accuracy, f1, ...)")
+    group.add_argument("--export-hf", metavar="DIR",
+                       help="at the end of training, write the model (the best checkpoint's "
+                            "when there is one) as a Hugging Face folder (tasks bert, glue)")
     for part in ("optimizer", "lr-scheduler", "dataloader", "meters"):
         group.add_argument(f"--reset-{part}", action="store_true",
                            help=f"on resume, do not load the {part.replace('-', ' ')} state")
@@ -255,6 +260,13 @@ class Checkpointer:
         prune(folder, r"checkpoint(\d+)\.pt", self.args.keep_last_epochs)
         logger.info("saved %s (%d updates)%s", last, updates,
                     "".join(f", {name}" for name in copies))
+
+    def best_model_state(self):
+        """The model of checkpoint_best.pt (rank 0; None elsewhere or when there is none)."""
+        path = os.path.join(self.args.save_dir, "checkpoint_best.pt")
+        if self.args.no_save or not self.ctx.is_main or not os.path.exists(path):
+            return None
+        return load(path)["controller"]["model"]
 
     def _improves(self, metric):
         if self.best is None:

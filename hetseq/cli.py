@@ -52,7 +52,8 @@ def add_dataset_args(parser):
                        help="data-loader worker processes per rank (default: 0)")
     group.add_argument("--max-sentences", "--batch-size", type=int, metavar="N",
                        help="samples per step on each rank of this node; the global batch is "
-                            "the sum over all ranks (nodes may pass different values)")
+                            "the sum over all ranks (nodes may pass different values) "
+                            "(default: %(default)s)")
     group.add_argument("--max-sentences-valid", type=int, metavar="N",
                        help="validation batch per rank (default: --max-sentences)")
     group.add_argument("--max-tokens", type=int, metavar="N",
@@ -114,20 +115,20 @@ def add_distributed_args(parser):
 def add_training_args(parser):
     group = parser.add_argument_group("Training")
     group.add_argument("--max-epoch", "--me", type=int, default=0, metavar="N",
-                       help="stop after N epochs (0: no limit)")
+                       help="stop after N epochs (0: no limit; default: %(default)s)")
     group.add_argument("--max-update", "--mu", type=int, default=0, metavar="N",
-                       help="stop after N updates (0: no limit)")
+                       help="stop after N updates (0: no limit; default: %(default)s)")
     group.add_argument("--update-freq", type=_int_list, default=[1], metavar="N1,N2,...",
                        help="global batches per update (gradient accumulation); "
                             "a list gives one value per epoch, the last repeats (default: 1)")
     group.add_argument("--lr", "--learning-rate", type=_float_list, default=[0.25],
                        metavar="LR_1,LR_2,...",
                        help="peak learning rate; the fixed schedule reads one per epoch "
-                            "(default: 0.25)")
+                            "(default: %(default)s)")
     group.add_argument("--clip-norm", type=float, default=25.0, metavar="NORM",
                        help="clip the gradient norm to this (0: off, and the norm is then "
                             "measured only for updates that are logged or go to TensorBoard; "
-                            "default: 25)")
+                            "default: %(default)s)")
     group.add_argument("--max-nan-updates", type=int, default=10, metavar="N",
                        help="stop after N updates in a row with a non-finite loss or gradient "
                             "(each is skipped; default: 10)")
@@ -150,7 +151,19 @@ def build_parser(task_cls=None):
     checkpoint.add_args(parser.add_argument_group("Checkpoints"))
     if task_cls is not None:
         task_cls.add_args(parser.add_argument_group(f"Task '{task_cls.registered_name}'"))
+        set_task_defaults(parser, task_cls)
     return parser
+
+
+def set_task_defaults(parser, task_cls):
+    """The task's own defaults replace the general ones (and show in --help);
+    a flag on the command line still wins."""
+    dests = {action.dest for action in parser._actions}
+    unknown = sorted(set(task_cls.defaults) - dests)
+    if unknown:
+        raise ValueError(f"task '{task_cls.registered_name}' sets defaults for unknown "
+                         f"options {unknown}; use argparse dest names, e.g. 'max_sentences'")
+    parser.set_defaults(**task_cls.defaults)
 
 
 def parse_args(argv=None):
@@ -191,6 +204,8 @@ def check_args(args):
         raise UserError(f"--distributed-timeout {args.distributed_timeout}: expected seconds > 0")
     OPTIMIZERS.get(args.optimizer)        # unknown names list the registered ones
     SCHEDULERS.get(args.lr_scheduler)
+    if args.maximize_best_checkpoint_metric is None:   # as HF: larger is better but for a loss
+        args.maximize_best_checkpoint_metric = not args.best_checkpoint_metric.endswith("loss")
     if args.log_format != "tqdm":
         args.no_progress_bar = True
     return args

@@ -201,6 +201,11 @@ class Controller:
 
     # ---- state ----
 
+    def set_horizon(self, planned):
+        """Tell the LR schedule how many updates the run plans (see lr_scheduler)."""
+        self.lr_scheduler.set_horizon(planned)
+        self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
+
     def set_epoch(self, epoch):
         self.lr_scheduler.set_epoch(epoch)
         self.lr = self.lr_scheduler.step_update(self.num_updates + 1)

@@ -13,6 +13,10 @@ an update and ride inside DDP's own gradient all-reduce, through a
 copy. Otherwise (a task calling ``backward(loss)``, validation, one process,
 ``--find-unused-parameters``) they are all-reduced on their own afterwards, in
 float64. The numbers are the same either way, up to float32 rounding.
+
+A log value wrapped in ``Gathered`` is not summed: its rows are collected
+from every micro-batch and rank (one all-gather after the sum), for metrics
+that no sum carries, such as a rank correlation over the whole dev set.
 """
 
 import time
@@ -21,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from hetseq.distributed.collectives import all_gather_object
 
 _ENGINE = torch.autograd.Variable._execution_engine
 
@@ -107,6 +113,15 @@ def _to_device(tensor, device):
     return tensor.to(device, non_blocking=True)
 
 
+class Gathered:
+    """A log value of per-sample rows, gathered from every rank instead of
+    summed; the task's ``reduce_metrics`` receives all rows of all ranks, in
+    rank order. Costs one all-gather: meant for validation."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+
 class StatsExchange:
     SLOTS = 3   # per rank: compute seconds, samples, parameter checksum
 
@@ -116,13 +131,26 @@ class StatsExchange:
         self.carrier = carrier      # a Carrier when DDP can take the vector along
         self._carried = False
         self.totals = {}
+        self.gathered = {}          # key -> list of row tensors (see Gathered)
         self._keys = None
         self._vec = None
 
     def add(self, loss, sample_size, logs, weight=1.0):
         totals = self.totals
         for key, value in (*logs.items(), ("loss", loss), ("sample_size", sample_size)):
+            if isinstance(value, Gathered):
+                if weight:   # a padding batch (weight 0) brings no rows
+                    self.gathered.setdefault(key, []).append(value.rows.detach().cpu())
+                else:
+                    self.gathered.setdefault(key, [])
+                continue
             totals[key] = totals.get(key, 0.0) + weight * _readable(value)
+
+    def clear(self):
+        """Zero every value but keep the keys, so that every rank, even one
+        without samples, sends a vector of the same layout."""
+        self.totals = {key: 0.0 * value for key, value in self.totals.items()}
+        self.gathered = {key: [] for key in self.gathered}
 
     def _build(self):
         """The vector: a list of floats, or a float64 tensor when some values
@@ -167,7 +195,16 @@ class StatsExchange:
             values = values.tolist()
         k, W = len(self._keys), self.ctx.world_size
         slots = [values[k + i * W:k + (i + 1) * W] for i in range(self.SLOTS)]
-        return dict(zip(self._keys, values[:k])), slots
+        return {**dict(zip(self._keys, values[:k])), **self._gather()}, slots
+
+    def _gather(self):
+        if not self.gathered:
+            return {}
+        local = {key: torch.cat(rows) if rows else None for key, rows in self.gathered.items()}
+        parts = all_gather_object(local, self.ctx)
+        return {key: torch.cat([part[key] for part in parts if part.get(key) is not None])
+                if any(part.get(key) is not None for part in parts) else torch.zeros(0)
+                for key in sorted(local)}
 
 
 class Backward:

@@ -17,7 +17,8 @@ from hetseq.logging.meters import Meters, RateMeter
 from hetseq.logging.progress import Progress
 from hetseq.logging.tensorboard import TensorBoard
 from hetseq.stats import StatsExchange
-from hetseq.tasks import TASKS, import_builtin_tasks, import_user_dir
+from hetseq.optim.lr_scheduler import planned_updates
+from hetseq.tasks import TASKS, Task, import_builtin_tasks, import_user_dir
 from hetseq.utils import set_seed
 
 logger = logging.getLogger("hetseq.train")
@@ -28,26 +29,30 @@ def main(argv=None):
     try:
         args = cli.parse_args(argv)
         task_cls = TASKS.get(args.task)
-        launch(args, train_worker, identity=job_identity(args, task_cls.per_node_flags))
+        inputs = task_cls.resolve_inputs(args)
+        launch(args, train_worker, inputs, identity=job_identity(args, task_cls.per_node_flags))
     except (HetSeqError, WorkerFailed) as err:
         logger.error("%s", err)
         exit_now(err.exit_code)
 
 
-def train_worker(args, ctx):
-    """Everything one rank does."""
+def train_worker(args, ctx, inputs=None):
+    """Everything one rank does (``inputs``: what the task's resolve_inputs chose)."""
     import_builtin_tasks()
     import_user_dir(args.user_dir)   # a spawned process starts with an empty registry
-    Run(args, ctx).train()
+    Run(args, ctx, inputs).train()
 
 
 class Run:
     """One rank's training run: task, model, controller, data and outputs."""
 
-    def __init__(self, args, ctx):
+    def __init__(self, args, ctx, inputs=None):
         self.args, self.ctx = args, ctx
         set_seed(args.seed)
-        self.task = TASKS.get(args.task)(args)
+        self.task = TASKS.get(args.task)(args, inputs)
+        if args.export_hf and type(self.task).export_hf is Task.export_hf:
+            raise UserError(f"--export-hf: task '{args.task}' cannot write a Hugging Face "
+                            "folder (tasks that can: bert, glue)")
         self.controller = Controller(args, self.task, self.task.build_model(), ctx)
         dataset = self.load(args.train_subset)
         self.plan, self.devices = capacity.make_plan(args, ctx, self.controller, dataset,
@@ -56,11 +61,22 @@ class Run:
         self.rebalancer = (capacity.Rebalancer(self.plan)
                            if args.capacity == "auto" and not args.no_rebalance else None)
         self.train_data = self.make_iterator(dataset, self.plan.batch_sizes, shuffle=True)
+        self.plan_schedule()
         self.valid_data = {}   # split -> iterator, built on first validation
         self.tensorboard = TensorBoard(args.tensorboard_logdir, ctx.is_main)
         self.meters = Meters()
         self.checkpointer = checkpoint.Checkpointer(args, ctx)
         self.checkpointer.restore(self)
+
+    def plan_schedule(self):
+        """Give the LR schedule the run's length when the flags leave it open."""
+        planned = planned_updates(self.args, len(self.train_data.batches))
+        if planned and not self.args.total_num_update:
+            self.controller.set_horizon(planned)
+        scheduler = self.controller.lr_scheduler
+        if self.ctx.is_main and planned:
+            logger.info("LR schedule %s: %d planned updates, warm-up %d", self.args.lr_scheduler,
+                        planned, scheduler.warmup)
 
     # ---- state ----
 
@@ -138,6 +154,20 @@ class Run:
                 self.checkpointer.save(self, epoch if end_of_epoch else None, metric)
         logger.info("done: %s", self.stop_reason())
         self.tensorboard.close()
+        if self.args.export_hf:
+            self.export()
+
+    def export(self):
+        """--export-hf: the best checkpoint's model when there is one, else the last."""
+        best = self.checkpointer.best_model_state()
+        if not self.ctx.is_main:
+            return
+        model = self.controller.model
+        if best is not None:
+            model.load_state_dict(best)
+            logger.info("exporting the best checkpoint (%s %s)", self.args.best_checkpoint_metric,
+                        self.checkpointer.best)
+        self.task.export_hf(model, self.args.export_hf)
 
     def stop_reason(self):
         args, controller = self.args, self.controller
@@ -207,7 +237,7 @@ class Run:
             # so every rank all-reduces a vector of the same layout.
             stats = StatsExchange(self.ctx)
             self.controller.valid_step(data.dummy_batch(), stats)
-            stats.totals = {key: 0.0 * value for key, value in stats.totals.items()}
+            stats.clear()
             for step in data.next_epoch_itr():
                 for sample in step:
                     if sample is not None:

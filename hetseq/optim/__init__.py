@@ -90,7 +90,7 @@ def add_optimization_args(parser):
                        help=f"one of: {', '.join(OPTIMIZERS.names())} ('adam' is AdamW, "
                             "as in HetSeq/fairseq) (default: %(default)s)")
     group.add_argument("--weight-decay", "--wd", "--dadelta_weight_decay", type=float,
-                       default=0.0, metavar="WD", help="weight decay (default: 0)")
+                       default=0.0, metavar="WD", help="weight decay (default: %(default)s)")
     for _, factory in OPTIMIZERS.items():
         factory.add_args(group)
     group = parser.add_argument_group("Learning-rate schedule")

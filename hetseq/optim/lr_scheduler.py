@@ -10,13 +10,22 @@ import math
 from hetseq.errors import UserError
 from hetseq.registry import Registry
 
+DEFAULT_TOTAL = 1000000   # decay horizon when nothing tells the run's length
+
 
 def add_shared_args(group):
     """Flags every schedule reads."""
     group.add_argument("--warmup-updates", type=int, default=0, metavar="N",
-                       help="increase the LR linearly over the first N updates (default: 0)")
-    group.add_argument("--total-num-update", type=int, default=1000000, metavar="N",
-                       help="updates over which polynomial_decay/cosine decay (default: %(default)s)")
+                       help="increase the LR linearly over the first N updates "
+                            "(default: %(default)s)")
+    group.add_argument("--warmup-ratio", type=float, default=None, metavar="F",
+                       help="warm up over this fraction of the planned updates, instead of "
+                            "--warmup-updates (as Hugging Face's warmup_ratio; "
+                            "default: %(default)s)")
+    group.add_argument("--total-num-update", type=int, default=None, metavar="N",
+                       help="updates over which polynomial_decay/cosine decay; default: the "
+                            "planned updates (--max-update, else --max-epoch epochs of the "
+                            f"data), else {DEFAULT_TOTAL}")
     group.add_argument("--end-learning-rate", type=float, default=0.0,
                        help="LR reached at --total-num-update (default: 0)")
     group.add_argument("--min-lr", type=float, default=-1.0, metavar="LR",
@@ -32,10 +41,20 @@ class LRScheduler:
         self.args = args
         self.optimizer = optimizer
         self.peak_lr = args.lr[0]
-        self.warmup = args.warmup_updates
-        if self.warmup < 0:
-            raise UserError(f"--warmup-updates {self.warmup}: expected a number >= 0")
+        if args.warmup_updates < 0:
+            raise UserError(f"--warmup-updates {args.warmup_updates}: expected a number >= 0")
+        if args.warmup_ratio is not None and not 0 <= args.warmup_ratio < 1:
+            raise UserError(f"--warmup-ratio {args.warmup_ratio}: expected a fraction in [0, 1)")
         self.epoch = 1
+        self.set_horizon(args.total_num_update or args.max_update or DEFAULT_TOTAL)
+
+    def set_horizon(self, planned):
+        """The number of updates the run plans: the decay's end, when
+        --total-num-update is not given, and the base of --warmup-ratio."""
+        ratio = self.args.warmup_ratio
+        self.warmup = self.args.warmup_updates if ratio is None else round(ratio * planned)
+        # One past the last update: its LR is not yet the end value (as HF's linear decay).
+        self.total = self.args.total_num_update or planned + 1
 
     def lr_at(self, update):
         raise NotImplementedError
@@ -60,6 +79,18 @@ class LRScheduler:
         self.epoch = state["epoch"]
 
 
+def planned_updates(args, steps_per_epoch):
+    """Updates the run will make: --max-update, else --max-epoch epochs of
+    ``steps_per_epoch`` global batches (with --update-freq), else None."""
+    if args.max_update:
+        return args.max_update
+    if not args.max_epoch:
+        return None
+    freqs = args.update_freq
+    return sum(math.ceil(steps_per_epoch / freqs[min(epoch, len(freqs)) - 1])
+               for epoch in range(1, args.max_epoch + 1))
+
+
 SCHEDULERS = Registry("LR scheduler", base=LRScheduler)
 register_lr_scheduler = SCHEDULERS.register
 
@@ -68,12 +99,14 @@ class _DecayToEnd(LRScheduler):
     """Warm up, then decay from the peak to --end-learning-rate at --total-num-update."""
 
     def __init__(self, args, optimizer):
-        super().__init__(args, optimizer)
         self.end_lr = args.end_learning_rate
-        self.total = args.total_num_update
+        super().__init__(args, optimizer)
+
+    def set_horizon(self, planned):
+        super().set_horizon(planned)
         if self.total <= self.warmup:
-            raise UserError(f"--total-num-update {self.total} must exceed --warmup-updates "
-                            f"{self.warmup}; set it to the planned number of updates")
+            raise UserError(f"--total-num-update {self.total} must exceed the {self.warmup} "
+                            "warm-up updates; set it to the planned number of updates")
 
     def lr_at(self, update):
         if update <= self.warmup:

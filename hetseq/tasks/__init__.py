@@ -19,7 +19,7 @@ TASKS = Registry("task", base=Task, hint="; tasks of your own load with --user-d
 register_task = TASKS.register
 
 # Built-in tasks register themselves on import.
-_BUILTIN_MODULES = ("hetseq.tasks.bert",)
+_BUILTIN_MODULES = ("hetseq.tasks.bert", "hetseq.tasks.glue")
 
 
 def import_builtin_tasks():
@@ -43,7 +43,9 @@ def import_user_dir(path):
     parent, name = os.path.split(path)
     module = sys.modules.get(name)
     if module is not None:
-        if os.path.dirname(os.path.abspath(getattr(module, "__file__", "") or "")) == path:
+        # A package knows its folder by __path__; a plain folder (a namespace
+        # package) has no __file__ at all.
+        if path in {os.path.abspath(p) for p in getattr(module, "__path__", [])}:
             return
         raise UserError(f"--user-dir {path}: a different module named '{name}' is already "
                         "imported; rename the directory")

@@ -9,23 +9,40 @@ averages the masked-LM loss over all masked tokens of a batch, which depends
 on the batch; both agree when sequences have equally many masked tokens.)
 The token-level masked-LM loss and accuracy are reported too.
 
-Without ``--data`` the task builds (once) a small default corpus from Python's
-own documentation, with its own vocab and a 4-layer BERT config.
+Without ``--data`` the task trains on the built-in demo: a small corpus from
+Python's own documentation, with its own vocab and a 4-layer BERT config
+(``hetseq/bert/demo.py``), chosen in ``resolve_inputs`` and logged.
 """
 
+import dataclasses
 import logging
 import os
 
 import torch.nn.functional as F
 
-from hetseq.data.bert_default import ensure_default_data
-from hetseq.data.bert_hdf5 import BertH5Dataset, find_shards
+from hetseq.bert import demo
+from hetseq.bert.hf import export_hf, load_hf_weights
+from hetseq.bert.model import BertConfig, BertForPreTraining
+from hetseq.bert.pretraining_data import BertH5Dataset, find_shards
+from hetseq.bert.tokenizer import WordPiece
 from hetseq.errors import UserError
-from hetseq.models.bert import BertConfig, BertForPreTraining
-from hetseq.models.hf_weights import load_hf_weights
 from hetseq.tasks import Task, register_task
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BertInputs:
+    data: str
+    config: str
+    vocab: str = None
+
+    @classmethod
+    def from_flags(cls, args):
+        if args.data is None or not args.config_file:
+            raise UserError("--task bert needs --config_file (a bert_config.json) with --data; "
+                            "without both it trains the built-in demo")
+        return cls(args.data, args.config_file, args.dict)
 
 
 @register_task("bert")
@@ -44,25 +61,34 @@ class BertTask(Task):
                             help="start from Hugging Face BERT weights (a folder with "
                                  "model.safetensors or pytorch_model.bin, or the file)")
 
-    def __init__(self, args):
-        super().__init__(args)
-        if args.data is None:
-            default = ensure_default_data()
-            args.data = default.data
-            args.dict = args.dict or default.vocab
-            args.config_file = args.config_file or default.config
-        if not args.config_file:
-            raise UserError("--task bert needs --config_file (a bert_config.json) with --data")
-        self.config = BertConfig.from_json(args.config_file)
-        if args.dict:
-            check_vocab(args.dict, self.config, args.config_file)
+    # BERT's recipe (Adam, linear decay, 1% warm-up, clipping at 1) at a rate
+    # that suits a batch of 32 per rank.
+    defaults = {"max_sentences": 32, "optimizer": "adam", "lr": [1e-4], "warmup_ratio": 0.01,
+                "lr_scheduler": "polynomial_decay", "weight_decay": 0.01, "clip_norm": 1.0,
+                "max_epoch": 1, "save_dir": demo.PRETRAINING_SAVE_DIR}
+
+    @classmethod
+    def resolve_inputs(cls, args):
+        if args.data is not None:
+            return BertInputs.from_flags(args)
+        default = demo.pretraining_data()
+        logger.info("no --data: pretraining on the built-in demo corpus %s (vocab %s, config %s)",
+                    default.data, args.dict or default.vocab, args.config_file or default.config)
+        return BertInputs(default.data, args.config_file or default.config,
+                          args.dict or default.vocab)
+
+    def __init__(self, args, inputs=None):
+        super().__init__(args, inputs or BertInputs.from_flags(args))
+        self.config = BertConfig.from_json(self.inputs.config)
+        if self.inputs.vocab:
+            check_vocab(self.inputs.vocab, self.config, self.inputs.config)
 
     def load_dataset(self, split):
         # NVIDIA's recipe names its held-out shards "test": "valid" falls back to them.
         name = split
-        if split == "valid" and not any("valid" in f for f in _shard_names(self.args.data)):
+        if split == "valid" and not any("valid" in f for f in _shard_names(self.inputs.data)):
             name = "test"
-        return BertH5Dataset(find_shards(self.args.data, name, self.args.num_file),
+        return BertH5Dataset(find_shards(self.inputs.data, name, self.args.num_file),
                              self.args.max_pred_length, vocab_size=self.config.vocab_size)
 
     def build_model(self):
@@ -89,6 +115,11 @@ class BertTask(Task):
             "nsp_correct": (nsp_logits.argmax(-1) == labels).sum(),
         }
         return loss, labels.numel(), logs
+
+    def export_hf(self, model, folder):
+        # The vocab's casing is unknown here; BERT's vocab.txt default (lower case) applies.
+        tokenizer = WordPiece.from_vocab(self.inputs.vocab) if self.inputs.vocab else None
+        export_hf(model, folder, "BertForPreTraining", tokenizer)
 
     def reduce_metrics(self, totals):
         n, tokens = max(totals["sample_size"], 1e-12), max(totals["mlm_tokens"], 1e-12)

@@ -12,6 +12,15 @@ divides the all-reduced gradient by the all-reduced ``sample_size``, which
 gives exactly the gradient of the mean loss over the whole global batch.
 ``logs`` maps names to numbers that are summed over micro-batches and ranks
 (e.g. ``{"correct": 17}``); it must have the same keys at every step.
+
+Set-up, in this order, each step visible:
+- ``defaults``: the task's own defaults for general flags (batch size,
+  optimizer, learning rate, schedule...), shown in ``--help`` and overridden
+  by any flag given on the command line.
+- ``resolve_inputs(args)``: once per node, before its ranks start. What the
+  flags leave open (no ``--data``: a built-in demo corpus) is chosen, built if
+  need be, logged, and returned; ``args`` is never rewritten.
+- ``__init__(args, inputs)``: every rank, with what ``resolve_inputs`` returned.
 """
 
 import torch
@@ -22,9 +31,18 @@ class Task:
     # This task's flags that may differ from node to node (every other flag
     # must agree across nodes: hetseq/distributed/identity.py).
     per_node_flags = frozenset()
+    # Defaults of general flags for this task, by argparse dest (see above).
+    defaults = {}
 
-    def __init__(self, args):
+    def __init__(self, args, inputs=None):
         self.args = args
+        self.inputs = inputs
+
+    @classmethod
+    def resolve_inputs(cls, args):
+        """Choose (and build once) what the task reads when the flags leave it
+        open; log the choice. Runs once per node; must not modify ``args``."""
+        return None
 
     @classmethod
     def add_args(cls, parser):
@@ -69,6 +87,10 @@ class Task:
     def collater(self, dataset):
         """The collate function for ``dataset``: its own ``collater`` if it has one."""
         return getattr(dataset, "collater", None) or default_collate
+
+    def export_hf(self, model, folder):
+        """Write ``model`` as a Hugging Face folder (``--export-hf``)."""
+        raise NotImplementedError
 
     def reduce_metrics(self, totals):
         """Turn summed logs (over micro-batches and ranks) into reported metrics.

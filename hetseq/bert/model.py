@@ -1,5 +1,6 @@
-"""BERT encoder with masked-LM and next-sentence heads, from a Google/NVIDIA
-``bert_config.json``. Attention runs through ``scaled_dot_product_attention``.
+"""BERT encoder with masked-LM and next-sentence heads (pretraining) or a
+classification head (fine-tuning), from a Google/NVIDIA ``bert_config.json``
+or a Hugging Face ``config.json``. Attention runs through ``scaled_dot_product_attention``.
 
 Parameter names follow Hugging Face's ``BertForPreTraining`` except that the
 query/key/value projections are fused into one ``qkv`` matrix (one GEMM
@@ -41,24 +42,28 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
 
     @classmethod
-    def from_json(cls, path):
+    def from_json(cls, path, flag="--config_file"):
         try:
             with open(path, encoding="utf-8") as f:
                 raw = json.load(f)
         except OSError as err:
-            raise UserError(f"--config_file {path}: cannot read it ({err.strerror}); pass a "
+            raise UserError(f"{flag} {path}: cannot read it ({err.strerror}); pass a "
                             "BERT config such as bert_config.json") from None
         except json.JSONDecodeError as err:
-            raise UserError(f"--config_file {path} is not valid JSON ({err.msg}, line {err.lineno})")
+            raise UserError(f"{flag} {path} is not valid JSON ({err.msg}, line {err.lineno})")
         if not isinstance(raw, dict):
-            raise UserError(f"--config_file {path}: expected a JSON object of BERT settings")
+            raise UserError(f"{flag} {path}: expected a JSON object of BERT settings")
+        return cls.from_dict(raw, f"{flag} {path}")
+
+    @classmethod
+    def from_dict(cls, raw, where):
         known = {f.name for f in dataclasses.fields(cls)}
         try:
             config = cls(**{k: v for k, v in raw.items() if k in known})
         except TypeError:
-            raise UserError(f"--config_file {path} has no 'vocab_size'; a BERT config needs at "
+            raise UserError(f"{where} has no 'vocab_size'; a BERT config needs at "
                             "least vocab_size (see bert_config.json of Google's BERT)") from None
-        config.check(path)
+        config.check(where)
         return config
 
     def check(self, path="config"):
@@ -203,6 +208,17 @@ class BertHeads(nn.Module):
         self.seq_relationship = nn.Linear(c.hidden_size, 2)
 
 
+def init_weights(module, std):
+    """BERT's initialisation: normal(0, std) weights, zero biases and padding row."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=std)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+        with torch.no_grad():
+            module.weight[module.padding_idx].zero_()
+
+
 class BertForPreTraining(nn.Module):
     """``forward`` returns masked-LM logits at ``masked_lm_positions`` only
     ([B, P, vocab]; computing all L positions is ~3x slower on CPU) and
@@ -213,20 +229,29 @@ class BertForPreTraining(nn.Module):
         self.config = config
         self.bert = BertModel(config)
         self.cls = BertHeads(config, self.bert.embeddings.word_embeddings)
-        self.apply(self._init_weights)
-
-    def _init_weights(self, module):
-        std = self.config.initializer_range
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=std)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-            with torch.no_grad():
-                module.weight[module.padding_idx].zero_()
+        self.apply(lambda module: init_weights(module, config.initializer_range))
 
     def forward(self, input_ids, segment_ids, input_mask, masked_lm_positions):
         hidden, pooled = self.bert(input_ids, segment_ids, input_mask)
         index = masked_lm_positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
         mlm_logits = self.cls.predictions(torch.gather(hidden, 1, index))
         return mlm_logits, self.cls.seq_relationship(pooled)
+
+
+class BertForSequenceClassification(nn.Module):
+    """The pooled [CLS] vector, dropout, one linear layer: ``num_labels``
+    logits (1 for regression, STS-B). Names as Hugging Face's model of the
+    same name, so its weights load and export by the same mapping."""
+
+    def __init__(self, config, num_labels):
+        super().__init__()
+        self.config = config
+        self.num_labels = num_labels
+        self.bert = BertModel(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.classifier = nn.Linear(config.hidden_size, num_labels)
+        self.apply(lambda module: init_weights(module, config.initializer_range))
+
+    def forward(self, input_ids, token_type_ids, attention_mask):
+        _, pooled = self.bert(input_ids, token_type_ids, attention_mask)
+        return self.classifier(self.dropout(pooled))

@@ -1,5 +1,7 @@
-"""Load BERT weights saved by Hugging Face (``model.safetensors`` or
-``pytorch_model.bin``) into ``BertForPreTraining`` by name mapping.
+"""Hugging Face BERT folders in and out: ``config.json``, weights
+(``model.safetensors`` or ``pytorch_model.bin``) mapped by name onto our
+models (``BertForPreTraining``, ``BertForSequenceClassification``), and the
+same mapping backwards to export a folder ``transformers`` loads.
 
 Handled differences: an optional ``bert.`` prefix (a bare ``BertModel``
 checkpoint has none), TF-era ``gamma``/``beta`` LayerNorm names, separate
@@ -7,12 +9,15 @@ query/key/value matrices (fused here into ``qkv``), the tied MLM decoder and
 buffers such as ``position_ids``. Missing and unexpected keys are reported.
 """
 
+import dataclasses
+import json
 import logging
 import os
 import re
 
 import torch
 
+from hetseq.bert.model import BertConfig
 from hetseq.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -43,7 +48,7 @@ def read_state_dict(path):
 
 def _canonical(key):
     key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
-    if not key.startswith(("bert.", "cls.")):
+    if not key.startswith(("bert.", "cls.", "classifier.")):
         key = "bert." + key
     return key
 
@@ -87,3 +92,57 @@ def load_hf_weights(model, path):
                        len(result.unexpected_keys), ", ".join(result.unexpected_keys[:8]))
     logger.info("loaded %d tensors from %s", len(mapped) - len(result.unexpected_keys), path)
     return result.missing_keys, result.unexpected_keys
+
+
+def read_hf_config(folder, flag="--load-hf-weights"):
+    """(BertConfig, the raw dict) of a Hugging Face model folder; only BERT."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isdir(folder) or not os.path.isfile(path):
+        raise UserError(f"{flag} {folder}: expected a Hugging Face model folder with "
+                        "config.json and model.safetensors (or pytorch_model.bin)")
+    config = BertConfig.from_json(path, flag=f"{flag} folder's")
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    model_type = raw.get("model_type", "bert")
+    if model_type != "bert":
+        raise UserError(f"{path}: model_type '{model_type}' is not BERT; {flag} takes BERT "
+                        "models (model_type 'bert', e.g. bert-base-cased or MiniLM)")
+    if raw.get("position_embedding_type", "absolute") != "absolute":
+        raise UserError(f"{path}: position_embedding_type '{raw['position_embedding_type']}' "
+                        "is not supported; HetSeq's BERT has absolute position embeddings")
+    return config, raw
+
+
+def hetseq_to_hf(state):
+    """Our names back to Hugging Face's: ``qkv`` split into query/key/value.
+    The tied MLM decoder is left out, as ``transformers`` itself saves it."""
+    out = {}
+    for key, value in state.items():
+        if key.endswith(".qkv.weight") or key.endswith(".qkv.bias"):
+            prefix, kind = key.rsplit(".qkv.", 1)
+            for which, part in zip(("query", "key", "value"), value.chunk(3)):
+                out[f"{prefix}.self.{which}.{kind}"] = part.contiguous()
+        else:
+            out[key] = value.contiguous()
+    return out
+
+
+def export_hf(model, folder, architecture, tokenizer=None, config_extra=None):
+    """Write ``model`` as a Hugging Face folder: config.json, model.safetensors
+    (pytorch_model.bin without safetensors) and the tokenizer files."""
+    os.makedirs(folder, exist_ok=True)
+    config = {**dataclasses.asdict(model.config), "model_type": "bert",
+              "architectures": [architecture], "pad_token_id": 0,
+              "position_embedding_type": "absolute", "torch_dtype": "float32",
+              **(config_extra or {})}
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    state = hetseq_to_hf({k: v.detach().float().cpu() for k, v in model.state_dict().items()})
+    try:
+        from safetensors.torch import save_file
+        save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    except ImportError:
+        torch.save(state, os.path.join(folder, "pytorch_model.bin"))
+    if tokenizer is not None:
+        tokenizer.save(folder, model.config.max_position_embeddings)
+    logger.info("exported %s (%d tensors) to %s", architecture, len(state), folder)

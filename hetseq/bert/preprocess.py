@@ -20,6 +20,7 @@ import re
 import h5py
 import numpy as np
 
+from hetseq.bert.tokenizer import load_tokenizer
 from hetseq.errors import UserError
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -56,22 +57,6 @@ def read_documents(path):
     if current:
         docs.append(current)
     return docs
-
-
-def _tokenizers():
-    try:
-        from tokenizers import BertWordPieceTokenizer
-    except ImportError:
-        raise UserError("BERT preprocessing needs Hugging Face tokenizers: pip install tokenizers") \
-            from None
-    return BertWordPieceTokenizer
-
-
-def load_tokenizer(vocab_path, lowercase=True):
-    if not os.path.isfile(vocab_path):
-        raise UserError(f"vocab {vocab_path} does not exist; pass a WordPiece vocab.txt "
-                        "or leave it out to train one")
-    return _tokenizers()(vocab_path, lowercase=lowercase)
 
 
 def train_vocab(files, out_dir, vocab_size, lowercase=True):
