@@ -1,6 +1,7 @@
 """BERT: preprocessing round trip, NVIDIA-format reading, model, training."""
 
 import json
+import re
 
 import h5py
 import numpy as np
@@ -208,20 +209,34 @@ def test_two_ranks_with_different_batches_train_bert(shards, tmp_path):
     common = ["--task", "bert", "--data", shards["dir"], "--config_file", shards["config"],
               "--dict", shards["vocab"], "--max-update", 3, "--lr", 0.001,
               "--distributed-world-size", 2, "--distributed-gpus", 1,
-              "--distributed-init-method", url, "--save-dir", tmp_path]
+              "--distributed-init-method", url, "--save-dir", tmp_path,
+              "--export-hf", tmp_path / "hf"]   # rank 0 writes it
     results = run_nodes([[*common, "--distributed-rank", 0, "--max-sentences", 6],
                          [*common, "--distributed-rank", 1, "--max-sentences", 2]])
     assert_ok(results)
     assert "global batch 8" in results[0][1]
+    # --export-hf: a Hugging Face BertForPreTraining folder our loader reads back.
+    exported = BertForPreTraining(BertConfig.from_json(str(tmp_path / "hf" / "config.json")))
+    missing, unexpected = load_hf_weights(exported, str(tmp_path / "hf"))
+    assert missing == [] and unexpected == []
+    trained = torch.load(tmp_path / "checkpoint_last.pt", weights_only=False)["controller"]["model"]
+    assert all(torch.equal(v, trained[k]) for k, v in exported.state_dict().items())
+    assert (tmp_path / "hf" / "vocab.txt").read_text() == open(shards["vocab"]).read()
     assert "rank 0 cpu" in results[0][1] and "batch 6 in 1 micro-batch" in results[0][1]
     assert "batch 2 in 1 micro-batch" in results[0][1]
     assert "valid on 'valid'" in results[0][1]   # 'valid' falls back to the test shards
 
 
-def test_default_corpus_without_data(tmp_path):
-    result = run_train("--task", "bert", "--max-sentences", 4, "--max-update", 2,
-                       "--disable-validation", "--no-save", env={"HETSEQ_CACHE": str(tmp_path)})
+def test_bert_alone_trains_the_demo_with_a_falling_loss(tmp_path):
+    """`python train.py --task bert` with the task's own defaults (batch 32,
+    lr 1e-4, ...); only the length is cut short here."""
+    result = run_train("--task", "bert", "--max-update", 16, "--disable-validation", "--no-save",
+                       env={"HETSEQ_CACHE": str(tmp_path)}, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "no --data: pretraining on the built-in demo corpus" in result.stderr
+    losses = [float(x) for x in re.findall(r"\| loss=([0-9.]+) \| mlm_loss", result.stderr)]
+    assert len(losses) == 16
+    assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.1, losses
     root = tmp_path / "bert-default-v2"
     config = json.loads((root / "bert_config.json").read_text())
     assert config["num_hidden_layers"] == 4 and config["hidden_size"] == 256

@@ -5,7 +5,7 @@ from hetseq.errors import UserError
 from hetseq.registry import Registry
 from hetseq.tasks import TASKS, Task, import_user_dir, register_task
 
-from conftest import ROOT, TOY
+from conftest import ROOT, TOY, run_train
 
 
 def test_duplicate_name_is_rejected():
@@ -51,6 +51,53 @@ def test_user_dir_without_init_imports_modules(tmp_path):
     assert "plain_folder_task" in TASKS
 
 
+PLAIN_TASK = """
+import torch
+from hetseq.tasks import Task, register_task
+
+
+@register_task("plain_demo")
+class PlainDemo(Task):
+    def load_dataset(self, split):
+        x = torch.arange(16.0).view(16, 1)
+        return torch.utils.data.TensorDataset(x, 2 * x)
+
+    def build_model(self):
+        return torch.nn.Linear(1, 1)
+
+    def loss(self, model, sample):
+        x, y = sample
+        return ((model(x) - y) ** 2).sum(), len(x), {}
+"""
+
+
+def test_user_dir_without_init_imported_twice_in_one_process(tmp_path):
+    """The launcher and the rank import --user-dir in the same process when
+    there is one rank: the folder's own earlier import is no clash."""
+    folder = tmp_path / "plainagain"
+    folder.mkdir()
+    (folder / "mine.py").write_text(PLAIN_TASK.replace("plain_demo", "plain_again"))
+    import_user_dir(folder)
+    import_user_dir(folder)
+    assert "plain_again" in TASKS
+    other = tmp_path / "elsewhere" / "plainagain"
+    other.mkdir(parents=True)
+    with pytest.raises(UserError, match="a different module named 'plainagain'"):
+        import_user_dir(other)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_plain_user_dir_trains_with_one_and_two_processes(tmp_path, world):
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    (folder / "demo_task.py").write_text(PLAIN_TASK)
+    result = run_train("--task", "plain_demo", "--user-dir", folder, "--max-sentences", 4,
+                       "--max-update", 3, "--lr", 0.01, "--distributed-world-size", world,
+                       "--save-dir", tmp_path / "ckpt")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done: reached --max-update 3" in result.stderr
+
+
 def test_missing_user_dir_is_a_clear_error(tmp_path):
     with pytest.raises(UserError, match="no such directory"):
         import_user_dir(tmp_path / "missing")
@@ -76,3 +123,39 @@ def test_bad_training_flags(flags, words):
         cli.parse_args([*TOY, *flags])
     for word in words:
         assert word in str(err.value)
+
+
+# ---- each task's own defaults ----
+
+def test_task_defaults_apply_and_flags_override():
+    glue = cli.parse_args(["--task", "glue"])
+    assert (glue.lr, glue.max_sentences, glue.warmup_ratio, glue.max_epoch, glue.clip_norm,
+            glue.save_dir) == ([5e-5], 32, 0.1, 3, 1.0, "checkpoints/glue")
+    bert = cli.parse_args(["--task", "bert"])
+    assert (bert.lr, bert.max_sentences, bert.save_dir) == ([1e-4], 32, "checkpoints/bert")
+    given = cli.parse_args(["--task", "glue", "--lr", "1e-3", "--max-sentences", "4",
+                            "--save-dir", "elsewhere"])
+    assert (given.lr, given.max_sentences, given.save_dir) == ([1e-3], 4, "elsewhere")
+    toy = cli.parse_args(TOY)   # a task without defaults keeps the general ones
+    assert toy.lr == [0.25] and toy.max_sentences is None and toy.save_dir == "checkpoints"
+
+
+def test_task_defaults_show_in_help():
+    text = " ".join(cli.build_parser(TASKS.get("glue")).format_help().split())
+    assert "(default: [5e-05])" in text and "(default: checkpoints/glue)" in text
+    text = " ".join(cli.build_parser(TASKS.get("bert")).format_help().split())
+    assert "(default: [0.0001])" in text and "--max-sentences N" in text
+
+
+def test_task_defaults_must_name_real_options():
+    class Broken(Task):
+        registered_name = "broken"
+        defaults = {"learning_rate": 1.0}
+
+    with pytest.raises(ValueError, match="unknown options \\['learning_rate'\\]"):
+        cli.build_parser(Broken)
+
+
+def test_best_metric_direction_follows_the_metric():
+    assert cli.parse_args([*TOY, "--best-checkpoint-metric", "f1"]).maximize_best_checkpoint_metric
+    assert not cli.parse_args(TOY).maximize_best_checkpoint_metric   # loss: smaller is better

@@ -25,7 +25,7 @@ SETTINGS = Settings(max_seq_length=128, max_predictions_per_seq=20, dupe_factor=
 MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
              max_position_embeddings=128)
 
-PAIRS = "glue-demo-v2"
+PAIRS = "glue-demo-v3"
 PAIR_SPLITS = (("train", 1200), ("dev", 408), ("test", 400))   # MRPC's dev set has 408 pairs
 MRPC_HEADER = ("Quality", "#1 ID", "#2 ID", "#1 String", "#2 String")
 # Where `python train.py --task bert` saves (its --save-dir default).
@@ -68,11 +68,12 @@ _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 
 
 def _document_sentences(limit=3000):
-    """Documents as lists of prose sentences of 6-40 words; those with at least 3."""
+    """Documents as lists of prose sentences of 5-24 words (MRPC's are about 22);
+    those with at least 3."""
     out = []
     for text in documents():
         sentences = [s for p in paragraphs(text) for s in _SENTENCE.split(p)
-                     if 6 <= len(s.split()) <= 40]
+                     if 5 <= len(s.split()) <= 24]
         if len(sentences) >= 3:
             out.append(sentences)
             if len(out) >= limit:
