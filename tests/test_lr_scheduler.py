@@ -50,5 +50,27 @@ def test_fixed_per_epoch_and_annealing():
 
 
 def test_warmup_longer_than_schedule_is_rejected():
-    with pytest.raises(UserError, match="--total-num-update 10 must exceed --warmup-updates 10"):
+    with pytest.raises(UserError, match="--total-num-update 10 must exceed the 10 warm-up updates"):
         scheduler("--warmup-updates", 10, "--total-num-update", 10)
+
+
+def test_decay_ends_with_the_planned_run_and_warmup_ratio_follows_it():
+    from hetseq.optim.lr_scheduler import planned_updates
+    s, _ = scheduler("--lr", 1.0, "--max-update", 100, "--warmup-ratio", 0.1)
+    assert s.warmup == 10 and s.lr_at(10) == pytest.approx(1.0)
+    assert s.lr_at(100) > 0 and s.lr_at(101) == 0.0   # the last update still learns
+    # --max-epoch: the Run tells the schedule the run's length once the data is known.
+    args = cli.parse_args([*TOY, "--max-epoch", "3", "--update-freq", "2,1"])
+    assert planned_updates(args, steps_per_epoch=9) == 5 + 9 + 9
+    s, _ = scheduler("--lr", 1.0, "--max-epoch", 3, "--warmup-ratio", 0.1)
+    s.set_horizon(200)
+    assert (s.warmup, s.total) == (20, 201)
+    # An explicit --warmup-updates wins over a (task's default) ratio; so does --total-num-update.
+    s, _ = scheduler("--lr", 1.0, "--max-update", 100, "--warmup-ratio", 0.1,
+                     "--warmup-updates", 3, "--total-num-update", 50)
+    assert (s.warmup, s.total) == (3, 50)
+
+
+def test_bad_warmup_ratio():
+    with pytest.raises(UserError, match="--warmup-ratio 1.5: expected a fraction"):
+        scheduler("--warmup-ratio", 1.5)

@@ -15,12 +15,12 @@ DEFAULT_TOTAL = 1000000   # decay horizon when nothing tells the run's length
 
 def add_shared_args(group):
     """Flags every schedule reads."""
-    group.add_argument("--warmup-updates", type=int, default=0, metavar="N",
-                       help="increase the LR linearly over the first N updates "
-                            "(default: %(default)s)")
+    group.add_argument("--warmup-updates", type=int, default=None, metavar="N",
+                       help="increase the LR linearly over the first N updates (default: "
+                            "--warmup-ratio of the planned updates, else 0)")
     group.add_argument("--warmup-ratio", type=float, default=None, metavar="F",
-                       help="warm up over this fraction of the planned updates, instead of "
-                            "--warmup-updates (as Hugging Face's warmup_ratio; "
+                       help="warm up over this fraction of the planned updates, unless "
+                            "--warmup-updates is given (Hugging Face's warmup_ratio; "
                             "default: %(default)s)")
     group.add_argument("--total-num-update", type=int, default=None, metavar="N",
                        help="updates over which polynomial_decay/cosine decay; default: the "
@@ -41,7 +41,7 @@ class LRScheduler:
         self.args = args
         self.optimizer = optimizer
         self.peak_lr = args.lr[0]
-        if args.warmup_updates < 0:
+        if args.warmup_updates is not None and args.warmup_updates < 0:
             raise UserError(f"--warmup-updates {args.warmup_updates}: expected a number >= 0")
         if args.warmup_ratio is not None and not 0 <= args.warmup_ratio < 1:
             raise UserError(f"--warmup-ratio {args.warmup_ratio}: expected a fraction in [0, 1)")
@@ -51,8 +51,9 @@ class LRScheduler:
     def set_horizon(self, planned):
         """The number of updates the run plans: the decay's end, when
         --total-num-update is not given, and the base of --warmup-ratio."""
-        ratio = self.args.warmup_ratio
-        self.warmup = self.args.warmup_updates if ratio is None else round(ratio * planned)
+        # An explicit --warmup-updates wins over a ratio (which may be a task's default).
+        updates, ratio = self.args.warmup_updates, self.args.warmup_ratio
+        self.warmup = updates if updates is not None else round((ratio or 0.0) * planned)
         # One past the last update: its LR is not yet the end value (as HF's linear decay).
         self.total = self.args.total_num_update or planned + 1
 
