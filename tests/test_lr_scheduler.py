@@ -56,15 +56,21 @@ def test_warmup_longer_than_schedule_is_rejected():
 
 def test_decay_ends_with_the_planned_run_and_warmup_ratio_follows_it():
     from hetseq.optim.lr_scheduler import planned_updates
-    s, _ = scheduler("--lr", 1.0, "--max-update", 100, "--warmup-ratio", 0.1)
+    # --total-num-update 0 (the default of tasks bert and glue): the planned updates.
+    s, _ = scheduler("--lr", 1.0, "--max-update", 100, "--warmup-ratio", 0.1,
+                     "--total-num-update", 0)
     assert s.warmup == 10 and s.lr_at(10) == pytest.approx(1.0)
     assert s.lr_at(100) > 0 and s.lr_at(101) == 0.0   # the last update still learns
     # --max-epoch: the Run tells the schedule the run's length once the data is known.
     args = cli.parse_args([*TOY, "--max-epoch", "3", "--update-freq", "2,1"])
     assert planned_updates(args, steps_per_epoch=9) == 5 + 9 + 9
-    s, _ = scheduler("--lr", 1.0, "--max-epoch", 3, "--warmup-ratio", 0.1)
+    s, _ = scheduler("--lr", 1.0, "--max-epoch", 3, "--warmup-ratio", 0.1, "--total-num-update", 0)
     s.set_horizon(200)
     assert (s.warmup, s.total) == (20, 201)
+    # Other tasks keep fairseq's fixed horizon, so a resumed run with a larger
+    # --max-update keeps its schedule.
+    s, _ = scheduler("--lr", 1.0, "--max-update", 100)
+    assert s.total == 1000000
     # An explicit --warmup-updates wins over a (task's default) ratio; so does --total-num-update.
     s, _ = scheduler("--lr", 1.0, "--max-update", 100, "--warmup-ratio", 0.1,
                      "--warmup-updates", 3, "--total-num-update", 50)

@@ -25,8 +25,8 @@ SETTINGS = Settings(max_seq_length=128, max_predictions_per_seq=20, dupe_factor=
 MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
              max_position_embeddings=128)
 
-PAIRS = "glue-demo-v3"
-PAIR_SPLITS = (("train", 1200), ("dev", 408), ("test", 400))   # MRPC's dev set has 408 pairs
+PAIRS = "glue-demo-v4"
+PAIR_SPLITS = (("train", 800), ("dev", 408), ("test", 400))   # MRPC's dev set has 408 pairs
 MRPC_HEADER = ("Quality", "#1 ID", "#2 ID", "#1 String", "#2 String")
 # Where `python train.py --task bert` saves (its --save-dir default).
 PRETRAINING_SAVE_DIR = os.path.join("checkpoints", "bert")

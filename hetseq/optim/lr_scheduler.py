@@ -22,10 +22,10 @@ def add_shared_args(group):
                        help="warm up over this fraction of the planned updates, unless "
                             "--warmup-updates is given (Hugging Face's warmup_ratio; "
                             "default: %(default)s)")
-    group.add_argument("--total-num-update", type=int, default=None, metavar="N",
-                       help="updates over which polynomial_decay/cosine decay; default: the "
-                            "planned updates (--max-update, else --max-epoch epochs of the "
-                            f"data), else {DEFAULT_TOTAL}")
+    group.add_argument("--total-num-update", type=int, default=DEFAULT_TOTAL, metavar="N",
+                       help="updates over which polynomial_decay/cosine decay; 0: the planned "
+                            "updates (--max-update, else --max-epoch epochs of the data, else "
+                            f"{DEFAULT_TOTAL}) (default: %(default)s)")
     group.add_argument("--end-learning-rate", type=float, default=0.0,
                        help="LR reached at --total-num-update (default: 0)")
     group.add_argument("--min-lr", type=float, default=-1.0, metavar="LR",

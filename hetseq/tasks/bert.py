@@ -64,8 +64,8 @@ class BertTask(Task):
     # BERT's recipe (Adam, linear decay, 1% warm-up, clipping at 1) at a rate
     # that suits a batch of 32 per rank.
     defaults = {"max_sentences": 32, "optimizer": "adam", "lr": [1e-4], "warmup_ratio": 0.01,
-                "lr_scheduler": "polynomial_decay", "weight_decay": 0.01, "clip_norm": 1.0,
-                "max_epoch": 1, "save_dir": demo.PRETRAINING_SAVE_DIR}
+                "lr_scheduler": "polynomial_decay", "total_num_update": 0, "weight_decay": 0.01,
+                "clip_norm": 1.0, "max_epoch": 1, "save_dir": demo.PRETRAINING_SAVE_DIR}
 
     @classmethod
     def resolve_inputs(cls, args):
