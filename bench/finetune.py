@@ -19,6 +19,7 @@ the ratios to the Trainer. Prints JSON.
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -83,17 +84,20 @@ def trainer_worker(epochs, model, data):
 
     transformers.set_seed(RECIPE["seed"])
     net = transformers.AutoModelForSequenceClassification.from_pretrained(model, num_labels=2)
+    train = encode("train")
+    # The same warm-up as HetSeq's --warmup-ratio (transformers 5 has no warmup_ratio).
+    steps = math.ceil(len(train) / RECIPE["batch"]) * epochs
     with tempfile.TemporaryDirectory() as out:
         arguments = transformers.TrainingArguments(
             output_dir=out, per_device_train_batch_size=RECIPE["batch"],
             per_device_eval_batch_size=RECIPE["batch"], learning_rate=RECIPE["lr"],
-            num_train_epochs=epochs, warmup_ratio=RECIPE["warmup_ratio"],
+            num_train_epochs=epochs, warmup_steps=round(RECIPE["warmup_ratio"] * steps),
             weight_decay=RECIPE["weight_decay"], max_grad_norm=RECIPE["clip"],
             lr_scheduler_type="linear", seed=RECIPE["seed"], save_strategy="no",
             eval_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
             logging_strategy="no", dataloader_num_workers=0)
         trainer = transformers.Trainer(
-            model=net, args=arguments, train_dataset=encode("train"),
+            model=net, args=arguments, train_dataset=train,
             data_collator=transformers.DataCollatorWithPadding(tokenizer),
             compute_metrics=metrics)
         trained = trainer.train()

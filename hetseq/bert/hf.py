@@ -81,7 +81,7 @@ def load_hf_weights(model, path):
     for key, value in mapped.items():
         if key in own and own[key].shape != value.shape:
             raise UserError(f"{path}: {key} has shape {tuple(value.shape)} but the model built "
-                            f"from --config_file expects {tuple(own[key].shape)}; use the config "
+                            f"from its config expects {tuple(own[key].shape)}; use the config "
                             "that came with these weights")
     result = model.load_state_dict(mapped, strict=False)
     if result.missing_keys:
