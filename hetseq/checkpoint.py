@@ -199,26 +199,38 @@ def prune(save_dir, pattern, keep):
 class Checkpointer:
     """When and what a run saves, and how it resumes.
 
+    It is handed named components, each with ``state_dict()`` and
+    ``load_state_dict()`` (the model with its optimizer and schedule, the data
+    position, the capacity plan, the meters: torchtitan's "Stateful"), and
+    never reaches into the training run. Each component's state is saved
+    under its name; ``skip`` names components not loaded on resume (the
+    --reset-* flags). Components load in the order given.
+
     ``save`` must be called on every rank (each rank's RNG state is gathered
     into the checkpoint); rank 0 writes. ``restore`` reads rank 0's copy and
     sends it to all ranks, so nodes need no shared filesystem.
     """
 
-    def __init__(self, args, ctx):
+    def __init__(self, args, ctx, components, skip=()):
         self.args, self.ctx = args, ctx
+        self.components, self.skip = dict(components), frozenset(skip)
         self.best = None
         if not args.no_save and ctx.is_main:
             check_save_dir(args.save_dir)
             remove_stale_temporaries(args.save_dir)
 
-    def restore(self, run):
+    def restore(self):
+        """Load the checkpoint to resume from into the components; its path,
+        or None when there is none (a fresh start)."""
         from hetseq.distributed import broadcast_from_main
         path = restore_path(self.args)
         state = broadcast_from_main(lambda: load(path) if os.path.exists(path) else None, self.ctx)
         if state is None:
-            return False
+            return None
         try:
-            run.load_state_dict(state)
+            for name, component in self.components.items():
+                if name not in self.skip:
+                    component.load_state_dict(state[name])
         except (RuntimeError, KeyError, ValueError) as err:
             raise UserError(f"checkpoint {path} does not fit this run ({type(err).__name__}: "
                             f"{str(err).splitlines()[0][:300]}); it was made for another model "
@@ -227,14 +239,12 @@ class Checkpointer:
         if len(rng) == self.ctx.world_size and not self.args.reset_dataloader:
             set_rng_state(rng[self.ctx.rank])
         self.best = state.get("best")
-        logger.info("resumed from %s: epoch %d, %d updates done", path, run.train_data.epoch,
-                    run.controller.num_updates)
-        return True
+        return path
 
-    def save(self, run, epoch=None, metric=None):
+    def save(self, updates, data_epoch, epoch=None, metric=None):
         """checkpoint_last.pt, plus checkpoint<EPOCH>.pt at the end of an epoch,
-        checkpoint_<EPOCH>_<UPDATES>.pt mid-epoch, and checkpoint_best.pt when
-        ``metric`` improved."""
+        checkpoint_<DATA_EPOCH>_<UPDATES>.pt mid-epoch, and checkpoint_best.pt
+        when ``metric`` improved."""
         from hetseq.distributed import all_gather_object
         rngs = all_gather_object(rng_state(), self.ctx)
         if self.args.no_save or not self.ctx.is_main:
@@ -242,8 +252,10 @@ class Checkpointer:
         improved = metric is not None and self._improves(metric)
         if improved:
             self.best = metric
-        state = {**run.state_dict(), "rng": rngs, "best": self.best}
-        folder, updates = self.args.save_dir, run.controller.num_updates
+        state = {"format": FORMAT, "args": plain_args(self.args),
+                 **{name: component.state_dict() for name, component in self.components.items()},
+                 "rng": rngs, "best": self.best}
+        folder = self.args.save_dir
         last = os.path.join(folder, "checkpoint_last.pt")
         save(last, state)
         copies = []
@@ -251,7 +263,7 @@ class Checkpointer:
             copies.append(f"checkpoint{epoch}.pt")
         elif epoch is None and self.args.save_interval_updates and \
                 updates % self.args.save_interval_updates == 0:
-            copies.append(f"checkpoint_{run.train_data.epoch}_{updates}.pt")
+            copies.append(f"checkpoint_{data_epoch}_{updates}.pt")
         if improved:
             copies.append("checkpoint_best.pt")
         for name in copies:

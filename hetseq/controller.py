@@ -214,11 +214,13 @@ class Controller:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "lr_scheduler": self.lr_scheduler.state_dict(), "num_updates": self.num_updates}
 
-    def load_state_dict(self, state, reset_optimizer=False, reset_lr_scheduler=False):
+    def load_state_dict(self, state):
+        """The model always; the optimizer and schedule unless --reset-optimizer
+        or --reset-lr-scheduler."""
         self.model.load_state_dict(state["model"])
-        if not reset_optimizer:
+        if not self.args.reset_optimizer:
             self.optimizer.load_state_dict(state["optimizer"])
-        if not reset_lr_scheduler:
+        if not self.args.reset_lr_scheduler:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.num_updates = state["num_updates"]
         self.lr = self.lr_scheduler.step_update(self.num_updates + 1)

@@ -65,8 +65,13 @@ class Run:
         self.valid_data = {}   # split -> iterator, built on first validation
         self.tensorboard = TensorBoard(args.tensorboard_logdir, ctx.is_main)
         self.meters = Meters()
-        self.checkpointer = checkpoint.Checkpointer(args, ctx)
-        self.checkpointer.restore(self)
+        self.checkpointer = checkpoint.Checkpointer(args, ctx, self.components(), skip=(
+            {"train_iterator"} if args.reset_dataloader else set()) | (
+            {"meters"} if args.reset_meters else set()))
+        resumed = self.checkpointer.restore()
+        if resumed:
+            logger.info("resumed from %s: epoch %d, %d updates done", resumed,
+                        self.train_data.epoch, self.controller.num_updates)
 
     def plan_schedule(self):
         """Give the LR schedule the run's length when the flags leave it open."""
@@ -80,25 +85,19 @@ class Run:
 
     # ---- state ----
 
-    def state_dict(self):
-        return {"format": checkpoint.FORMAT, "args": checkpoint.plain_args(self.args),
-                "controller": self.controller.state_dict(), "plan": self.plan.state_dict(),
-                "train_iterator": self.train_data.state_dict(), "meters": self.meters.state_dict()}
+    def components(self):
+        """What a checkpoint holds, by name; the data position loads before the plan."""
+        return {"controller": self.controller, "train_iterator": self.train_data,
+                "plan": _PlanState(self), "meters": self.meters}
 
-    def load_state_dict(self, state):
-        args = self.args
-        self.controller.load_state_dict(state["controller"], args.reset_optimizer,
-                                        args.reset_lr_scheduler)
-        plan = capacity.Plan.from_state_dict(state["plan"])
-        if not args.reset_dataloader:
-            self.train_data.load_state_dict(state["train_iterator"])
-            self._log_resume(plan)
-        if not args.reset_meters:
-            self.meters.load_state_dict(state["meters"])
-        # The saved split continues the run; a different world or batch starts afresh.
-        if plan.global_batch == self.plan.global_batch and len(plan.batch_sizes) == self.ctx.world_size \
-                and plan.batch_sizes != self.plan.batch_sizes:
-            self.set_plan(plan)
+    def resume_plan(self, saved):
+        """The saved split continues the run; a different world or batch starts afresh."""
+        if not self.args.reset_dataloader:
+            self._log_resume(saved)
+        plan = self.plan
+        if saved.global_batch == plan.global_batch and len(saved.batch_sizes) == self.ctx.world_size \
+                and saved.batch_sizes != plan.batch_sizes:
+            self.set_plan(saved)
 
     def _log_resume(self, saved):
         """Say how the data continues when the global batch or the world changed:
@@ -151,7 +150,8 @@ class Run:
                     stopping or (end_of_epoch and epoch % args.validate_interval == 0)):
                 metric = self.validate(epoch)
             if stopping or (end_of_epoch and epoch % args.save_interval == 0):
-                self.checkpointer.save(self, epoch if end_of_epoch else None, metric)
+                self.checkpointer.save(self.controller.num_updates, self.train_data.epoch,
+                                       epoch if end_of_epoch else None, metric)
         logger.info("done: %s", self.stop_reason())
         self.tensorboard.close()
         if self.args.export_hf:
@@ -204,7 +204,7 @@ class Run:
             if args.max_update and controller.num_updates >= args.max_update:
                 break
             if args.save_interval_updates and controller.num_updates % args.save_interval_updates == 0:
-                self.checkpointer.save(self)
+                self.checkpointer.save(controller.num_updates, self.train_data.epoch)
         progress.summary({"epoch": epoch, "updates": controller.num_updates,
                           **{f"avg_{k}": v for k, v in self.meters.averages().items()},
                           "samples_per_s": rate.rate})
@@ -251,6 +251,19 @@ class Run:
             if best is None:
                 best = metrics.get(self.args.best_checkpoint_metric)
         return best
+
+
+class _PlanState:
+    """The capacity plan as a checkpoint component (see Run.resume_plan)."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def state_dict(self):
+        return self.run.plan.state_dict()
+
+    def load_state_dict(self, state):
+        self.run.resume_plan(capacity.Plan.from_state_dict(state))
 
 
 def _chunks(iterable, size):

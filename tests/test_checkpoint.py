@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hetseq import checkpoint
+from hetseq.errors import UserError
 
 from conftest import (ROOT, TOY, assert_ok, child_env, final_params, free_port, run_nodes,
                       run_train, train_cmd)
@@ -310,3 +311,35 @@ def test_resume_with_the_same_plan_does_not_log_a_change(tmp_path):
     result = run_train(*run, "--max-update", 4)
     assert result.returncode == 0 and "resumed from" in result.stderr, result.stderr[-3000:]
     assert "capacity plan changed" not in result.stderr, result.stderr[-3000:]
+
+
+class Counter:
+    """A minimal checkpoint component (torchtitan's Stateful protocol)."""
+
+    def __init__(self, value=0):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def test_checkpointer_takes_named_components_not_the_run(tmp_path):
+    from hetseq import cli
+    from hetseq.distributed import DistContext
+    args = cli.parse_args([*TOY, "--save-dir", str(tmp_path)])
+    ctx = DistContext(0, 1, 0, torch.device("cpu"))
+    saver = checkpoint.Checkpointer(args, ctx, {"model": Counter(7), "data": Counter(3)})
+    saver.save(updates=5, data_epoch=1, epoch=1, metric=0.5)
+    state = checkpoint.load(str(tmp_path / "checkpoint_last.pt"))
+    assert state["model"] == {"value": 7} and state["data"] == {"value": 3}
+    assert state["best"] == 0.5 and (tmp_path / "checkpoint1.pt").exists()
+    model, data = Counter(), Counter()
+    resumer = checkpoint.Checkpointer(args, ctx, {"model": model, "data": data}, skip={"data"})
+    assert resumer.restore() == str(tmp_path / "checkpoint_last.pt")
+    assert (model.value, data.value, resumer.best) == (7, 0, 0.5)   # "data" skipped (a reset)
+    other = checkpoint.Checkpointer(args, ctx, {"model": Counter(), "optimizer": Counter()})
+    with pytest.raises(UserError, match="does not fit this run"):
+        other.restore()
