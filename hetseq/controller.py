@@ -129,7 +129,13 @@ class Controller:
 
     def _apply_update(self, sample_size, want_norm):
         """Scale the gradients to the mean-loss gradient (math above), clip, step.
-        Returns the norm of the mean-loss gradient, or None when not measured."""
+        Returns the norm of the mean-loss gradient, or None when not measured.
+
+        What decides the update depends only on job-wide flags (--clip-norm),
+        never on ``want_norm``: that comes from a node's own log settings
+        (--log-interval, --tensorboard-logdir), and ranks that scaled by
+        different kernels (a float64 factor here, a float32 one there) or
+        skipped on different checks would drift apart."""
         if sample_size <= 0:
             logger.warning("update %d had no samples on any rank; skipped", self.num_updates + 1)
             return float("nan")
@@ -137,15 +143,13 @@ class Controller:
         scale = self._grad_divisor / sample_size
         clip, norm = self.args.clip_norm, None
         if clip > 0 or want_norm:
-            # ||scale * g|| = scale * ||g||: one pass for the norm, one applies
-            # the scaling and the clipping factor together.
+            # ||scale * g|| = scale * ||g||: one pass for the norm.
             norm = float(torch.nn.utils.get_total_norm(grads)) * scale
+        if clip > 0:
             finite = math.isfinite(norm)
-            if finite and clip > 0:
-                scale *= min(1.0, clip / (norm + 1e-6))
-            if finite:
-                torch._foreach_mul_(grads, scale)
-        else:
+            if finite:   # the scaling and the clipping factor in one pass
+                torch._foreach_mul_(grads, scale * min(1.0, clip / (norm + 1e-6)))
+        else:   # the norm, when measured, is only reported
             finite = _scale_and_check(grads, scale)
         if not finite:
             self._skip_update()

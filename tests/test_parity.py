@@ -120,3 +120,25 @@ def test_stats_ride_in_the_gradient_all_reduce(tmp, plain):
         rank, calls, sizes = out.get()
         assert sizes == [4, 4, 4]     # summed counts arrive exactly
         assert calls == (["all_reduce"] * 3 if plain else []), (rank, calls)
+
+
+def test_every_rank_takes_the_same_update_path(tmp):
+    """Whether a node measures the gradient norm depends on its own log flags
+    (here: TensorBoard on rank 0's node only). With --clip-norm 0 that must not
+    change how the gradients are scaled: every rank must hold bit-identical
+    parameters. (The toy model is float64; scaling by a float64 factor on one
+    rank and a float32 one on the other drifted apart.)"""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    common = [*TOY, "--max-update", 6, "--clip-norm", 0, "--lr", 0.1,
+              "--optimizer", "sgd", "--disable-validation", "--no-save",
+              "--distributed-world-size", 2, "--distributed-gpus", 1,
+              "--distributed-init-method", url, "--toy-dump-params", tmp / "params"]
+    # 8 + 5 samples: the factor 2/13 is not exact in float32.
+    assert_ok(run_nodes([[*common, "--distributed-rank", 0, "--max-sentences", 8,
+                          "--tensorboard-logdir", tmp / "tb"],
+                         [*common, "--distributed-rank", 1, "--max-sentences", 5,
+                          "--log-interval", 1000]]))
+    import torch
+    rank0, rank1 = (torch.load(f"{tmp / 'params'}.{r}") for r in (0, 1))
+    assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), \
+        max((a - b).abs().max().item() for a, b in zip(rank0, rank1))

@@ -33,7 +33,7 @@ class ToyTask(Task):
     # Each simulates something about one node (a slow device, a bug on one rank).
     per_node_flags = frozenset({"toy_slow_rank", "toy_slow_ms", "toy_slow_after",
                                 "toy_perturb_after", "toy_nan_grad_after", "toy_log_indices",
-                                "toy_fail_after"})
+                                "toy_fail_after", "toy_dump_params"})
     @classmethod
     def add_args(cls, parser):
         parser.add_argument("--toy-size", type=int, default=100, help="samples in the train split")
@@ -57,6 +57,9 @@ class ToyTask(Task):
                                  "(as on data only this node holds)")
         parser.add_argument("--toy-log-indices", metavar="PATH",
                             help="append the indices each rank trains to PATH.<rank>")
+        parser.add_argument("--toy-dump-params", metavar="PATH",
+                            help="each training forward writes this rank's parameters to "
+                                 "PATH.<rank> (the last write: before the last update)")
         parser.add_argument("--toy-plain-backward", action="store_true",
                             help="override train_step and call backward(loss) without stats")
 
@@ -68,6 +71,10 @@ class ToyTask(Task):
         return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double()
 
     def loss(self, model, sample):
+        if self.args.toy_dump_params and torch.is_grad_enabled():
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            torch.save([p.detach().clone() for p in model.parameters()],
+                       f"{self.args.toy_dump_params}.{rank}")
         err = model(sample["x"]) - sample["y"]
         calls = getattr(self, "calls", 0)
         if self.args.toy_nan_after and calls > self.args.toy_nan_after:
