@@ -49,7 +49,9 @@ class Run:
     def __init__(self, args, ctx, inputs=None):
         self.args, self.ctx = args, ctx
         set_seed(args.seed)
-        self.task = TASKS.get(args.task)(args, inputs)
+        task_cls = TASKS.get(args.task)
+        # A task without resolve_inputs may keep a one-argument constructor.
+        self.task = task_cls(args) if inputs is None else task_cls(args, inputs)
         if args.export_hf and type(self.task).export_hf is Task.export_hf:
             raise UserError(f"--export-hf: task '{args.task}' cannot write a Hugging Face "
                             "folder (tasks that can: bert, glue)")

@@ -159,3 +159,14 @@ def test_task_defaults_must_name_real_options():
 def test_best_metric_direction_follows_the_metric():
     assert cli.parse_args([*TOY, "--best-checkpoint-metric", "f1"]).maximize_best_checkpoint_metric
     assert not cli.parse_args(TOY).maximize_best_checkpoint_metric   # loss: smaller is better
+
+
+def test_a_task_with_the_old_one_argument_constructor_still_runs(tmp_path):
+    folder = tmp_path / "oldstyle"
+    folder.mkdir()
+    (folder / "task.py").write_text(PLAIN_TASK.replace("plain_demo", "old_style").replace(
+        "class PlainDemo(Task):\n",
+        "class PlainDemo(Task):\n    def __init__(self, args):\n        super().__init__(args)\n"))
+    result = run_train("--task", "old_style", "--user-dir", folder, "--max-sentences", 4,
+                       "--max-update", 2, "--no-save")
+    assert result.returncode == 0, result.stderr[-3000:]
