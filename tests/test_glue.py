@@ -360,7 +360,9 @@ def test_without_minilm_the_pretraining_checkpoint_is_the_start(tmp_path, tiny_h
         pretrained.default_starting_point(str(tmp_path))
     config = BertConfig.from_json(tiny_hf + "/config.json")
     source = BertForPreTraining(config)
-    torch.save({"controller": {"model": source.state_dict()}}, tmp_path / "checkpoint_last.pt")
+    from hetseq.checkpoint import FORMAT
+    torch.save({"format": FORMAT, "controller": {"model": source.state_dict()}},
+               tmp_path / "checkpoint_last.pt")
     start = pretrained.default_starting_point(str(tmp_path))
     assert "pretraining demo's checkpoint" in start.describe()
     model = BertForSequenceClassification(start.bert_config(), 2)

@@ -10,8 +10,7 @@ import importlib.util
 import logging
 import os
 
-import torch
-
+from hetseq import checkpoint
 from hetseq.bert import demo
 from hetseq.bert.hf import load_hf_weights, read_hf_config
 from hetseq.bert.model import BertConfig
@@ -51,13 +50,13 @@ class StartingPoint:
         if self.hf_folder:
             load_hf_weights(model, self.hf_folder)
             return
-        state = torch.load(self.checkpoint, map_location="cpu", weights_only=False)
+        state = checkpoint.load(self.checkpoint)   # weights_only: no code runs from it
         encoder = {k: v for k, v in state["controller"]["model"].items() if k.startswith("bert.")}
         try:
             model.load_state_dict(encoder, strict=False)
         except RuntimeError as err:
             raise UserError(f"{self.checkpoint} does not fit the config {self.config} "
-                            f"({str(err).splitlines()[1][:200]}); it was made for another "
+                            f"({str(err).strip().splitlines()[-1][:200]}); it was made for another "
                             "BERT: pass --load-hf-weights instead") from None
         logger.info("loaded %d encoder tensors from %s", len(encoder), self.checkpoint)
 
