@@ -1,19 +1,24 @@
 #!/usr/bin/env python
 """Controller overhead vs a hand-written PyTorch DDP loop (2 CPU ranks).
 
-Both train the same MLP on the same in-memory batches with SGD. Steps are
+Both train the same model (``--model mlp``: a small MLP; ``bert``: the
+default BERT of ``--task bert``, hidden 256, 4 layers, sequences of 128) on
+the same in-memory batches with SGD. Steps are
 timed one by one in pairs, the order flipping every pair (DDP, HetSeq, HetSeq,
 DDP, ...), so the drift of a shared 2-core machine and any effect of going
-first or second hit both alike. Three phases each pair the DDP loop with:
+first or second hit both alike. Four phases each pair the DDP loop with:
   - hetseq:           Controller.train_step, the update a run makes between
                       log lines (no grad-norm pass; --clip-norm 0);
   - hetseq_grad_norm: the same, measuring the grad norm every update (what
                       --log-interval 1 or TensorBoard costs);
+  - ddp_stats:        the DDP loop plus what HetSeq's stats cost on their own:
+                      an asynchronous all-reduce of a stats vector (float64),
+                      started before backward and waited for after it;
   - ddp_control:      a second, identical DDP loop: the noise floor of this
                       method (its ratio should be 1).
 Ratios are throughput over the DDP steps of the same phase. Prints JSON.
 
-    python bench/overhead.py [--steps 1500] [--batch 64]
+    python bench/overhead.py [--model mlp|bert] [--steps N] [--batch N]
 """
 
 import argparse
@@ -37,27 +42,76 @@ from hetseq.distributed import DistContext  # noqa: E402
 from hetseq.tasks import TASKS, Task, register_task  # noqa: E402
 
 
-def make_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                         nn.Linear(512, 10))
+class MLP:
+    name = "bench_mlp"
+
+    @staticmethod
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                             nn.Linear(512, 10))
+
+    @staticmethod
+    def batch(size, g):
+        return {"x": torch.randn(size, 784, generator=g), "y": torch.randint(0, 10, (size,), generator=g)}
+
+    @staticmethod
+    def loss(model, sample):
+        y = sample["y"]
+        return F.cross_entropy(model(sample["x"]), y, reduction="sum"), len(y), {}
 
 
-if "bench_mlp" not in TASKS:
-    @register_task("bench_mlp")
-    class BenchTask(Task):
-        def build_model(self):
-            return make_model()
+class Bert:
+    """The default BERT of --task bert, on random token ids (MLM + NSP heads)."""
+    name = "bench_bert"
+    SEQ, PRED = 128, 20
 
-        def loss(self, model, sample):
-            x, y = sample
-            return F.cross_entropy(model(x), y, reduction="sum"), len(y), {}
+    @staticmethod
+    def build():
+        from hetseq.bert import BertConfig, BertForPreTraining
+        from hetseq.bert.demo import MODEL, VOCAB_SIZE
+        torch.manual_seed(0)
+        return BertForPreTraining(BertConfig(vocab_size=VOCAB_SIZE, **MODEL))
+
+    @classmethod
+    def batch(cls, size, g):
+        from hetseq.bert.demo import VOCAB_SIZE
+        positions = torch.sort(torch.randint(1, cls.SEQ, (size, cls.PRED), generator=g), 1).values
+        return {"input_ids": torch.randint(5, VOCAB_SIZE, (size, cls.SEQ), generator=g),
+                "segment_ids": (torch.arange(cls.SEQ) >= 64).long().expand(size, -1),
+                "input_mask": torch.ones(size, cls.SEQ, dtype=torch.long),
+                "masked_lm_positions": positions,
+                "masked_lm_ids": torch.randint(5, VOCAB_SIZE, (size, cls.PRED), generator=g),
+                "next_sentence_labels": torch.randint(0, 2, (size,), generator=g)}
+
+    @staticmethod
+    def loss(model, sample):
+        from hetseq.tasks.bert import BertTask
+        return BertTask.loss(None, model, sample)
 
 
-def ddp_step(batch, model, opt):
-    x, y = batch
+MODELS = {"mlp": MLP, "bert": Bert}
+
+
+def register(kind):
+    if kind.name not in TASKS:
+        register_task(kind.name)(type(kind.name, (Task,), {
+            "build_model": lambda self: kind.build(),
+            "loss": lambda self, model, sample: kind.loss(model, sample)}))
+
+
+def ddp_step(kind, batch, model, opt, stats=False):
+    """One DDP update with the mean loss; ``stats``: also all-reduce a stats
+    vector, started before backward as the Controller does."""
     opt.zero_grad(set_to_none=True)
-    F.cross_entropy(model(x), y).backward()
+    loss, n, _ = kind.loss(model, batch)
+    work = None
+    if stats:
+        vec = torch.tensor([loss.item(), n, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+        work = dist.all_reduce(vec, async_op=True)
+    (loss / n).backward()
+    if work is not None:
+        work.wait()
     opt.step()
 
 
@@ -72,40 +126,42 @@ def timed_pairs(steps, batches, first, second):
     return spent
 
 
-def ddp_loop():
-    model = nn.parallel.DistributedDataParallel(make_model())
+def ddp_loop(kind, stats=False):
+    model = nn.parallel.DistributedDataParallel(kind.build())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    return model, opt, lambda batch: ddp_step(batch, model, opt)
+    return model, opt, lambda batch: ddp_step(kind, batch, model, opt, stats)
 
 
 def worker(rank, world, port, opts, out):
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, False, datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    kind = MODELS[opts.model]
+    register(kind)
     g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(opts.batch, 784, generator=g),
-                torch.randint(0, 10, (opts.batch,), generator=g)) for _ in range(opts.steps)]
-    args = cli.parse_args(["--task", "bench_mlp", "--optimizer", "sgd", "--lr", "0.01",
+    batches = [kind.batch(opts.batch, g) for _ in range(opts.steps + 5)]
+    args = cli.parse_args(["--task", kind.name, "--optimizer", "sgd", "--lr", "0.01",
                            "--lr-scheduler", "fixed", "--clip-norm", "0"])
     ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
-    controller = Controller(args, TASKS.get("bench_mlp")(args), make_model(), ctx)
-    *baseline, ddp = ddp_loop()
-    *control, ddp_again = ddp_loop()
+    controller = Controller(args, TASKS.get(kind.name)(args), kind.build(), ctx)
+    loops = [ddp_loop(kind), ddp_loop(kind, stats=True), ddp_loop(kind)]
+    ddp = loops[0][2]
     phases = {"hetseq": lambda b: controller.train_step([b], b, grad_norm=False),
               "hetseq_grad_norm": lambda b: controller.train_step([b], b, grad_norm=True),
-              "ddp_control": ddp_again}
-    result = {"ranks": world, "batch_per_rank": opts.batch, "steps_per_phase": opts.steps}
+              "ddp_stats": loops[1][2], "ddp_control": loops[2][2]}
+    result = {"model": opts.model, "ranks": world, "batch_per_rank": opts.batch,
+              "steps_per_phase": opts.steps}
     samples = opts.steps * opts.batch * world
     for name, step in phases.items():
         timed_pairs(5, batches, ddp, step)                  # warm-up
-        ddp_s, other_s = timed_pairs(opts.steps, batches, ddp, step)
+        ddp_s, other_s = timed_pairs(opts.steps, batches[5:], ddp, step)
         result[f"{name}_samples_per_s"] = round(samples / other_s, 1)
         result[f"ddp_samples_per_s_in_{name}_phase"] = round(samples / ddp_s, 1)
         result[f"ratio_{name}_over_ddp"] = round(ddp_s / other_s, 4)
     if rank == 0:
         out.put(result)
     # DDP objects must go before the process group, or gloo aborts at exit.
-    del baseline, control, ddp, ddp_again, phases, controller
+    del loops, ddp, phases, controller
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
@@ -113,9 +169,13 @@ def worker(rank, world, port, opts, out):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1500, help="timed pairs per phase")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
+    parser.add_argument("--steps", type=int, help="timed pairs per phase (default: mlp 1500, "
+                                                   "bert 40)")
+    parser.add_argument("--batch", type=int, help="samples per rank (default: mlp 64, bert 8)")
     opts = parser.parse_args()
+    opts.steps = opts.steps or {"mlp": 1500, "bert": 40}[opts.model]
+    opts.batch = opts.batch or {"mlp": 64, "bert": 8}[opts.model]
     server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
