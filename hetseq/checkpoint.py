@@ -246,14 +246,16 @@ class Checkpointer:
         checkpoint_<DATA_EPOCH>_<UPDATES>.pt mid-epoch, and checkpoint_best.pt
         when ``metric`` improved."""
         from hetseq.distributed import all_gather_object
+        # Every rank, whatever its own --no-save (rank 0's decides): the RNG
+        # states and sharded components are gathered to rank 0.
         rngs = all_gather_object(rng_state(), self.ctx)
+        components = {name: component.state_dict() for name, component in self.components.items()}
         if self.args.no_save or not self.ctx.is_main:
             return
         improved = metric is not None and self._improves(metric)
         if improved:
             self.best = metric
-        state = {"format": FORMAT, "args": plain_args(self.args),
-                 **{name: component.state_dict() for name, component in self.components.items()},
+        state = {"format": FORMAT, "args": plain_args(self.args), **components,
                  "rng": rngs, "best": self.best}
         folder = self.args.save_dir
         last = os.path.join(folder, "checkpoint_last.pt")
@@ -273,12 +275,16 @@ class Checkpointer:
         logger.info("saved %s (%d updates)%s", last, updates,
                     "".join(f", {name}" for name in copies))
 
+    def has_best(self):
+        """Whether checkpoint_best.pt exists (as rank 0 sees it)."""
+        return not self.args.no_save and self.ctx.is_main and os.path.exists(self._best_path())
+
     def best_model_state(self):
         """The model of checkpoint_best.pt (rank 0; None elsewhere or when there is none)."""
-        path = os.path.join(self.args.save_dir, "checkpoint_best.pt")
-        if self.args.no_save or not self.ctx.is_main or not os.path.exists(path):
-            return None
-        return load(path)["controller"]["model"]
+        return load(self._best_path())["controller"]["model"] if self.has_best() else None
+
+    def _best_path(self):
+        return os.path.join(self.args.save_dir, "checkpoint_best.pt")
 
     def _improves(self, metric):
         if self.best is None:

@@ -6,7 +6,7 @@ anything are accepted and say so in --help (``LEGACY``).
 
 import argparse
 
-from hetseq import capacity, checkpoint
+from hetseq import capacity, checkpoint, precision, sharding
 from hetseq.errors import UserError
 from hetseq.optim import OPTIMIZERS, SCHEDULERS, add_optimization_args
 from hetseq.tasks import TASKS, import_builtin_tasks, import_user_dir
@@ -147,6 +147,9 @@ def build_parser(task_cls=None):
     add_dataset_args(parser)
     add_distributed_args(parser)
     add_training_args(parser)
+    group = parser.add_argument_group("Memory and precision (ZeRO stages on FSDP2, autocast)")
+    sharding.add_args(group)
+    precision.add_args(group)
     capacity.add_args(parser.add_argument_group("Capacity: per-rank batch sizes"))
     checkpoint.add_args(parser.add_argument_group("Checkpoints"))
     if task_cls is not None:
@@ -202,6 +205,8 @@ def check_args(args):
         raise UserError(f"--lr {args.lr}: expected non-negative learning rates")
     if args.distributed_timeout <= 0:
         raise UserError(f"--distributed-timeout {args.distributed_timeout}: expected seconds > 0")
+    sharding.check_args(args)
+    precision.check_args(args)
     OPTIMIZERS.get(args.optimizer)        # unknown names list the registered ones
     SCHEDULERS.get(args.lr_scheduler)
     if args.maximize_best_checkpoint_metric is None:   # as HF: larger is better but for a loss

@@ -3,9 +3,10 @@
 Gradient math (why the update equals large-batch single-device training)
 -----------------------------------------------------------------------
 Rank r processes n_r samples and its task returns the SUM of their losses,
-so after backward rank r holds g_r = grad( sum_{s in r} l_s ). DDP's own
-all-reduce averages over the W ranks, leaving G/W with G = sum_r g_r, and the
-counts travel with it (the stats vector of stats.py). We scale by W/N:
+so after backward rank r holds g_r = grad( sum_{s in r} l_s ). Every sharding
+mode (sharding.py) then leaves, on each rank, (its shard of) G/W with
+G = sum_r g_r: DDP all-reduces and averages, FSDP reduce-scatters and
+averages. The counts travel in the stats all-reduce (stats.py). We scale by W/N:
 
     (G/W) * (W/N) = (1/N) * sum_r g_r = grad( (1/N) * sum_s l_s ),   N = sum_r n_r,
 
@@ -14,13 +15,18 @@ one device had processed all N samples. Plain DDP instead averages per-rank
 MEAN gradients with equal weights, (1/W) * sum_r g_r / n_r, which equals G/N
 only when every n_r is the same: wrong whenever ranks take different batches.
 Micro-batches accumulate into the same sums, so --update-freq and local
-accumulation change nothing in this formula.
+accumulation change nothing in this formula. With fp16 the loss was
+multiplied by the loss scale S, so the factor becomes W / (N * S): one pass.
+
+The norm for --clip-norm is the norm of the whole gradient: with sharded
+gradients each rank sums the squares of its shard and one all-reduce adds
+them; an overflow flag found in one shard is summed the same way, so every
+rank skips the same updates.
 
 DDP's built-in averaging, rather than a SUM communication hook, keeps the
 all-reduce in C++: a Python hook costs 3-5% of a small model's step.
 """
 
-import contextlib
 import logging
 import math
 import time
@@ -28,36 +34,25 @@ import time
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from hetseq import precision, sharding
 from hetseq.errors import TrainingFailed, UserError
 from hetseq.optim import build_lr_scheduler, build_optimizer
-from hetseq.stats import Backward, Carrier, StatsExchange
+from hetseq.stats import Backward, StatsExchange
 from hetseq.utils import move_to
 
 logger = logging.getLogger(__name__)
 
 
-def _scale_and_check(grads, scale):
-    """Multiply every gradient by ``scale``; False if any was NaN or inf. One
-    fused pass: the kernel GradScaler unscales with. It takes the factor in
-    float32, a relative rounding of at most 6e-8, exact for powers of two."""
-    found = torch.zeros(1, device=grads[0].device)
-    torch._amp_foreach_non_finite_check_and_unscale_(
-        grads, found, torch.full((1,), scale, device=found.device))
-    return not found.item()
-
-
-def wrap_model(model, ctx, args):
-    """(DDP around the model and a stats Carrier, the Carrier) when distributed;
-    (the bare module, None) otherwise. With --find-unused-parameters DDP marks
-    every parameter the forward did not reach as done before backward, the
-    carrier's slot included, so the stats then travel on their own."""
-    if not ctx.distributed:
-        return model, None
-    carrier = None if args.find_unused_parameters else Carrier(model, ctx.world_size, ctx.device)
-    ddp = DistributedDataParallel(
-        carrier or model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
-        bucket_cap_mb=args.bucket_cap_mb, find_unused_parameters=args.find_unused_parameters)
-    return ddp, carrier
+def _scale_and_check(grads, scale, device):
+    """Multiply every gradient by ``scale``; returns a 1-element tensor, nonzero
+    if any was NaN or inf. One fused pass: the kernel GradScaler unscales with.
+    It takes the factor in float32, a relative rounding of at most 6e-8,
+    exact for powers of two."""
+    found = torch.zeros(1, device=grads[0].device if grads else device)
+    if grads:
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            grads, found, torch.full((1,), scale, device=found.device))
+    return found
 
 
 class Controller:
@@ -65,20 +60,31 @@ class Controller:
         self.args = args
         self.task = task
         self.ctx = ctx
+        self.sharding = sharding.build(args, ctx)
         self.model = model.to(ctx.device)
-        self.wrapped, self._carrier = wrap_model(self.model, ctx, args)
-        self._grad_divisor = ctx.world_size if ctx.distributed else 1  # DDP averages
+        self.wrapped = self.sharding.wrap(self.model)
+        hook = precision.ddp_comm_hook(args)
+        if hook is not None and isinstance(self.wrapped, DistributedDataParallel):
+            self.wrapped.register_comm_hook(None, hook)
+        self._grad_divisor = ctx.world_size if ctx.distributed else 1  # every mode averages
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise UserError(f"the model built by task '{args.task}' has no trainable parameters")
-        self.optimizer = build_optimizer(args, self.params)
+        self.optimizer = self.sharding.build_optimizer(build_optimizer(args, self.params))
         self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
+        self.scaler = precision.LossScaler(args, ctx.world_size) if args.fp16 else None
         self.num_updates = 0
         self.lr = self.lr_scheduler.step_update(1)
         self._previous = (0.0, 0.0, 0.0)  # this rank's stats slots (see stats.py)
         self._checksum = self._parameter_checksum()
         self.failed_updates = 0           # non-finite updates in a row
         self.wrapped.train()
+
+    @property
+    def lockstep(self):
+        """True when every forward communicates (FSDP): all ranks must then run
+        the same number of micro-batches, padding with zero-weight ones."""
+        return self.sharding.lockstep and self.ctx.distributed
 
     def _mode(self, training):
         # Switching walks every module, so only on a change (validation to training).
@@ -95,11 +101,13 @@ class Controller:
         start = time.perf_counter()
         self._mode(True)
         self.optimizer.zero_grad(set_to_none=True)
-        stats = StatsExchange(self.ctx, self._previous, carrier=self._carrier)
+        stats = StatsExchange(self.ctx, self._previous)
+        loss_scale = self.scaler.scale if self.scaler else 1.0
         for i, sample in enumerate(samples):
             backward = Backward(stats, weight=0.0 if sample is None else 1.0,
-                                last=i == len(samples) - 1)
-            with self._sync_on(backward.last):
+                                last=i == len(samples) - 1, loss_scale=loss_scale)
+            with self.sharding.sync(self.wrapped, backward.last), \
+                    precision.autocast(self.args, self.ctx.device):
                 loss, n, logs = self.task.train_step(
                     self.wrapped, move_to(dummy if sample is None else sample, self.ctx.device),
                     backward=backward)
@@ -121,12 +129,6 @@ class Controller:
         metrics["rank_times"], metrics["rank_samples"] = rank_times, rank_samples
         return metrics
 
-    def _sync_on(self, last):
-        """Gradient sync only on the last micro-batch of an update."""
-        if not self.ctx.distributed or last:
-            return contextlib.nullcontext()
-        return self.wrapped.no_sync()
-
     def _apply_update(self, sample_size, want_norm):
         """Scale the gradients to the mean-loss gradient (math above), clip, step.
         Returns the norm of the mean-loss gradient, or None when not measured.
@@ -139,20 +141,24 @@ class Controller:
         if sample_size <= 0:
             logger.warning("update %d had no samples on any rank; skipped", self.num_updates + 1)
             return float("nan")
-        grads = [p.grad for p in self.params if p.grad is not None]
-        scale = self._grad_divisor / sample_size
+        grads = self.sharding.local_grads(self.params)
+        scale = self._grad_divisor / (sample_size * (self.scaler.scale if self.scaler else 1.0))
         clip, norm = self.args.clip_norm, None
         if clip > 0 or want_norm:
             # ||scale * g|| = scale * ||g||: one pass for the norm.
-            norm = float(torch.nn.utils.get_total_norm(grads)) * scale
+            norm = self._grad_norm(grads) * scale
         if clip > 0:
             finite = math.isfinite(norm)
             if finite:   # the scaling and the clipping factor in one pass
                 torch._foreach_mul_(grads, scale * min(1.0, clip / (norm + 1e-6)))
         else:   # the norm, when measured, is only reported
-            finite = _scale_and_check(grads, scale)
+            found = _scale_and_check(grads, scale, self.ctx.device)
+            finite = not self.sharding.reduce(found).item()
+        if self.scaler is not None:
+            self.scaler.update(overflow=not finite)
         if not finite:
-            self._skip_update()
+            if self.scaler is None:
+                self._skip_update()
             return norm
         self.failed_updates = 0
         self.optimizer.step()
@@ -162,6 +168,15 @@ class Controller:
         self._checksum = self._parameter_checksum() if every and self.num_updates % every == 0 \
             else 0.0   # 0: nothing to compare in the next update's stats
         return norm
+
+    def _grad_norm(self, grads):
+        """Norm of the whole gradient (all shards), as a float."""
+        if not self.sharding.shards_grads:
+            return float(torch.nn.utils.get_total_norm(grads))
+        squares = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
+        if grads:
+            squares += torch.stack(torch._foreach_norm(grads)).double().square().sum().to(squares)
+        return float(self.sharding.reduce(squares).sqrt())
 
     def _skip_update(self):
         """A NaN/inf loss or gradient: every rank sees the same all-reduced
@@ -178,6 +193,9 @@ class Controller:
     @torch.no_grad()
     def _parameter_checksum(self):
         # Norm of the per-tensor norms: one fused pass, stays on the device.
+        # Sharded parameters (FSDP) differ between ranks by design: no check.
+        if self.sharding.shards_grads:
+            return 0.0
         return torch.stack(torch._foreach_norm(self.params)).double().norm()
 
     def _check_agreement(self, checksums):
@@ -197,11 +215,13 @@ class Controller:
 
     # ---- validation ----
 
-    def valid_step(self, sample, stats):
-        """Add one validation batch's stats to ``stats`` (a StatsExchange)."""
+    def valid_step(self, sample, stats, weight=1.0):
+        """Add one validation batch's stats to ``stats`` (a StatsExchange);
+        ``weight`` 0: a padding batch that only keeps the collectives matched."""
         self._mode(False)
-        loss, n, logs = self.task.valid_step(self.model, move_to(sample, self.ctx.device))
-        stats.add(loss, n, logs)
+        with precision.autocast(self.args, self.ctx.device):
+            loss, n, logs = self.task.valid_step(self.model, move_to(sample, self.ctx.device))
+        stats.add(loss, n, logs, weight)
 
     # ---- state ----
 
@@ -215,15 +235,24 @@ class Controller:
         self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
 
     def state_dict(self):
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "lr_scheduler": self.lr_scheduler.state_dict(), "num_updates": self.num_updates}
+        """The full state whatever the mode (sharding.py). Under sharding this is
+        a collective (call it on every rank); the full optimizer state is then
+        on rank 0 only."""
+        state = {"model": self.sharding.model_state(self.model),
+                 "optimizer": self.sharding.optimizer_state(self.model, self.optimizer),
+                 "lr_scheduler": self.lr_scheduler.state_dict(), "num_updates": self.num_updates}
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state):
         """The model always; the optimizer and schedule unless --reset-optimizer
-        or --reset-lr-scheduler."""
-        self.model.load_state_dict(state["model"])
+        or --reset-lr-scheduler. A state saved under any --zero mode loads."""
+        self.sharding.load_model_state(self.model, state["model"])
         if not self.args.reset_optimizer:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            if self.scaler is not None and "loss_scaler" in state:
+                self.scaler.load_state_dict(state["loss_scaler"])
         if not self.args.reset_lr_scheduler:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.num_updates = state["num_updates"]

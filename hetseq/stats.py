@@ -6,13 +6,15 @@ time and sample count of the PREVIOUS update and a checksum of its parameters
 into its own slot, so after the SUM every rank knows every rank's speed
 (capacity planning reads it) and can check that no rank diverged.
 
-How the vector travels. When the task hands its stats to ``backward`` (the
-base ``Task.train_step`` does), they are complete before the last backward of
-an update and ride inside DDP's own gradient all-reduce, through a
-``Carrier``: no collective of their own, no Python communication hook, no
-copy. Otherwise (a task calling ``backward(loss)``, validation, one process,
-``--find-unused-parameters``) they are all-reduced on their own afterwards, in
-float64. The numbers are the same either way, up to float32 rounding.
+How the vector travels: in one asynchronous all-reduce of its own, in
+float64. When the task hands its stats to ``backward`` (the base
+``Task.train_step`` does), they are complete before the last backward of an
+update, so the all-reduce starts then and runs while backward computes; the
+update waits for it only after backward. Otherwise (a task calling
+``backward(loss)``, validation) it runs after backward. The same path serves
+every wrapping (DDP, ZeRO, FSDP) and precision: it never rides in a gradient
+collective, so no reduce-scatter shards it and no loss scaler scales it.
+``bench/overhead.py`` measures its cost against a plain DDP step.
 
 A log value wrapped in ``Gathered`` is not summed: its rows are collected
 from every micro-batch and rank (one all-gather after the sum), for metrics
@@ -24,77 +26,10 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from hetseq.distributed.collectives import all_gather_object
 
 _ENGINE = torch.autograd.Variable._execution_engine
-
-
-class Carrier(nn.Module):
-    """What DDP wraps: the task's model plus ``slot``, a parameter the model
-    never uses. The last backward of an update adds ``slot . v`` to the loss,
-    so slot's gradient is the stats vector ``v``, and DDP all-reduces it with
-    the model's gradients.
-
-    DDP averages (it divides the sum by W), so ``v`` is sent multiplied by W.
-    For integer counts n the products n*W and the quotients by W are exact in
-    float32, so summed counts stay exact while W * sum(n) < 2**24 (16.7M);
-    above that their relative error is 6e-8, harmless in a 1/N scaling.
-    """
-
-    MAX_VALUES = 64   # summed values that fit; a task logging more sends them on their own
-
-    def __init__(self, model, world_size, device):
-        super().__init__()
-        self.model = model
-        self.world_size = world_size
-        # In a submodule registered after the model, so that parameters() lists
-        # the model's own first, as they would be without the Carrier.
-        self.size = self.MAX_VALUES + StatsExchange.SLOTS * world_size
-        self.stats = nn.Module()
-        self.stats.slot = nn.Parameter(torch.zeros(self.size, device=device))
-
-    @property
-    def slot(self):
-        return self.stats.slot
-
-    def forward(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name):
-        # ``ddp.module.some_attribute`` keeps working for tasks that use it.
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "model":
-                raise
-            return getattr(self.model, name)
-
-    def fits(self, vec):
-        return len(vec) <= self.size
-
-    def term(self, vec):
-        """The scalar to add to the loss: its gradient w.r.t. ``slot`` is ``vec``
-        times W (None: zeros, when the stats travel on their own)."""
-        if isinstance(vec, list):   # the usual case: built in numpy, one copy
-            send = np.zeros(self.size, dtype=np.float32)
-            send[:len(vec)] = vec
-            send *= self.world_size
-            send = torch.from_numpy(send)
-            if self.slot.device.type != "cpu":
-                send = _to_device(send, self.slot.device)
-        else:
-            send = torch.zeros_like(self.slot, requires_grad=False)
-            if vec is not None:
-                send[:len(vec)] = vec * self.world_size
-        return torch.dot(self.slot, send)
-
-    def received(self, length):
-        """The summed vector as a list, once DDP's all-reduce has finished."""
-        values = self.slot.grad.tolist()[:length]
-        self.slot.grad = None
-        return values
 
 
 def _readable(value):
@@ -125,15 +60,14 @@ class Gathered:
 class StatsExchange:
     SLOTS = 3   # per rank: compute seconds, samples, parameter checksum
 
-    def __init__(self, ctx, previous=(0.0, 0.0, 0.0), carrier=None):
+    def __init__(self, ctx, previous=(0.0, 0.0, 0.0)):
         self.ctx = ctx
         self.previous = previous    # this rank's slot values
-        self.carrier = carrier      # a Carrier when DDP can take the vector along
-        self._carried = False
         self.totals = {}
         self.gathered = {}          # key -> list of row tensors (see Gathered)
         self._keys = None
         self._vec = None
+        self._work = None           # the all-reduce under way, once started
 
     def add(self, loss, sample_size, logs, weight=1.0):
         totals = self.totals
@@ -171,28 +105,22 @@ class StatsExchange:
             values = vec
         self._vec = values
 
-    def carry(self):
-        """Build the vector for the carrier to take along in the coming gradient
-        all-reduce; None when it does not fit (it then travels on its own)."""
+    def start(self):
+        """Start summing the vector across ranks (asynchronously); ``result``
+        waits for it."""
         self._build()
-        if self.carrier is None or not self.carrier.fits(self._vec):
-            return None
-        self._carried = True
-        return self._vec
+        if self.ctx.distributed:
+            self._vec = torch.as_tensor(self._vec, dtype=torch.float64, device=self.ctx.device)
+            self._work = dist.all_reduce(self._vec, async_op=True)
 
     def result(self):
         """(summed totals, [per-rank values of each slot])."""
         if self._vec is None:
-            self._build()
-        values = self._vec
-        if self._carried:
-            values = self.carrier.received(len(values))
-        elif self.ctx.distributed:
-            vec = torch.as_tensor(values, dtype=torch.float64, device=self.ctx.device)
-            dist.all_reduce(vec)
-            values = vec.tolist()
-        elif torch.is_tensor(values):
-            values = values.tolist()
+            self.start()
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        values = self._vec.tolist() if torch.is_tensor(self._vec) else self._vec
         k, W = len(self._keys), self.ctx.world_size
         slots = [values[k + i * W:k + (i + 1) * W] for i in range(self.SLOTS)]
         return {**dict(zip(self._keys, values[:k])), **self._gather()}, slots
@@ -211,16 +139,18 @@ class Backward:
     """The ``backward`` callable a task's ``train_step`` receives.
 
     ``backward(loss, sample_size, logs)`` adds the micro-batch's stats before
-    running backward (and, on the last micro-batch, hands the finished vector
-    to the carrier). ``backward(loss)`` alone also works; the Controller then
-    adds the stats that ``train_step`` returns. ``weight`` 0 marks a padding
-    batch: it runs forward/backward so the collectives match, but contributes
-    nothing. ``compute_end`` is when this rank's own backward work ended,
-    before it waits for the gradient all-reduce (and so for slower ranks).
+    running backward (and, on the last micro-batch, starts their all-reduce).
+    ``backward(loss)`` alone also works; the Controller then adds the stats
+    that ``train_step`` returns. ``weight`` 0 marks a padding batch: it runs
+    forward/backward so the collectives match, but contributes nothing.
+    ``loss_scale`` multiplies the loss for fp16 loss scaling (the stats keep
+    the true loss). ``compute_end`` is when this rank's own backward work
+    ended, before it waits for gradient collectives (and so for slower ranks).
     """
 
-    def __init__(self, stats, weight, last):
+    def __init__(self, stats, weight, last, loss_scale=1.0):
         self.stats, self.weight, self.last = stats, weight, last
+        self.loss_scale = loss_scale
         self.announced = False
         self.called = False
         self.compute_end = None
@@ -230,12 +160,11 @@ class Backward:
         if sample_size is not None:
             self.stats.add(loss.detach(), sample_size, logs or {}, self.weight)
             self.announced = True
-        total = loss if self.weight == 1.0 else loss * self.weight
-        carrier = self.stats.carrier
-        if self.last and carrier is not None:
-            # Every rank adds the term on its synchronising backward, carried or
-            # not, so DDP sees the same parameters used everywhere.
-            total = total + carrier.term(self.stats.carry() if self.announced else None)
+        factor = self.weight * self.loss_scale
+        total = loss if factor == 1.0 else loss * factor
+        if self.last:
+            if self.announced:
+                self.stats.start()
             # A hook on the root runs first in backward; its callback is queued
             # before DDP's, which waits for the all-reduce, so it stamps the end
             # of this rank's compute.

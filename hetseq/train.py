@@ -8,7 +8,7 @@ import time
 from hetseq import capacity, checkpoint, cli
 from hetseq.controller import Controller
 from hetseq.data import GlobalBatches, GlobalBatchIterator
-from hetseq.distributed import WorkerFailed, all_gather_object, launch
+from hetseq.distributed import WorkerFailed, all_gather_object, broadcast_from_main, launch
 from hetseq.distributed.identity import job_identity
 from hetseq.distributed.launch import exit_now
 from hetseq.errors import HetSeqError, UserError
@@ -127,11 +127,21 @@ class Run:
         batches = GlobalBatches.for_dataset(dataset, sum(shares), self.args.seed, shuffle)
         return GlobalBatchIterator(dataset, self.task.collater(dataset), batches, shares,
                                    self.ctx.rank, self.args.num_workers,
-                                   self.plan.micro_caps[self.ctx.rank])
+                                   self.plan.micro_caps[self.ctx.rank],
+                                   self.lockstep_micro_batches(shares))
+
+    def lockstep_micro_batches(self, shares):
+        """Micro-batches every rank runs per step when forwards communicate
+        (FSDP): the most any rank needs; 1 (no padding) otherwise."""
+        if not self.controller.lockstep:
+            return 1
+        caps = self.plan.micro_caps
+        return max(-(-share // cap) if cap else 1 for share, cap in zip(shares, caps))
 
     def set_plan(self, plan):
         self.plan = plan
         self.train_data.set_shares(plan.batch_sizes)
+        self.train_data.min_micro_batches = self.lockstep_micro_batches(plan.batch_sizes)
         if self.rebalancer is not None:
             self.rebalancer.plan = plan
         if self.ctx.is_main:
@@ -161,14 +171,17 @@ class Run:
 
     def export(self):
         """--export-hf: the best checkpoint's model when there is one, else the last."""
-        best = self.checkpointer.best_model_state()
+        has_best = broadcast_from_main(self.checkpointer.has_best, self.ctx)
+        # The full weights (a collective when they are sharded), into a plain copy.
+        state = self.checkpointer.best_model_state() if has_best else \
+            self.controller.sharding.model_state(self.controller.model)
         if not self.ctx.is_main:
             return
-        model = self.controller.model
-        if best is not None:
-            model.load_state_dict(best)
+        if has_best:
             logger.info("exporting the best checkpoint (%s %s)", self.args.best_checkpoint_metric,
                         self.checkpointer.best)
+        model = self.task.build_model()
+        model.load_state_dict(state)
         self.task.export_hf(model, self.args.export_hf)
 
     def stop_reason(self):
@@ -244,6 +257,8 @@ class Run:
                 for sample in step:
                     if sample is not None:
                         self.controller.valid_step(sample, stats)
+                    elif self.controller.lockstep:   # its forward communicates: pad
+                        self.controller.valid_step(data.dummy_batch(), stats, weight=0.0)
             totals, _ = stats.result()
             metrics = self.task.reduce_metrics(totals)
             if self.ctx.is_main:

@@ -75,18 +75,3 @@ def test_update_is_the_mean_loss_gradient_step(want_norm):
     assert ("grad_norm" in metrics) == want_norm
     for p, e in zip(ctrl.params, expected):
         torch.testing.assert_close(p.detach(), e, rtol=1e-6, atol=1e-7)
-
-
-def test_carrier_looks_like_the_model_it_wraps():
-    from hetseq.stats import Carrier
-    model = nn.Linear(3, 2)
-    model.vocab = ["a", "b"]
-    carrier = Carrier(model, world_size=2, device=torch.device("cpu"))
-    assert carrier.vocab == ["a", "b"]                      # ddp.module.<attribute> works
-    params = list(carrier.parameters())
-    assert params[:2] == list(model.parameters())           # the model's come first
-    assert len(params) == 3 and params[2] is carrier.slot
-    assert torch.equal(carrier(torch.ones(1, 3)), model(torch.ones(1, 3)))
-    # The term's gradient w.r.t. the slot is the vector times W (DDP divides by W).
-    carrier.term([1.0, 2.0, 3.0]).backward()
-    assert carrier.slot.grad[:4].tolist() == [2.0, 4.0, 6.0, 0.0]

@@ -91,9 +91,17 @@ def _count_collectives(rank, world, init, plain, out):
     controller = Controller(args, task, task.build_model(), DistContext(rank, world, rank, torch.device("cpu"), "gloo"))
     data = task.load_dataset("train")
     calls = []
+
+    def record(name, real):
+        def call(*a, **k):
+            # Whether the collective starts before this update's backward has
+            # produced any gradient.
+            before = all(p.grad is None for p in controller.model.parameters())
+            calls.append((name, "before backward" if before else "after backward"))
+            return real(*a, **k)
+        return call
     for name in ("all_reduce", "all_gather", "broadcast", "all_gather_object"):
-        real = getattr(dist, name)
-        setattr(dist, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+        setattr(dist, name, record(name, getattr(dist, name)))
     sizes = []
     for step in range(3):
         rows = list(range(4 * step, 4 * step + 4))[:3] if rank == 0 else [4 * step + 3]
@@ -107,19 +115,20 @@ def _count_collectives(rank, world, init, plain, out):
 
 
 @pytest.mark.parametrize("plain", [False, True])
-def test_stats_ride_in_the_gradient_all_reduce(tmp, plain):
-    """With the stats passed to backward, an update makes no collective of its
-    own: they travel in DDP's gradient all-reduce. A task calling
-    backward(loss) alone costs one all-reduce after backward instead."""
+def test_stats_travel_in_one_all_reduce_started_before_backward(tmp, plain):
+    """An update makes exactly one collective of its own: the stats all-reduce.
+    With the stats passed to backward it starts before backward (and runs
+    during it); a task calling backward(loss) alone starts it afterwards."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     init = f"file://{tmp / 'rendezvous'}"
     mp.start_processes(_count_collectives, args=(2, init, plain, out), nprocs=2, start_method="spawn")
+    when = "after backward" if plain else "before backward"
     for _ in range(2):
         rank, calls, sizes = out.get()
         assert sizes == [4, 4, 4]     # summed counts arrive exactly
-        assert calls == (["all_reduce"] * 3 if plain else []), (rank, calls)
+        assert calls == [("all_reduce", when)] * 3, (rank, calls)
 
 
 def test_every_rank_takes_the_same_update_path(tmp):
@@ -142,3 +151,27 @@ def test_every_rank_takes_the_same_update_path(tmp):
     rank0, rank1 = (torch.load(f"{tmp / 'params'}.{r}") for r in (0, 1))
     assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), \
         max((a - b).abs().max().item() for a, b in zip(rank0, rank1))
+
+
+# ---- memory sharding (--zero) keeps the same mathematics ----
+
+ADAM = ["--optimizer", "adamw", "--lr", "0.05", "--weight-decay", "0.01"]
+ZERO = {"zero1": ["--zero", 1], "zero2": ["--zero", 2], "zero3": ["--zero", 3],
+        "zero3-offload": ["--zero", 3, "--cpu-offload"]}
+
+
+@pytest.mark.parametrize("mode", sorted(ZERO))
+def test_zero_two_ranks_uneven_match_one_process(tmp, mode):
+    """AdamW (its state is what --zero 1 shards), 24 + 8 samples."""
+    ref = reference(tmp, *ADAM)
+    assert max_diff(ref, nodes(tmp, mode, [(1, 24), (1, 8)], *ADAM, *ZERO[mode])) < 1e-5
+
+
+@pytest.mark.parametrize("mode", sorted(ZERO))
+def test_zero_three_ranks_uneven_with_clipping_and_accumulation_match(tmp, mode):
+    """20 + 8 + 4 with --update-freq 2 (rank 2 pads the last global batch) and
+    a clip norm that binds: the norm is that of the whole sharded gradient."""
+    extra = [*ADAM, "--update-freq", 2, "--clip-norm", 0.3]
+    ref = reference(tmp, *extra)
+    diff = max_diff(ref, nodes(tmp, mode, [(1, 20), (1, 8), (1, 4)], *extra, *ZERO[mode]))
+    assert diff < 1e-5

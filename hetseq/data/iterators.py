@@ -119,11 +119,13 @@ class GlobalBatchIterator:
 
     Each step yields a list: this rank's slice of the global batch cut into
     micro-batches of at most ``micro_cap`` samples, or ``[None]`` when the
-    slice is empty. ``shares`` (one weight per rank) may change between steps
+    slice is empty (padded with None to ``min_micro_batches``). ``shares``
+    (one weight per rank) may change between steps
     (rebalancing); the data loader is then rebuilt from the current position.
     """
 
-    def __init__(self, dataset, collate_fn, batches, shares, rank, num_workers=0, micro_cap=0):
+    def __init__(self, dataset, collate_fn, batches, shares, rank, num_workers=0, micro_cap=0,
+                 min_micro_batches=1):
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.batches = batches
@@ -131,6 +133,10 @@ class GlobalBatchIterator:
         self.rank = rank
         self.num_workers = num_workers
         self.micro_cap = micro_cap
+        # Padding with None up to this many micro-batches per step, so that
+        # every rank runs as many forwards as the others (needed when each
+        # forward communicates, as under FSDP).
+        self.min_micro_batches = min_micro_batches
         self.epoch = 1                 # the epoch next_epoch_itr() runs
         self.samples_in_epoch = 0      # samples of it already consumed (its next position)
         self._shares_changed = False
@@ -165,7 +171,8 @@ class GlobalBatchIterator:
             loaded = iter(self._loader(_LocalSlices(batches, local, cap)))
             for global_batch in batches:
                 count = len(micro_split(local(global_batch), cap))
-                micro = [next(loaded) for _ in range(count)] or [None]
+                micro = [next(loaded) for _ in range(count)]
+                micro += [None] * (max(1, self.min_micro_batches) - len(micro))
                 self.samples_in_epoch += len(global_batch)
                 yield micro
                 if self._shares_changed:

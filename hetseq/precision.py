@@ -1,0 +1,137 @@
+"""Mixed precision: ``--bf16`` (CPU and CUDA) and ``--fp16`` (CUDA, loss scaling).
+
+Both keep fp32 master weights and optimizer state: the forward runs under
+``torch.autocast`` (matrix products in 16 bits, reductions and the loss in
+fp32), the backward outside it, and gradients arrive in fp32. Gradients are
+reduced in fp32 unless ``--reduce-dtype`` asks for 16 bits (half the traffic).
+Under FSDP (``--zero 2/3``) the parameters are also all-gathered in 16 bits
+(``MixedPrecisionPolicy``), as Accelerate does.
+
+fp16 has a narrow range, so the loss is multiplied by a scale S before
+backward and the Controller divides S out in the same pass that weights the
+gradients (controller.py: factor W / (N * S)). An inf or NaN in any gradient
+on any rank skips the update on every rank and halves S; ``--fp16-scale-window``
+updates without overflow double it (fairseq's dynamic loss scaler, with its
+flag names). Its state is part of the checkpoint.
+"""
+
+import contextlib
+import logging
+import os
+
+import torch
+
+from hetseq.errors import TrainingFailed, UserError
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Tests run the fp16 code path on CPU (slow there, and not a training mode we offer).
+CPU_FP16_FOR_TESTS = "HETSEQ_TEST_FP16_ON_CPU"
+
+
+def add_args(group):
+    group.add_argument("--bf16", action="store_true",
+                       help="bfloat16 autocast, fp32 master weights (CPU with bf16 support, "
+                            "or CUDA Ampere and newer)")
+    group.add_argument("--fp16", action="store_true",
+                       help="float16 autocast with dynamic loss scaling, fp32 master weights "
+                            "(CUDA only; on CPU use --bf16)")
+    group.add_argument("--fp16-init-scale", type=float, default=2 ** 7, metavar="S",
+                       help="initial loss scale (default: %(default)s)")
+    group.add_argument("--fp16-scale-window", type=int, metavar="N",
+                       help="updates without overflow before the scale doubles "
+                            "(default: 2**14 / world size / update-freq, as fairseq)")
+    group.add_argument("--min-loss-scale", type=float, default=1e-4, metavar="S",
+                       help="stop when the loss scale falls below this (default: %(default)s)")
+    group.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="float32",
+                       help="dtype in which gradients are summed across ranks (default: "
+                            "%(default)s)")
+
+
+def check_args(args):
+    if args.bf16 and args.fp16:
+        raise UserError("--bf16 and --fp16 both given; pick one")
+    cuda = torch.cuda.is_available() and not args.cpu
+    if args.fp16 and not cuda and not os.environ.get(CPU_FP16_FOR_TESTS):
+        raise UserError("--fp16 needs a CUDA device (float16 on CPU is slow and its loss "
+                        "scaling buys nothing there); use --bf16 on CPU")
+    if args.bf16 and cuda and not torch.cuda.is_bf16_supported():
+        raise UserError(f"--bf16: {torch.cuda.get_device_name()} has no bfloat16 support; "
+                        "use --fp16")
+    if args.fp16_scale_window is not None and args.fp16_scale_window < 1:
+        raise UserError(f"--fp16-scale-window {args.fp16_scale_window}: expected 1 or more")
+    if args.fp16_init_scale <= 0:
+        raise UserError(f"--fp16-init-scale {args.fp16_init_scale}: expected a positive scale")
+
+
+def compute_dtype(args):
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+
+
+def describe(args):
+    dtype = compute_dtype(args)
+    text = {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast, loss scaling",
+            None: "fp32"}[dtype]
+    return text + (f", gradients reduced in {args.reduce_dtype}"
+                   if args.reduce_dtype != "float32" else "")
+
+
+def autocast(args, device):
+    """The context the forward runs in."""
+    dtype = compute_dtype(args)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def mixed_precision_policy(args):
+    """FSDP2's policy: parameters gathered in the compute dtype, gradients
+    reduced in --reduce-dtype; None in fp32 with fp32 reduction."""
+    dtype = compute_dtype(args)
+    if dtype is None and args.reduce_dtype == "float32":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=DTYPES[args.reduce_dtype])
+
+
+def ddp_comm_hook(args):
+    """DDP hook that sums gradients in 16 bits (both divide by the world size,
+    as DDP's own reduction does), or None for fp32."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    return {"float32": None, "float16": default_hooks.fp16_compress_hook,
+            "bfloat16": default_hooks.bf16_compress_hook}[args.reduce_dtype]
+
+
+class LossScaler:
+    """fairseq's dynamic loss scaler: halve on overflow, double after a window
+    of clean updates; ``state_dict`` for checkpoints."""
+
+    def __init__(self, args, world_size):
+        self.scale = float(args.fp16_init_scale)
+        self.window = args.fp16_scale_window or max(
+            1, int(2 ** 14 / world_size / args.update_freq[0]))
+        self.min_scale = args.min_loss_scale
+        self.clean_updates = 0
+
+    def update(self, overflow):
+        """After an update: ``overflow`` True means it was skipped."""
+        if overflow:
+            self.scale /= 2
+            self.clean_updates = 0
+            logger.info("gradient overflow: update skipped, loss scale now %g", self.scale)
+            if self.scale < self.min_scale:
+                raise TrainingFailed(
+                    f"the fp16 loss scale fell below --min-loss-scale {self.min_scale}: the "
+                    "loss or gradients overflow at any scale; lower --lr, set --clip-norm, "
+                    "or train with --bf16")
+            return
+        self.clean_updates += 1
+        if self.clean_updates % self.window == 0:
+            self.scale *= 2
+
+    def state_dict(self):
+        return {"scale": self.scale, "clean_updates": self.clean_updates}
+
+    def load_state_dict(self, state):
+        self.scale, self.clean_updates = float(state["scale"]), int(state["clean_updates"])

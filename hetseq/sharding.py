@@ -1,0 +1,288 @@
+"""How the model state is held across ranks: ``--zero 0|1|2|3`` and ``--cpu-offload``.
+
+The modes are DeepSpeed ZeRO's stages, built on PyTorch's own engines:
+
+    --zero 0   replicas: every rank holds parameters, gradients and optimizer
+               state (DDP; gradients all-reduced)
+    --zero 1   + optimizer state sharded (DDP + ZeroRedundancyOptimizer, which
+               partitions whole parameters between ranks)
+    --zero 2   + gradients sharded (FSDP2 ``fully_shard`` without resharding
+               after forward: gradients are reduce-scattered; Accelerate's
+               SHARD_GRAD_OP)
+    --zero 3   + parameters sharded (FSDP2 ``fully_shard``: each unit is
+               all-gathered for its forward and backward only; FULL_SHARD)
+    --cpu-offload  with --zero 3: parameters, gradients and the optimizer step
+               live on the host (FSDP2 ``CPUOffloadPolicy``)
+
+Whatever the mode, the Controller's gradient math is the same (controller.py):
+every mode leaves on each rank (a shard of) the SUM over ranks divided by the
+world size W, which the Controller multiplies by W/N. ``local_grads`` gives
+the tensors this rank owns, and ``reduce`` sums a small tensor over ranks
+when gradients are sharded (a norm or an overflow flag then needs every shard).
+
+Checkpoints hold the FULL state in one format whatever the mode: the model's
+``state_dict`` and the optimizer's index-keyed ``state_dict`` of a plain
+optimizer over ``model.parameters()``. Any mode on any world size can load
+what any other wrote (see checkpoint.py for why gathered, not DCP).
+"""
+
+import contextlib
+import inspect
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hetseq.errors import UserError
+from hetseq.registry import Registry
+
+
+def add_args(group):
+    group.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                       help="ZeRO stage: 0 replicas (DDP), 1 optimizer state sharded, "
+                            "2 + gradients sharded (FSDP2), 3 + parameters sharded (FSDP2) "
+                            "(default: 0)")
+    group.add_argument("--cpu-offload", action="store_true",
+                       help="with --zero 3: keep parameters, gradients and the optimizer step "
+                            "on the host (FSDP2 CPUOffloadPolicy)")
+
+
+def check_args(args):
+    if args.cpu_offload and args.zero != 3:
+        raise UserError(f"--cpu-offload needs --zero 3 (got --zero {args.zero}): offloading "
+                        "keeps the sharded parameters on the host; add --zero 3")
+    if args.zero >= 2 and args.find_unused_parameters:
+        raise UserError(f"--find-unused-parameters is a DDP option and --zero {args.zero} uses "
+                        "FSDP, which needs no such flag; drop it (or use --zero 0 or 1)")
+
+
+class Sharding:
+    """Base for a mode: replicated gradients, full state on every rank."""
+    shards_grads = False   # True: each rank holds only a shard of each gradient
+    lockstep = False       # True: every forward communicates, so every rank must
+                           # run the same number of micro-batches per update
+
+    def __init__(self, args, ctx):
+        self.args, self.ctx = args, ctx
+
+    def describe(self):
+        return f"--zero {self.registered_name}"
+
+    def wrap(self, model):
+        """The module the task calls (the model itself, or a wrapper)."""
+        return model
+
+    def build_optimizer(self, optimizer):
+        """The optimizer to step, from the plain one over all parameters."""
+        return optimizer
+
+    def sync(self, wrapped, last):
+        """Context for a micro-batch: gradients communicated only on the last."""
+        return contextlib.nullcontext()
+
+    def local_grads(self, params):
+        return [p.grad for p in params if p.grad is not None]
+
+    def reduce(self, tensor):
+        """Sum ``tensor`` over ranks when gradients are sharded (in place)."""
+        return tensor
+
+    # ---- state, always in the full format ----
+
+    def model_state(self, model):
+        return model.state_dict()
+
+    def load_model_state(self, model, state):
+        model.load_state_dict(state)
+
+    def optimizer_state(self, model, optimizer):
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, model, optimizer, state):
+        optimizer.load_state_dict(state)
+
+    def state_bytes(self, params, optimizer):
+        """Bytes of parameters, gradients and optimizer state on this rank."""
+        return model_state_bytes(params, optimizer)
+
+
+SHARDING = Registry("ZeRO stage", base=Sharding)
+
+
+def model_state_bytes(params, optimizer):
+    """Parameters + gradients + optimizer state that this rank holds, counted
+    from the tensors (a sharded tensor counts its local shard only)."""
+    def size(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+    total = sum(size(p) + (size(p.grad) if p.grad is not None else 0) for p in params)
+    inner = getattr(optimizer, "optim", optimizer)     # ZeroRedundancyOptimizer's local part
+    for state in inner.state.values():
+        total += sum(size(v) for v in state.values() if torch.is_tensor(v))
+    return total
+
+
+def _ddp(model, ctx, args):
+    return DistributedDataParallel(
+        model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
+        bucket_cap_mb=args.bucket_cap_mb, find_unused_parameters=args.find_unused_parameters)
+
+
+@SHARDING.register("0")
+class Replicas(Sharding):
+    def describe(self):
+        return "--zero 0 (replicas, DDP)"
+
+    def wrap(self, model):
+        return _ddp(model, self.ctx, self.args) if self.ctx.distributed else model
+
+    def sync(self, wrapped, last):
+        if not self.ctx.distributed or last:
+            return contextlib.nullcontext()
+        return wrapped.no_sync()   # must wrap the forward too (PLATFORM_NOTES)
+
+
+@SHARDING.register("1")
+class ShardedOptimizer(Replicas):
+    """DDP for the gradients; each rank keeps and updates the optimizer state of
+    its own parameters, then broadcasts them (ZeroRedundancyOptimizer)."""
+
+    def describe(self):
+        return "--zero 1 (optimizer state sharded, DDP + ZeroRedundancyOptimizer)"
+
+    def build_optimizer(self, optimizer):
+        if not self.ctx.distributed:
+            return optimizer
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        # The defaults the constructor takes (some are derived, e.g. AdamW's
+        # decoupled_weight_decay), so any registered optimizer rebuilds.
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "lr"}
+        return ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer),
+                                       lr=optimizer.defaults["lr"], **defaults)
+
+    def optimizer_state(self, model, optimizer):
+        """Collective: every rank sends its part to rank 0 (None on the others)."""
+        if not self.ctx.distributed:
+            return optimizer.state_dict()
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if self.ctx.is_main else None
+
+
+@SHARDING.register("2")
+class FullyShard(Sharding):
+    """FSDP2. Units: every module inside an ``nn.ModuleList`` (the transformer
+    layers of most models), then the root, as torchtitan shards each block."""
+    shards_grads = True
+    lockstep = True
+    reshard_after_forward = False
+
+    def describe(self):
+        return "--zero 2 (optimizer state and gradients sharded, FSDP2)"
+
+    def wrap(self, model):
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = DeviceMesh(self.ctx.device.type, list(range(self.ctx.world_size)))
+        options = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
+                       **self.policies())
+        for module in list(model.modules()):
+            if isinstance(module, nn.ModuleList):
+                for unit in module:
+                    fully_shard(unit, **options)
+        fully_shard(model, **options)
+        return model
+
+    def policies(self):
+        from hetseq.precision import mixed_precision_policy
+        policy = mixed_precision_policy(self.args)
+        return {"mp_policy": policy} if policy is not None else {}
+
+    def sync(self, wrapped, last):
+        wrapped.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def local_grads(self, params):
+        return [p.grad.to_local() for p in params if p.grad is not None]
+
+    def reduce(self, tensor):
+        if self.ctx.distributed:
+            dist.all_reduce(tensor)
+        return tensor
+
+    # Collectives: every rank calls these; the full state is on rank 0's CPU.
+    def model_state(self, model):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        return get_model_state_dict(model, options=_full(cpu_offload=True))
+
+    def load_model_state(self, model, state):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        _check_shapes(model, state)
+        set_model_state_dict(model, state, options=_full())
+
+    def optimizer_state(self, model, optimizer):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        state = get_optimizer_state_dict(model, optimizer, options=_full(cpu_offload=True))
+        return _by_index(model, state) if self.ctx.is_main else None
+
+    def load_optimizer_state(self, model, optimizer, state):
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        set_optimizer_state_dict(model, optimizer, _by_name(model, state), options=_full())
+
+
+@SHARDING.register("3")
+class FullyShardParameters(FullyShard):
+    reshard_after_forward = True
+
+    def describe(self):
+        where = ", on the host (CPU offload)" if self.args.cpu_offload else ""
+        return f"--zero 3 (parameters, gradients and optimizer state sharded{where}, FSDP2)"
+
+    def policies(self):
+        policies = super().policies()
+        if self.args.cpu_offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+            policies["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        return policies
+
+
+def build(args, ctx):
+    return SHARDING.get(str(args.zero))(args, ctx)
+
+
+def _full(**options):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, **options)
+
+
+def _names(model):
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def _by_index(model, state):
+    """An optimizer state keyed by parameter name -> keyed by position, as a plain
+    optimizer over the model's trainable parameters keeps it."""
+    index = {name: i for i, name in enumerate(_names(model))}
+    return {"state": {index[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**group, "params": [index[n] for n in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def _by_name(model, state):
+    names = _names(model)
+    return {"state": {names[i]: value for i, value in state["state"].items()},
+            "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def _check_shapes(model, state):
+    """A clear error before FSDP's own (which names no parameter)."""
+    from torch.distributed.tensor import DTensor
+    for name, param in model.named_parameters():
+        shape = tuple(param.shape if not isinstance(param, DTensor) else param.size())
+        saved = state.get(name)
+        if saved is not None and tuple(saved.shape) != shape:
+            raise RuntimeError(f"parameter {name} has shape {shape} but the checkpoint holds "
+                               f"{tuple(saved.shape)}")
