@@ -309,6 +309,8 @@ def make_plan(args, ctx, controller, dataset, collate_fn, local_world_size=1):
     plan = proportional(_global_batch(args, peers), _weights(args, peers),
                         [peer["cap"] for peer in peers], [peer["rate"] for peer in peers])
     if ctx.is_main:
-        logger.info("capacity plan (%s), global batch %d:\n%s", args.capacity, plan.global_batch,
+        from hetseq import precision
+        logger.info("capacity plan (%s), global batch %d, %s, %s:\n%s", args.capacity,
+                    plan.global_batch, controller.sharding.describe(), precision.describe(args),
                     describe(plan, [peer["device"] for peer in peers]))
     return plan, [peer["device"] for peer in peers]

@@ -136,13 +136,28 @@ def test_ranks_with_different_parameters_are_detected(tmp_path):
 
 
 @pytest.mark.parametrize("clip", ["25", "0"])   # grad-norm pass / fused scale-and-check pass
-def test_non_finite_gradient_on_one_rank_skips_on_all(tmp_path, clip):
+@pytest.mark.parametrize("zero", ["0", "3"])
+def test_non_finite_gradient_on_one_rank_skips_on_all(tmp_path, clip, zero):
     # Rank 1's gradients turn NaN while every loss stays finite: the NaN reaches
     # every rank through the all-reduce, so all skip the same updates and stop.
     result = run_train(*TOY, "--max-sentences", 8, "--max-update", 50, "--no-save",
                        "--distributed-world-size", 2, "--toy-nan-grad-after", 3,
                        "--max-nan-updates", 3, "--disable-validation", "--clip-norm", clip,
-                       "--log-interval", 1000)
+                       "--log-interval", 1000, "--zero", zero)
+    assert result.returncode == 4, result.stderr[-3000:]
+    for rank in (0, 1):
+        lines = [line for line in result.stderr.splitlines() if f"| rank {rank} |" in line]
+        assert sum("update skipped" in line for line in lines) == 3, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("clip", ["25", "0"])
+def test_overflow_in_one_shard_skips_on_every_rank(tmp_path, clip):
+    """--zero 3: rank 1's NaN reaches only the shard of rank 0 that holds the
+    output bias; the overflow flag (or norm) is summed, so both ranks skip."""
+    result = run_train(*TOY, "--max-sentences", 8, "--max-update", 50, "--no-save",
+                       "--distributed-world-size", 2, "--toy-nan-bias-grad-after", 3,
+                       "--max-nan-updates", 3, "--disable-validation", "--clip-norm", clip,
+                       "--log-interval", 1000, "--zero", 3)
     assert result.returncode == 4, result.stderr[-3000:]
     for rank in (0, 1):
         lines = [line for line in result.stderr.splitlines() if f"| rank {rank} |" in line]

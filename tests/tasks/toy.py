@@ -33,6 +33,7 @@ class ToyTask(Task):
     # Each simulates something about one node (a slow device, a bug on one rank).
     per_node_flags = frozenset({"toy_slow_rank", "toy_slow_ms", "toy_slow_after",
                                 "toy_perturb_after", "toy_nan_grad_after", "toy_log_indices",
+                                "toy_nan_bias_grad_after",
                                 "toy_fail_after", "toy_dump_params"})
     @classmethod
     def add_args(cls, parser):
@@ -52,6 +53,9 @@ class ToyTask(Task):
         parser.add_argument("--toy-nan-grad-after", type=int, default=0,
                             help="after N train_step calls, rank 1's gradients are NaN while "
                                  "its loss stays finite")
+        parser.add_argument("--toy-nan-bias-grad-after", type=int, default=0,
+                            help="after N train_step calls, this node's rank 1 gets a NaN "
+                                 "gradient in the output bias only (one shard under --zero 3)")
         parser.add_argument("--toy-fail-after", type=int, default=0,
                             help="after N train_step calls, this node stops with a user error "
                                  "(as on data only this node holds)")
@@ -68,7 +72,17 @@ class ToyTask(Task):
 
     def build_model(self):
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+        if self.args.toy_nan_bias_grad_after:
+            model[2].register_forward_hook(self._nan_bias_grad)
+        return model
+
+    def _nan_bias_grad(self, module, inputs, output):
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank == 1 and torch.is_grad_enabled() and \
+                getattr(self, "calls", 0) > self.args.toy_nan_bias_grad_after:
+            # module.bias is the parameter the forward used (FSDP: the gathered one).
+            module.bias.register_hook(lambda grad: grad * float("nan"))
 
     def loss(self, model, sample):
         if self.args.toy_dump_params and torch.is_grad_enabled():
