@@ -1,0 +1,81 @@
+"""--bf16 and --fp16: master weights stay fp32, loss scaling is exact, an
+overflow skips on every rank, and the scaler state is checkpointed."""
+
+import re
+
+import pytest
+import torch
+
+from conftest import TOY, assert_ok, free_port, max_diff, run_nodes, run_train
+from test_mnist_example import MNIST, make_demo_data
+
+FP16_ON_CPU = {"HETSEQ_TEST_FP16_ON_CPU": "1"}
+TOY_RUN = [*TOY, "--optimizer", "adamw", "--lr", "0.05", "--lr-scheduler", "fixed",
+           "--clip-norm", "0", "--disable-validation", "--toy-size", "100"]
+
+
+def two_ranks(save_dir, updates, *extra, env=None, batches=(24, 8)):
+    url = f"tcp://127.0.0.1:{free_port()}"
+    common = [*TOY_RUN, "--max-update", updates, "--save-dir", save_dir,
+              "--distributed-world-size", 2, "--distributed-gpus", 1,
+              "--distributed-init-method", url, "--log-all-ranks", "--no-progress-bar", *extra]
+    return run_nodes([[*common, "--distributed-rank", rank, "--max-sentences", batch]
+                      for rank, batch in enumerate(batches)], envs=[env, env])
+
+
+@pytest.fixture(scope="module")
+def mnist(tmp_path_factory):
+    data = tmp_path_factory.mktemp("mnist")
+    make_demo_data.main(["--out", str(data), "--train", "512", "--test", "64"])
+    return data
+
+
+def mnist_losses(data, save_dir, *extra):
+    result = run_train(*MNIST, "--data", data, "--optimizer", "adam", "--lr", 0.001,
+                       "--max-sentences", 32, "--max-update", 12, "--distributed-world-size", 2,
+                       "--save-dir", save_dir, "--disable-validation", "--no-progress-bar",
+                       *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [float(x) for x in re.findall(r"\| loss=([\d.]+)", result.stderr)]
+
+
+@pytest.mark.parametrize("zero", ["0", "3"])
+def test_bf16_trains_close_to_fp32_with_fp32_master_weights(mnist, tmp_path, zero):
+    fp32 = mnist_losses(mnist, tmp_path / "fp32", "--zero", zero)
+    bf16 = mnist_losses(mnist, tmp_path / "bf16", "--bf16", "--zero", zero)
+    assert len(fp32) == len(bf16) == 12
+    assert fp32 != bf16                       # autocast did run in bfloat16
+    assert all(abs(a - b) < 0.05 * a for a, b in zip(fp32, bf16)), (fp32, bf16)
+    assert bf16[-1] < bf16[0]
+    state = torch.load(tmp_path / "bf16" / "checkpoint_last.pt", weights_only=True)
+    assert {v.dtype for v in state["controller"]["model"].values()} == {torch.float32}
+
+
+def test_fp16_loss_scaling_is_exact(tmp_path):
+    """The loss scale (a power of two) is divided out in the weighting pass: the
+    float64 toy model gives the fp32 result bit for bit."""
+    assert_ok(two_ranks(tmp_path / "fp32", 5))
+    assert_ok(two_ranks(tmp_path / "fp16", 5, "--fp16", "--fp16-scale-window", 2, env=FP16_ON_CPU))
+    plain = torch.load(tmp_path / "fp32" / "checkpoint_last.pt", weights_only=True)
+    scaled = torch.load(tmp_path / "fp16" / "checkpoint_last.pt", weights_only=True)
+    assert max_diff(plain["controller"]["model"], scaled["controller"]["model"]) == 0
+    # 5 clean updates with a window of 2: the scale doubled twice, and is saved.
+    assert scaled["controller"]["loss_scaler"] == {"scale": 512.0, "clean_updates": 5}
+
+
+def test_fp16_scaler_state_resumes(tmp_path):
+    assert_ok(two_ranks(tmp_path / "run", 3, "--fp16", "--fp16-scale-window", 2, env=FP16_ON_CPU))
+    assert_ok(two_ranks(tmp_path / "run", 5, "--fp16", "--fp16-scale-window", 2, env=FP16_ON_CPU))
+    state = torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=True)
+    assert state["controller"]["loss_scaler"] == {"scale": 512.0, "clean_updates": 5}
+
+
+@pytest.mark.parametrize("zero", ["0", "3"])
+def test_fp16_overflow_on_one_rank_skips_on_all_and_stops_at_the_minimum_scale(tmp_path, zero):
+    results = two_ranks(tmp_path / "run", 30, "--fp16", "--min-loss-scale", 16,
+                        "--toy-nan-grad-after", 2, "--zero", zero, env=FP16_ON_CPU)
+    for code, out in results:
+        assert code == 4, out[-3000:]
+        # 128 -> 64 -> 32 -> 16 -> 8: the fourth overflow goes below the minimum.
+        assert re.findall(r"loss scale now (\d+)", out) == ["64", "32", "16", "8"], out[-3000:]
+    assert "fell below --min-loss-scale 16" in results[0][1]
