@@ -140,8 +140,10 @@ def add_args(group):
                        help="largest micro-batch on this node's ranks; the rest of a share is "
                             "accumulated locally (0: none; auto measures one)")
     group.add_argument("--max-memory-gb", type=float, metavar="GB",
-                       help="memory each CPU rank may use for activations when --capacity auto "
-                            "sizes micro-batches (default: available memory / ranks on the node)")
+                       help="memory each rank of this node may use (model state under the "
+                            "--zero mode, plus activations) when --capacity auto sizes "
+                            "micro-batches (default: CPU: available memory / ranks on the "
+                            "node; GPU: its memory)")
     group.add_argument("--no-rebalance", action="store_true",
                        help="keep the auto plan fixed (no rebalancing while training)")
 
@@ -155,15 +157,16 @@ def device_name(device):
     return f"cpu ({socket.gethostname()})"
 
 
-def measure_rate(run_batch, micro, steps=3):
+def measure_rate(run_batch, micro, steps=3, waited=lambda: 0.0):
     """Samples/s of forward+backward at micro-batch ``micro`` (first call is a
-    warm-up; nothing is communicated and no update is made)."""
+    warm-up; no update is made). ``waited()``: seconds spent so far waiting in
+    collectives inside forward/backward (FSDP), which are not this rank's work."""
     import time
     run_batch(micro)
-    start = time.perf_counter()
+    start, before = time.perf_counter(), waited()
     for _ in range(steps):
         run_batch(micro)
-    return steps * micro / (time.perf_counter() - start)
+    return steps * micro / (time.perf_counter() - start - (waited() - before))
 
 
 def cuda_memory_cap(run_batch, start, limit):
@@ -191,15 +194,34 @@ def cuda_memory_cap(run_batch, start, limit):
     return 0 if fails is None else max(1, int(fits * 0.9))   # margin for fragmentation
 
 
-def cpu_memory_cap(run_batch, probe, budget_bytes):
-    """Micro-batch cap from the resident-memory growth between two probe sizes."""
+def _peak_rss():
     import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _peak_cuda(device):
+    """Peak bytes allocated since the last call."""
+    import torch
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
+def slope_memory_cap(run_batch, probe, budget_bytes, peak):
+    """Micro-batch cap from the growth of peak memory between two probe sizes
+    (``peak()``: the high-water mark so far). Two calls, the same on every rank,
+    so it also works when every forward communicates (FSDP)."""
     run_batch(probe)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = peak()
     run_batch(2 * probe)
-    per_sample = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before) / probe
-    if per_sample <= 0 or budget_bytes <= 0:
+    per_sample = (peak() - before) / probe
+    if per_sample <= 0:
         return 0          # no growth seen: memory does not limit this rank
+    if budget_bytes <= per_sample:
+        raise UserError(f"no memory left for activations: {budget_bytes / 2**30:.2f} GB after "
+                        "the model state, and one sample needs "
+                        f"{per_sample / 2**30:.3f} GB; raise --max-memory-gb, shard more "
+                        "(--zero 3, --cpu-offload), or use --bf16")
     return max(1, int(budget_bytes / per_sample))
 
 
@@ -278,6 +300,19 @@ def _batch_runner(controller, dataset, collate_fn):
     return run
 
 
+def _memory_budget(args, ctx, controller, local_world_size):
+    """Bytes this rank may use for activations: its memory minus the model
+    state it holds under the --zero mode (parameters, gradients, optimizer)."""
+    import torch
+    if args.max_memory_gb:
+        total = args.max_memory_gb * 2**30
+    elif ctx.device.type == "cuda":
+        total = torch.cuda.get_device_properties(ctx.device).total_memory * 0.9
+    else:
+        total = available_memory_bytes() * 0.8 / local_world_size
+    return total - controller.state_bytes(on_device=True)
+
+
 def _measure(args, ctx, controller, dataset, collate_fn, local_world_size):
     """This rank's (samples/s, micro-batch cap) on the real model and task."""
     run = _batch_runner(controller, dataset, collate_fn)
@@ -285,16 +320,20 @@ def _measure(args, ctx, controller, dataset, collate_fn, local_world_size):
     # a tiny probe batch under-estimate the rate.
     even_share = (args.global_batch_size or 8 * ctx.world_size) // ctx.world_size
     probe = max(1, args.micro_batch_cap or args.max_sentences or even_share)
-    if ctx.device.type == "cuda":
+    budget = _memory_budget(args, ctx, controller, local_world_size)
+    if ctx.device.type == "cuda" and not controller.lockstep:
+        # Bisection until out of memory: exact, but ranks make different numbers
+        # of calls, which only works when forwards do not communicate.
         cap = cuda_memory_cap(run, probe, args.global_batch_size or 4 * probe)
+    elif ctx.device.type == "cuda":
+        _peak_cuda(ctx.device)
+        cap = slope_memory_cap(run, probe, budget, lambda: _peak_cuda(ctx.device))
     else:
-        budget = (args.max_memory_gb * 2**30 if args.max_memory_gb
-                  else available_memory_bytes() * 0.8 / local_world_size)
-        cap = cpu_memory_cap(run, probe, budget)
+        cap = slope_memory_cap(run, probe, budget, _peak_rss)
     if args.micro_batch_cap:
         cap = min(cap, args.micro_batch_cap) if cap else args.micro_batch_cap
     micro = min(probe, cap) if cap else probe
-    return measure_rate(run, micro), cap
+    return measure_rate(run, micro, waited=controller.sharding.waited), cap
 
 
 def make_plan(args, ctx, controller, dataset, collate_fn, local_world_size=1):

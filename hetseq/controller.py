@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hetseq import precision, sharding
 from hetseq.errors import TrainingFailed, UserError
-from hetseq.optim import build_lr_scheduler, build_optimizer
+from hetseq.optim import OPTIMIZERS, build_lr_scheduler, build_optimizer
 from hetseq.stats import Backward, StatsExchange
 from hetseq.utils import move_to
 
@@ -80,6 +80,14 @@ class Controller:
         self.failed_updates = 0           # non-finite updates in a row
         self.wrapped.train()
 
+    def state_bytes(self, on_device=False):
+        """Bytes of parameters, gradients and optimizer state this rank holds
+        (``on_device``: 0 when --cpu-offload keeps them on the host of a GPU)."""
+        if on_device and self.args.cpu_offload and self.ctx.device.type != "cpu":
+            return 0
+        slots = OPTIMIZERS.get(self.args.optimizer).state_slots(self.args)
+        return sharding.model_state_bytes(self.params, self.optimizer, slots)
+
     @property
     def lockstep(self):
         """True when every forward communicates (FSDP): all ranks must then run
@@ -98,7 +106,7 @@ class Controller:
         this step; ``dummy`` is run with zero weight so collectives still match).
         ``grad_norm=False`` skips measuring the gradient norm when clipping does
         not need it either (it costs one pass over the gradients)."""
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), self.sharding.waited()
         self._mode(True)
         self.optimizer.zero_grad(set_to_none=True)
         stats = StatsExchange(self.ctx, self._previous)
@@ -118,7 +126,8 @@ class Controller:
             if not backward.announced:
                 stats.add(loss, n, logs, backward.weight)
         end = backward.compute_end or time.perf_counter()
-        self._previous = (end - start, stats.totals["sample_size"], self._checksum)
+        compute = end - start - (self.sharding.waited() - waited)   # this rank's own work
+        self._previous = (compute, stats.totals["sample_size"], self._checksum)
         totals, (rank_times, rank_samples, checksums) = stats.result()
         self._check_agreement(checksums)
         norm = self._apply_update(totals["sample_size"], grad_norm)

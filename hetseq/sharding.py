@@ -102,24 +102,35 @@ class Sharding:
     def load_optimizer_state(self, model, optimizer, state):
         optimizer.load_state_dict(state)
 
-    def state_bytes(self, params, optimizer):
-        """Bytes of parameters, gradients and optimizer state on this rank."""
-        return model_state_bytes(params, optimizer)
+    def waited(self):
+        """Seconds this process has spent, so far, waiting inside collectives
+        that run in the middle of forward and backward (FSDP's); a rank's own
+        compute time is its step time minus what this grew by."""
+        return 0.0
 
 
 SHARDING = Registry("ZeRO stage", base=Sharding)
 
 
-def model_state_bytes(params, optimizer):
+def _bytes(tensor):
+    tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor   # a shard: its part
+    return tensor.numel() * tensor.element_size()
+
+
+def model_state_bytes(params, optimizer, slots):
     """Parameters + gradients + optimizer state that this rank holds, counted
-    from the tensors (a sharded tensor counts its local shard only)."""
-    def size(t):
-        t = t.to_local() if hasattr(t, "to_local") else t
-        return t.numel() * t.element_size()
-    total = sum(size(p) + (size(p.grad) if p.grad is not None else 0) for p in params)
-    inner = getattr(optimizer, "optim", optimizer)     # ZeroRedundancyOptimizer's local part
-    for state in inner.state.values():
-        total += sum(size(v) for v in state.values() if torch.is_tensor(v))
+    from its tensors. Before the first step the optimizer holds nothing yet:
+    its state is then ``slots`` tensors the size of each parameter it updates
+    (2 for Adam)."""
+    held = sum(_bytes(p) for p in params)
+    total = 2 * held     # gradients take the parameters' size and layout
+    inner = getattr(optimizer, "optim", optimizer)     # ZeroRedundancyOptimizer's own part
+    states = [state for state in inner.state.values() if state]
+    if states:
+        total += sum(_bytes(v) for state in states for v in state.values()
+                     if torch.is_tensor(v) and v.dim() > 0)
+    else:
+        total += slots * sum(_bytes(p) for group in inner.param_groups for p in group["params"])
     return total
 
 
@@ -187,13 +198,25 @@ class FullyShard(Sharding):
         from torch.distributed.fsdp import fully_shard
         mesh = DeviceMesh(self.ctx.device.type, list(range(self.ctx.world_size)))
         options = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
-                       **self.policies())
+                       shard_placement_fn=self._placement, **self.policies())
         for module in list(model.modules()):
             if isinstance(module, nn.ModuleList):
                 for unit in module:
                     fully_shard(unit, **options)
         fully_shard(model, **options)
+        _time_fsdp_waits()
         return model
+
+    def _placement(self, param):
+        """Dim 0 (FSDP's default) unless it is shorter than the world: then a
+        (1, 65536) weight would sit whole on one rank, so another dimension
+        that splits evenly (FSDP shards only dim 0 unevenly)."""
+        from torch.distributed.tensor import Shard
+        world = self.ctx.world_size
+        if param.dim() == 0 or param.shape[0] >= world:
+            return Shard(0)
+        even = [d for d in range(1, param.dim()) if param.shape[d] % world == 0]
+        return Shard(max(even, key=lambda d: param.shape[d])) if even else Shard(0)
 
     def policies(self):
         from hetseq.precision import mixed_precision_policy
@@ -206,6 +229,9 @@ class FullyShard(Sharding):
 
     def local_grads(self, params):
         return [p.grad.to_local() for p in params if p.grad is not None]
+
+    def waited(self):
+        return _WAITED[0]
 
     def reduce(self, tensor):
         if self.ctx.distributed:
@@ -286,3 +312,39 @@ def _check_shapes(model, state):
         if saved is not None and tuple(saved.shape) != shape:
             raise RuntimeError(f"parameter {name} has shape {shape} but the checkpoint holds "
                                f"{tuple(saved.shape)}")
+
+
+# ---- how long FSDP made this rank wait ----
+#
+# Under FSDP every unit's forward and backward starts by waiting for its
+# parameters' all-gather, and ends (backward) with a reduce-scatter: a rank
+# that is faster than the others waits there, so its wall time says nothing
+# of its speed. The capacity probe and the rebalancer need each rank's own
+# compute time, so these waits are timed and subtracted. The three methods are
+# FSDP2's internals (torch 2.4 to 2.13); without them nothing is subtracted.
+_WAITED = [0.0]
+
+
+def _time_fsdp_waits():
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+    cls = group.FSDPParamGroup
+    for name in ("unshard", "wait_for_unshard", "post_backward"):
+        method = getattr(cls, name, None)
+        if method is None or getattr(method, "_hetseq_timed", False):
+            continue
+        setattr(cls, name, _timed(method))
+
+
+def _timed(method):
+    import functools
+    import time
+
+    @functools.wraps(method)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _WAITED[0] += time.perf_counter() - start
+    timed._hetseq_timed = True
+    return timed

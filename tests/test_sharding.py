@@ -1,6 +1,8 @@
 """--zero modes and mixed precision: checkpoints across modes and world sizes,
 padding of micro-batches under FSDP, validation and export, bad input."""
 
+import re
+
 import pytest
 import torch
 
@@ -108,3 +110,70 @@ def test_checkpoint_of_another_shape_is_named_under_zero3(tmp_path):
     results = run_nodes([[*common, "--distributed-rank", 0], [*common, "--distributed-rank", 1]])
     assert results[0][0] == 2, results[0][1][-2000:]
     assert "parameter 0.weight has shape (16, 8) but the checkpoint holds (4, 8)" in results[0][1]
+
+
+# ---- memory: what each mode holds, and what is left for activations ----
+
+WIDE = ["--toy-width", 65536]     # 655k float64 parameters: 5.2 MB, 21 MB with grads and Adam
+
+
+def _state_bytes(rank, world, init, zero, out):
+    import torch.distributed as dist
+    from hetseq import cli
+    from hetseq.controller import Controller
+    from hetseq.distributed import DistContext
+    from hetseq.tasks import TASKS, import_user_dir
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    import_user_dir(TOY[3])
+    args = cli.parse_args([str(a) for a in (*BASE, *WIDE, "--zero", zero)])
+    task = TASKS.get("toy")(args)
+    ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
+    controller = Controller(args, task, task.build_model(), ctx)
+    before = controller.state_bytes()              # estimated: no optimizer state yet
+    batch = task.load_dataset("train")[list(range(4))]
+    controller.train_step([batch], batch)
+    out.put((rank, zero, before, controller.state_bytes()))   # counted from the tensors
+    del controller
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_each_mode_holds_its_share_of_the_model_state(tmp_path):
+    import torch.multiprocessing as mp
+    full = 4 * 8 * (8 * 65536 + 65536 + 65536 + 1)   # params, grads, 2 Adam moments
+    held = {}
+    for zero in ("0", "1", "3"):
+        queue = mp.get_context("spawn").SimpleQueue()
+        mp.start_processes(_state_bytes, args=(2, f"file://{tmp_path / zero}", zero, queue),
+                           nprocs=2, start_method="spawn")
+        for _ in range(2):
+            rank, _, estimated, counted = queue.get()
+            assert estimated == counted, (zero, rank)   # the estimate before a step is exact
+            held[zero, rank] = counted
+    assert held["0", 0] == held["0", 1] == full
+    # ZeRO-1: the optimizer's half of the state is split (whole parameters per rank).
+    assert held["1", 0] + held["1", 1] == 2 * full // 2 + full // 2
+    # ZeRO-3: everything is split, 1/N each (+ padding of the uneven shards).
+    for rank in (0, 1):
+        assert held["3", rank] <= full / 2 * 1.05
+
+
+def test_a_small_memory_budget_fits_under_zero3_and_is_named_under_zero0(tmp_path):
+    """16 MB per rank: the 21 MB of state under --zero 0 leave nothing for
+    activations (a clear error), the 10.5 MB under --zero 3 leave room for a
+    few samples per micro-batch."""
+    def run(zero):
+        url = f"tcp://127.0.0.1:{free_port()}"
+        common = [*BASE, *WIDE, "--max-update", 2, "--no-save", "--capacity", "auto",
+                  "--global-batch-size", 32, "--max-memory-gb", 0.015, "--zero", zero,
+                  "--distributed-world-size", 2, "--distributed-gpus", 1,
+                  "--distributed-init-method", url]
+        return run_nodes([[*common, "--distributed-rank", rank] for rank in (0, 1)])
+    refused = run(0)
+    assert refused[0][0] == 2 and "no memory left for activations" in refused[0][1], \
+        refused[0][1][-2000:]
+    fits = run(3)
+    assert_ok(fits)
+    caps = [int(c) for c in re.findall(r"memory cap (\d+), batch", fits[0][1])]
+    assert len(caps) == 2 and all(1 <= cap < 16 for cap in caps), fits[0][1][-2000:]

@@ -19,6 +19,12 @@ class OptimizerFactory:
     def build(cls, args, params):
         raise NotImplementedError
 
+    @classmethod
+    def state_slots(cls, args):
+        """Tensors of a parameter's size the optimizer keeps per parameter (for
+        memory planning before its state exists); 2 unless a factory says."""
+        return 2
+
 
 OPTIMIZERS = Registry("optimizer", base=OptimizerFactory)
 register_optimizer = OPTIMIZERS.register
@@ -70,6 +76,10 @@ class Adadelta(OptimizerFactory):
 
 @register_optimizer("sgd")
 class SGD(OptimizerFactory):
+    @classmethod
+    def state_slots(cls, args):
+        return 1 if args.momentum > 0 else 0
+
     @classmethod
     def add_args(cls, group):
         group.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: 0)")

@@ -38,6 +38,7 @@ class ToyTask(Task):
     @classmethod
     def add_args(cls, parser):
         parser.add_argument("--toy-size", type=int, default=100, help="samples in the train split")
+        parser.add_argument("--toy-width", type=int, default=16, help="hidden units")
         parser.add_argument("--toy-mean-loss", action="store_true",
                             help="return the per-rank MEAN loss with sample_size 1: the "
                                  "controller then averages ranks with equal weights (plain DDP)")
@@ -72,7 +73,8 @@ class ToyTask(Task):
 
     def build_model(self):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+        width = self.args.toy_width
+        model = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1)).double()
         if self.args.toy_nan_bias_grad_after:
             model[2].register_forward_hook(self._nan_bias_grad)
         return model
