@@ -13,7 +13,9 @@ first or second hit both alike. Four phases each pair the DDP loop with:
                       --log-interval 1 or TensorBoard costs);
   - ddp_stats:        the DDP loop plus what HetSeq's stats cost on their own:
                       an asynchronous all-reduce of a stats vector (float64),
-                      started before backward and waited for after it;
+                      started before backward and waited for after it; its
+                      own time (issuing and waiting) is also timed directly,
+                      as a share of a DDP step;
   - ddp_control:      a second, identical DDP loop: the noise floor of this
                       method (its ratio should be 1).
 Ratios are throughput over the DDP steps of the same phase. Prints JSON.
@@ -32,86 +34,36 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hetseq import cli  # noqa: E402
 from hetseq.controller import Controller  # noqa: E402
 from hetseq.distributed import DistContext  # noqa: E402
-from hetseq.tasks import TASKS, Task, register_task  # noqa: E402
+from hetseq.tasks import TASKS  # noqa: E402
+from models import MODELS, register  # noqa: E402  (bench/models.py)
 
 
-class MLP:
-    name = "bench_mlp"
-
-    @staticmethod
-    def build():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                             nn.Linear(512, 10))
-
-    @staticmethod
-    def batch(size, g):
-        return {"x": torch.randn(size, 784, generator=g), "y": torch.randint(0, 10, (size,), generator=g)}
-
-    @staticmethod
-    def loss(model, sample):
-        y = sample["y"]
-        return F.cross_entropy(model(sample["x"]), y, reduction="sum"), len(y), {}
-
-
-class Bert:
-    """The default BERT of --task bert, on random token ids (MLM + NSP heads)."""
-    name = "bench_bert"
-    SEQ, PRED = 128, 20
-
-    @staticmethod
-    def build():
-        from hetseq.bert import BertConfig, BertForPreTraining
-        from hetseq.bert.demo import MODEL, VOCAB_SIZE
-        torch.manual_seed(0)
-        return BertForPreTraining(BertConfig(vocab_size=VOCAB_SIZE, **MODEL))
-
-    @classmethod
-    def batch(cls, size, g):
-        from hetseq.bert.demo import VOCAB_SIZE
-        positions = torch.sort(torch.randint(1, cls.SEQ, (size, cls.PRED), generator=g), 1).values
-        return {"input_ids": torch.randint(5, VOCAB_SIZE, (size, cls.SEQ), generator=g),
-                "segment_ids": (torch.arange(cls.SEQ) >= 64).long().expand(size, -1),
-                "input_mask": torch.ones(size, cls.SEQ, dtype=torch.long),
-                "masked_lm_positions": positions,
-                "masked_lm_ids": torch.randint(5, VOCAB_SIZE, (size, cls.PRED), generator=g),
-                "next_sentence_labels": torch.randint(0, 2, (size,), generator=g)}
-
-    @staticmethod
-    def loss(model, sample):
-        from hetseq.tasks.bert import BertTask
-        return BertTask.loss(None, model, sample)
-
-
-MODELS = {"mlp": MLP, "bert": Bert}
-
-
-def register(kind):
-    if kind.name not in TASKS:
-        register_task(kind.name)(type(kind.name, (Task,), {
-            "build_model": lambda self: kind.build(),
-            "loss": lambda self, model, sample: kind.loss(model, sample)}))
+STATS_SECONDS = [0.0]   # time spent in the stats all-reduce (issue + wait), ddp_stats phase
 
 
 def ddp_step(kind, batch, model, opt, stats=False):
     """One DDP update with the mean loss; ``stats``: also all-reduce a stats
-    vector, started before backward as the Controller does."""
+    vector, started before backward as the Controller does (its own cost is
+    timed directly too: building and issuing it, and waiting for it)."""
     opt.zero_grad(set_to_none=True)
     loss, n, _ = kind.loss(model, batch)
     work = None
     if stats:
+        begin = time.perf_counter()
         vec = torch.tensor([loss.item(), n, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
         work = dist.all_reduce(vec, async_op=True)
+        STATS_SECONDS[0] += time.perf_counter() - begin
     (loss / n).backward()
     if work is not None:
+        begin = time.perf_counter()
         work.wait()
+        STATS_SECONDS[0] += time.perf_counter() - begin
     opt.step()
 
 
@@ -158,6 +110,10 @@ def worker(rank, world, port, opts, out):
         result[f"{name}_samples_per_s"] = round(samples / other_s, 1)
         result[f"ddp_samples_per_s_in_{name}_phase"] = round(samples / ddp_s, 1)
         result[f"ratio_{name}_over_ddp"] = round(ddp_s / other_s, 4)
+        if name == "ddp_stats":   # the direct measure: seconds in the stats code itself
+            result["stats_allreduce_ms_per_step"] = round(1000 * STATS_SECONDS[0] / (opts.steps + 5), 4)
+            result["stats_allreduce_share_of_ddp_step"] = round(
+                STATS_SECONDS[0] / (opts.steps + 5) / (ddp_s / opts.steps), 5)
     if rank == 0:
         out.put(result)
     # DDP objects must go before the process group, or gloo aborts at exit.
@@ -169,7 +125,7 @@ def worker(rank, world, port, opts, out):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
+    parser.add_argument("--model", choices=["mlp", "bert"], default="mlp")
     parser.add_argument("--steps", type=int, help="timed pairs per phase (default: mlp 1500, "
                                                    "bert 40)")
     parser.add_argument("--batch", type=int, help="samples per rank (default: mlp 64, bert 8)")

@@ -5,6 +5,15 @@ A checkpoint is a dict of plain data and tensors, so it loads with
 It is written to a temporary file in the same folder, flushed to disk and
 renamed over the old one, so a crash while saving never damages the
 previous checkpoint.
+
+Sharded state (--zero 1/2/3) is gathered to rank 0 and saved in the same
+full format as an unsharded run, rather than written per rank with
+torch.distributed.checkpoint: checkpoint_last.pt has to hold the full weights
+for everything that reads it (export, fine-tuning, users' scripts); one file
+resumes under any mode and world size, loads with weights_only, and needs
+no shared filesystem. The price is that rank 0's host holds the full state
+while saving, which fits every model whose state fits in one host's memory
+(with --cpu-offload the state lives on the host anyway).
 """
 
 import errno

@@ -28,6 +28,7 @@ what any other wrote (see checkpoint.py for why gathered, not DCP).
 
 import contextlib
 import inspect
+import logging
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hetseq.errors import UserError
 from hetseq.registry import Registry
+
+logger = logging.getLogger(__name__)
 
 
 def add_args(group):
@@ -196,6 +199,9 @@ class FullyShard(Sharding):
     def wrap(self, model):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
+        if not dist.is_initialized():   # one process offloading to the host: a group of one
+            dist.init_process_group("nccl" if self.ctx.device.type == "cuda" else "gloo",
+                                    store=dist.HashStore(), rank=0, world_size=1)
         mesh = DeviceMesh(self.ctx.device.type, list(range(self.ctx.world_size)))
         options = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
                        shard_placement_fn=self._placement, **self.policies())
@@ -275,7 +281,13 @@ class FullyShardParameters(FullyShard):
 
 
 def build(args, ctx):
-    return SHARDING.get(str(args.zero))(args, ctx)
+    """The mode for this run. One process has nothing to shard: --zero N then
+    trains as --zero 0, except --cpu-offload on a GPU (the state on the host)."""
+    zero = args.zero
+    if not ctx.distributed and zero and not (args.cpu_offload and ctx.device.type == "cuda"):
+        logger.info("one process: nothing to shard, --zero %d trains as --zero 0", zero)
+        zero = 0
+    return SHARDING.get(str(zero))(args, ctx)
 
 
 def _full(**options):

@@ -79,3 +79,15 @@ def test_fp16_overflow_on_one_rank_skips_on_all_and_stops_at_the_minimum_scale(t
         # 128 -> 64 -> 32 -> 16 -> 8: the fourth overflow goes below the minimum.
         assert re.findall(r"loss scale now (\d+)", out) == ["64", "32", "16", "8"], out[-3000:]
     assert "fell below --min-loss-scale 16" in results[0][1]
+
+
+@pytest.mark.parametrize("zero", ["0", "3"])
+def test_gradients_summed_in_bfloat16_when_asked(tmp_path, zero):
+    """--reduce-dtype bfloat16 (DDP's compress hook, FSDP's reduce dtype): the
+    update is the fp32 one up to bfloat16 rounding of the sums, not equal."""
+    assert_ok(two_ranks(tmp_path / "fp32", 3, "--zero", zero))
+    assert_ok(two_ranks(tmp_path / "bf16", 3, "--zero", zero, "--reduce-dtype", "bfloat16"))
+    plain = torch.load(tmp_path / "fp32" / "checkpoint_last.pt", weights_only=True)
+    reduced = torch.load(tmp_path / "bf16" / "checkpoint_last.pt", weights_only=True)
+    diff = max_diff(plain["controller"]["model"], reduced["controller"]["model"])
+    assert 0 < diff < 0.05

@@ -177,3 +177,10 @@ def test_a_small_memory_budget_fits_under_zero3_and_is_named_under_zero0(tmp_pat
     assert_ok(fits)
     caps = [int(c) for c in re.findall(r"memory cap (\d+), batch", fits[0][1])]
     assert len(caps) == 2 and all(1 <= cap < 16 for cap in caps), fits[0][1][-2000:]
+
+
+def test_one_process_has_nothing_to_shard(tmp_path):
+    result = run_train(*BASE, "--max-update", 2, "--max-sentences", 8, "--save-dir", tmp_path,
+                       "--zero", 3, "--distributed-world-size", 1)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "one process: nothing to shard, --zero 3 trains as --zero 0" in result.stderr
