@@ -31,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from hetseq.bert.demo import sentence_pairs  # noqa: E402
+from output import emit  # noqa: E402  (bench/output.py)
 from hetseq.bert.glue import SPECS, read_examples  # noqa: E402
 from hetseq.bert.pretrained import minilm_folder  # noqa: E402
 
@@ -141,11 +142,7 @@ def main():
             run["dev_accuracy_minus_trainer"] = round(run["dev_accuracy"] - base["dev_accuracy"], 4)
     except ImportError:
         result["hf_trainer"] = "transformers not installed"
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@
    on the host, so only gathered units and activations count against the
    device (on a CPU rank host and device are the same memory).
 
-    python bench/memory.py [--ranks 2,4] [--speed-steps 12] [--cap-gb 2] [--out FILE]
+    python bench/memory.py [--ranks 2,4] [--speed-steps 30] [--cap-gb 2] [--out FILE]
 """
 
 import argparse
@@ -42,6 +42,7 @@ from hetseq.controller import Controller  # noqa: E402
 from hetseq.distributed import DistContext  # noqa: E402
 from hetseq.tasks import TASKS  # noqa: E402
 from models import Bert, BertBase, register  # noqa: E402  (bench/models.py)
+from output import emit  # noqa: E402  (bench/output.py)
 
 MODES = {"zero0": ["--zero", "0"], "zero1": ["--zero", "1"], "zero2": ["--zero", "2"],
          "zero3": ["--zero", "3"], "zero3_offload": ["--zero", "3", "--cpu-offload"]}
@@ -186,7 +187,7 @@ def largest_table(cap_gb, per_param, world=2):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="2,4", help="world sizes for the state table")
-    parser.add_argument("--speed-steps", type=int, default=12)
+    parser.add_argument("--speed-steps", type=int, default=30)
     parser.add_argument("--cap-gb", type=float, default=2.0)
     parser.add_argument("--out", help="also write the JSON here")
     opts = parser.parse_args()
@@ -196,11 +197,7 @@ def main():
     result = {"state_bert_base": state,
               "step_speed_vs_zero0_default_bert_2_ranks": speed_table(opts.speed_steps),
               "largest_bert": largest_table(opts.cap_gb, per_param) if per_param else None}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if opts.out:
-        with open(opts.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, opts.out)
 
 
 if __name__ == "__main__":

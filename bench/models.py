@@ -62,16 +62,6 @@ class Bert:
         return BertTask.loss(None, model, sample)
 
 
-MODELS = {"mlp": MLP, "bert": Bert}
-
-
-def register(kind):
-    if kind.name not in TASKS:
-        register_task(kind.name)(type(kind.name, (Task,), {
-            "build_model": lambda self: kind.build(),
-            "loss": lambda self, model, sample: kind.loss(model, sample)}))
-
-
 class BertBase(Bert):
     """BERT-base: 110M parameters (uncased vocabulary of 30522)."""
     name = "bench_bert_base"

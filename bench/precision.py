@@ -15,7 +15,6 @@ Prints JSON; ``--plot`` also writes a PNG of the two curves.
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -27,6 +26,7 @@ from hetseq import cli  # noqa: E402
 from hetseq.controller import Controller  # noqa: E402
 from hetseq.distributed import DistContext  # noqa: E402
 from hetseq.tasks import TASKS, import_builtin_tasks  # noqa: E402
+from output import emit  # noqa: E402  (bench/output.py)
 
 CTX = DistContext(0, 1, 0, torch.device("cpu"), None)
 
@@ -118,11 +118,7 @@ def main():
     })
     if opts.plot:
         plot(opts.plot, fp32, bf16)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if opts.out:
-        with open(opts.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, opts.out)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,9 @@ class Controller:
         self.task = task
         self.ctx = ctx
         self.sharding = sharding.build(args, ctx)
-        self.model = model.to(ctx.device)
+        # FSDP moves each shard to the device itself: the whole model never
+        # has to fit there (with --cpu-offload the shards stay on the host).
+        self.model = model if self.sharding.shards_grads else model.to(ctx.device)
         self.wrapped = self.sharding.wrap(self.model)
         hook = precision.ddp_comm_hook(args)
         if hook is not None and isinstance(self.wrapped, DistributedDataParallel):

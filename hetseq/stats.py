@@ -14,7 +14,10 @@ update waits for it only after backward. Otherwise (a task calling
 ``backward(loss)``, validation) it runs after backward. The same path serves
 every wrapping (DDP, ZeRO, FSDP) and precision: it never rides in a gradient
 collective, so no reduce-scatter shards it and no loss scaler scales it.
-``bench/overhead.py`` measures its cost against a plain DDP step.
+``bench/overhead.py`` times it: 0.66 ms per update on 2 CPU ranks, 0.19% of
+a default-BERT step (4% of a 10 ms step of a small MLP). Riding inside DDP's
+gradient all-reduce instead (as HetSeq did up to 0.2) saved that but worked
+for DDP only.
 
 A log value wrapped in ``Gathered`` is not summed: its rows are collected
 from every micro-batch and rank (one all-gather after the sum), for metrics
@@ -23,7 +26,6 @@ that no sum carries, such as a rank correlation over the whole dev set.
 
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 

@@ -8,11 +8,18 @@ COMMON = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", 
           "0", "--max-update", "7", "--disable-validation", "--toy-size", "100"]
 
 
+_REFERENCES = {}
+
+
 def reference(tmp, *extra):
-    """One process with the whole global batch of 32."""
-    out = tmp / "reference"
-    assert_ok(run_nodes([[*COMMON, *extra, "--max-sentences", 32, "--save-dir", out]]))
-    return final_params(out)
+    """One process with the whole global batch of 32 (run once per set of flags
+    in a test session: it is deterministic, and many tests compare with it)."""
+    key = tuple(map(str, extra))
+    if key not in _REFERENCES:
+        out = tmp / "reference"
+        assert_ok(run_nodes([[*COMMON, *extra, "--max-sentences", 32, "--save-dir", out]]))
+        _REFERENCES[key] = final_params(out)
+    return _REFERENCES[key]
 
 
 def nodes(tmp, name, layout, *extra):
@@ -28,8 +35,7 @@ def nodes(tmp, name, layout, *extra):
     return final_params(out)
 
 
-# --find-unused-parameters: DDP marks unreached parameters done before backward,
-# so the stats cannot ride in the gradient all-reduce and travel on their own.
+# --find-unused-parameters: DDP's search for unreached parameters each backward.
 @pytest.mark.parametrize("extra", [[], ["--find-unused-parameters"]])
 def test_two_ranks_24_plus_8_match_one_process_32(tmp, extra):
     diff = max_diff(reference(tmp), nodes(tmp, "split", [(1, 24), (1, 8)], *extra))

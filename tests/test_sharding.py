@@ -13,6 +13,16 @@ BASE = [*TOY, "--optimizer", "adamw", "--lr", "0.05", "--weight-decay", "0.01",
         "--toy-size", "100"]
 
 
+_STRAIGHT = {}
+
+
+def straight_run(tmp_path, updates):
+    """One process, batch 32, never interrupted (once per session per length)."""
+    if updates not in _STRAIGHT:
+        _STRAIGHT[updates] = train(tmp_path / "straight", updates, [32])
+    return _STRAIGHT[updates]
+
+
 def train(save_dir, updates, layout, *extra):
     """``layout``: per-rank batches (one process per node); the global batch is
     their sum. Returns checkpoint_last.pt."""
@@ -36,7 +46,7 @@ RESUMES = {
 @pytest.mark.parametrize("name", sorted(RESUMES))
 def test_resume_under_another_mode_and_world_equals_an_uninterrupted_run(tmp_path, name):
     first, first_flags, second, second_flags = RESUMES[name]
-    straight = train(tmp_path / "straight", 6, [32])
+    straight = straight_run(tmp_path, 6)
     train(tmp_path / "resumed", 3, first, *first_flags)
     resumed = train(tmp_path / "resumed", 6, second, *second_flags)
     assert resumed["controller"]["num_updates"] == 6
@@ -62,7 +72,7 @@ def test_micro_batch_caps_differing_between_ranks_are_padded_under_zero3(tmp_pat
     """Rank 0 splits its 24 into 3 micro-batches, rank 1 its 8 into 1: under
     FSDP every forward communicates, so rank 1 pads with zero-weight ones.
     Validation (uneven too) runs the same way; the update still matches."""
-    straight = train(tmp_path / "straight", 5, [32])
+    straight = straight_run(tmp_path, 5)
     url = f"tcp://127.0.0.1:{free_port()}"
     common = [*BASE, "--max-update", 5, "--save-dir", tmp_path / "capped", "--zero", 3,
               "--distributed-world-size", 2, "--distributed-gpus", 1,
