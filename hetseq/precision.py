@@ -96,11 +96,24 @@ def mixed_precision_policy(args):
 
 
 def ddp_comm_hook(args):
-    """DDP hook that sums gradients in 16 bits (both divide by the world size,
-    as DDP's own reduction does), or None for fp32."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    return {"float32": None, "float16": default_hooks.fp16_compress_hook,
-            "bfloat16": default_hooks.bf16_compress_hook}[args.reduce_dtype]
+    """A DDP hook that sums gradients in --reduce-dtype (then divides by the
+    world size, as DDP's own reduction does), or None for float32. Torch's
+    bf16 hook needs NCCL; this one runs on gloo too."""
+    if args.reduce_dtype == "float32":
+        return None
+    dtype = DTYPES[args.reduce_dtype]
+
+    def hook(state, bucket):   # DDP requires these parameter names
+        import torch.distributed as dist
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(dist.get_world_size(state))
+        future = dist.all_reduce(compressed, group=state, async_op=True).get_future()
+
+        def decompress(done):
+            buffer.copy_(done.value()[0])
+            return buffer
+        return future.then(decompress)
+    return hook
 
 
 class LossScaler:
