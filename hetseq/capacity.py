@@ -194,31 +194,52 @@ def cuda_memory_cap(run_batch, start, limit):
     return 0 if fails is None else max(1, int(fits * 0.9))   # margin for fragmentation
 
 
-def _peak_rss():
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _peak_cuda(device):
-    """Peak bytes allocated since the last call."""
+def saved_activation_bytes(run_batch):
+    """``size -> bytes`` autograd saves for backward in ``run_batch(size)``:
+    the activations, counted from the tensors themselves (on a CPU the
+    resident-set size says little: freed memory stays with the process)."""
     import torch
-    peak = torch.cuda.max_memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    return peak
+
+    def measure(size):
+        storages = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            run_batch(size)
+        return sum(storages.values())
+    return measure
 
 
-def slope_memory_cap(run_batch, probe, budget_bytes, peak):
-    """Micro-batch cap from the growth of peak memory between two probe sizes
-    (``peak()``: the high-water mark so far). Two calls, the same on every rank,
-    so it also works when every forward communicates (FSDP)."""
-    run_batch(probe)
-    before = peak()
-    run_batch(2 * probe)
-    per_sample = (peak() - before) / probe
+def cuda_peak_bytes(run_batch, device):
+    """``size -> `` peak bytes allocated on the GPU while running ``size``."""
+    import torch
+
+    def measure(size):
+        torch.cuda.reset_peak_memory_stats(device)
+        run_batch(size)
+        return torch.cuda.max_memory_allocated(device)
+    return measure
+
+
+def slope_memory_cap(measure, probe, budget_bytes):
+    """Micro-batch cap from how the memory of a micro-batch grows between two
+    probe sizes (``measure(size)``: its bytes); ``budget_bytes``: what is left
+    after the model state. Two calls, the same on every rank, so it also works
+    when every forward communicates (FSDP)."""
+    if budget_bytes <= 0:
+        raise UserError(f"no memory left for activations: the model state this rank holds "
+                        f"exceeds its memory by {-budget_bytes / 2**30:.3f} GB; raise "
+                        "--max-memory-gb, shard it (--zero 1/2/3, --cpu-offload), or leave "
+                        "this device out")
+    small = measure(probe)
+    per_sample = (measure(2 * probe) - small) / probe
     if per_sample <= 0:
         return 0          # no growth seen: memory does not limit this rank
     if budget_bytes <= per_sample:
-        raise UserError(f"no memory left for activations: {budget_bytes / 2**30:.2f} GB after "
+        raise UserError(f"no memory left for activations: {budget_bytes / 2**30:.3f} GB after "
                         "the model state, and one sample needs "
                         f"{per_sample / 2**30:.3f} GB; raise --max-memory-gb, shard more "
                         "(--zero 3, --cpu-offload), or use --bf16")
@@ -326,10 +347,9 @@ def _measure(args, ctx, controller, dataset, collate_fn, local_world_size):
         # of calls, which only works when forwards do not communicate.
         cap = cuda_memory_cap(run, probe, args.global_batch_size or 4 * probe)
     elif ctx.device.type == "cuda":
-        _peak_cuda(ctx.device)
-        cap = slope_memory_cap(run, probe, budget, lambda: _peak_cuda(ctx.device))
+        cap = slope_memory_cap(cuda_peak_bytes(run, ctx.device), probe, budget)
     else:
-        cap = slope_memory_cap(run, probe, budget, _peak_rss)
+        cap = slope_memory_cap(saved_activation_bytes(run), probe, budget)
     if args.micro_batch_cap:
         cap = min(cap, args.micro_batch_cap) if cap else args.micro_batch_cap
     micro = min(probe, cap) if cap else probe

@@ -333,7 +333,7 @@ def _check_shapes(model, state):
 # that is faster than the others waits there, so its wall time says nothing
 # of its speed. The capacity probe and the rebalancer need each rank's own
 # compute time, so these waits are timed and subtracted. The three methods are
-# FSDP2's internals (torch 2.4 to 2.13); without them nothing is subtracted.
+# FSDP2's internals (torch 2.6 to 2.13); without them nothing is subtracted.
 _WAITED = [0.0]
 
 
