@@ -104,3 +104,25 @@ def test_weights_split_the_global_batch(tmp, per_rank):
     assert_ok(results)
     assert plan_batches(results[0][1], 0) == [24] and plan_batches(results[0][1], 1) == [8]
     assert max_diff(reference(tmp), final_params(out)) < 1e-5
+
+
+def test_half_the_memory_gives_half_the_micro_batch_and_the_same_update(tmp):
+    """--capacity auto on a CPU measures a sample's activations (what autograd
+    saves) and divides each rank's memory left after the model state by it.
+    Rank 1 has half the activation memory of rank 0: its micro-batch cap is
+    about half, accumulation makes up its share, and the update is unchanged."""
+    width = ["--toy-width", 65536, "--lr", 0.001, "--max-update", 3]
+    state = 2 * 8 * (10 * 65536 + 1)          # float64 params + grads (SGD keeps no state)
+    budgets = [(state + 8 * 2**20) / 2**30, (state + 4 * 2**20) / 2**30]
+    out, url = tmp / "memory", f"tcp://127.0.0.1:{free_port()}"
+    results = run_nodes([[*COMMON, *width, "--capacity", "auto", "--global-batch-size", 32,
+                          "--save-dir", out, "--distributed-world-size", 2,
+                          "--distributed-rank", r, "--distributed-gpus", 1,
+                          "--distributed-init-method", url, "--max-memory-gb", budgets[r]]
+                         for r in (0, 1)])
+    assert_ok(results)
+    caps = [int(c) for c in re.findall(r"memory cap (\d+), batch", results[0][1])]
+    micro = [int(m) for m in re.findall(r"in (\d+) micro-batch", results[0][1])]
+    assert len(caps) == 2 and 0.4 <= caps[1] / caps[0] <= 0.6, results[0][1][-2000:]
+    assert micro[1] > 1, results[0][1][-2000:]     # rank 1 accumulates its share
+    assert max_diff(reference(tmp, *width), final_params(out)) < 1e-5
