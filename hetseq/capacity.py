@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import math
 
+from hetseq import precision
 from hetseq.data.iterators import split_sizes
 from hetseq.errors import UserError
 
@@ -341,15 +342,15 @@ def _measure(args, ctx, controller, dataset, collate_fn, local_world_size):
     # a tiny probe batch under-estimate the rate.
     even_share = (args.global_batch_size or 8 * ctx.world_size) // ctx.world_size
     probe = max(1, args.micro_batch_cap or args.max_sentences or even_share)
-    budget = _memory_budget(args, ctx, controller, local_world_size)
     if ctx.device.type == "cuda" and not controller.lockstep:
         # Bisection until out of memory: exact, but ranks make different numbers
         # of calls, which only works when forwards do not communicate.
         cap = cuda_memory_cap(run, probe, args.global_batch_size or 4 * probe)
-    elif ctx.device.type == "cuda":
-        cap = slope_memory_cap(cuda_peak_bytes(run, ctx.device), probe, budget)
     else:
-        cap = slope_memory_cap(saved_activation_bytes(run), probe, budget)
+        measure = cuda_peak_bytes(run, ctx.device) if ctx.device.type == "cuda" \
+            else saved_activation_bytes(run)
+        cap = slope_memory_cap(measure, probe,
+                               _memory_budget(args, ctx, controller, local_world_size))
     if args.micro_batch_cap:
         cap = min(cap, args.micro_batch_cap) if cap else args.micro_batch_cap
     micro = min(probe, cap) if cap else probe
@@ -368,7 +369,6 @@ def make_plan(args, ctx, controller, dataset, collate_fn, local_world_size=1):
     plan = proportional(_global_batch(args, peers), _weights(args, peers),
                         [peer["cap"] for peer in peers], [peer["rate"] for peer in peers])
     if ctx.is_main:
-        from hetseq import precision
         logger.info("capacity plan (%s), global batch %d, %s, %s:\n%s", args.capacity,
                     plan.global_batch, controller.sharding.describe(), precision.describe(args),
                     describe(plan, [peer["device"] for peer in peers]))
