@@ -10,8 +10,9 @@ Modes (``--capacity``): ``manual`` (each node's --max-sentences), ``equal``,
 weights (``3,1,1`` per rank, or ``--capacity-weight`` per node) and ``auto``
 (measured). A rank's micro-batch is capped by its memory (``micro_cap``); the
 rest of its share is accumulated locally, without extra communication.
-While training, ``Rebalancer`` follows the per-rank compute times of the stats
-all-reduce and recomputes an ``auto`` plan when a rank's speed drifts.
+While training, ``rebalance.Rebalancer`` follows the per-rank compute times of
+the stats all-reduce and recomputes an ``auto`` plan when a rank's speed
+changes by more than the noise of its measurements.
 """
 
 import dataclasses
@@ -19,7 +20,6 @@ import logging
 import math
 
 from hetseq import precision
-from hetseq.data.iterators import split_sizes
 from hetseq.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,22 @@ def proportional(global_batch, weights, caps, rates=None):
     if global_batch < len(weights):
         raise UserError(f"global batch {global_batch} is smaller than the {len(weights)} ranks; "
                         "raise --global-batch-size or --max-sentences")
-    return Plan(split_sizes(global_batch, weights), list(caps), list(rates or [0.0] * len(caps)))
+    return Plan(fastest_split(global_batch, weights), list(caps), list(rates or [0.0] * len(caps)))
+
+
+def fastest_split(total, rates):
+    """Whole-sample shares of ``total`` that finish soonest at these ``rates``:
+    minimise max_i b_i / r_i. Each rank first gets the floor of its exact
+    share; every leftover sample goes to the rank that would finish it first.
+    (Largest-remainder rounding can hand the last sample to a slow rank: one
+    sample more on a rank with 18 costs 5% of the whole update.)"""
+    # The floors, 1e-9 below the exact share so that float rounding never
+    # overshoots the total.
+    sizes = [max(0, math.floor(total * r / sum(rates) - 1e-9)) for r in rates]
+    for _ in range(total - sum(sizes)):
+        rank = min(range(len(rates)), key=lambda i: ((sizes[i] + 1) / rates[i], i))
+        sizes[rank] += 1
+    return sizes
 
 
 def parse_weights(text, world_size):
@@ -80,49 +95,6 @@ def describe(plan, devices):
         lines.append(f"  rank {rank} {device}: rate {rate}, memory cap {cap}, batch "
                      f"{plan.batch_sizes[rank]} in {plan.micro_batches(rank)} micro-batch(es)")
     return "\n".join(lines)
-
-
-class Rebalancer:
-    """Recomputes an auto plan when measured speeds drift, with hysteresis.
-
-    Rates are smoothed (EMA). A new plan is made only when it is predicted to
-    finish an update more than ``threshold`` faster than the current one, for
-    ``patience`` updates in a row, and not within ``cooldown`` updates of the
-    last change, so noise does not make the split thrash. The gain is judged
-    between whole-sample splits, so rounding alone never triggers a change.
-    """
-
-    def __init__(self, plan, threshold=0.03, patience=3, cooldown=4, smoothing=0.3):
-        self.plan = plan
-        self.threshold, self.patience, self.cooldown = threshold, patience, cooldown
-        self.smoothing = smoothing
-        self.rates = [r or None for r in plan.rates]
-        self.slow_updates = 0
-        self.since_change = cooldown
-
-    def observe(self, rank_times, rank_samples):
-        """Feed one update's per-rank compute seconds and samples; returns a new
-        Plan when the split should change, else None."""
-        for rank, (t, n) in enumerate(zip(rank_times, rank_samples)):
-            if t > 0 and n > 0:
-                old = self.rates[rank]
-                self.rates[rank] = n / t if old is None else (
-                    self.smoothing * n / t + (1 - self.smoothing) * old)
-        self.since_change += 1
-        if any(r is None for r in self.rates):
-            return None
-        new = proportional(self.plan.global_batch, self.rates, self.plan.micro_caps, self.rates)
-        gain = self._makespan(self.plan) / self._makespan(new) - 1
-        self.slow_updates = self.slow_updates + 1 if gain > self.threshold else 0
-        if self.slow_updates < self.patience or self.since_change < self.cooldown:
-            return None
-        self.slow_updates = 0
-        self.plan, self.since_change = new, 0
-        return new
-
-    def _makespan(self, plan):
-        """Predicted compute seconds of an update: the slowest rank's share."""
-        return max(b / r for b, r in zip(plan.batch_sizes, self.rates))
 
 
 # ---- measuring a rank: speed and memory cap ----

@@ -5,7 +5,7 @@ import logging
 import math
 import time
 
-from hetseq import capacity, checkpoint, cli
+from hetseq import capacity, checkpoint, cli, rebalance
 from hetseq.controller import Controller
 from hetseq.data import GlobalBatches, GlobalBatchIterator
 from hetseq.distributed import WorkerFailed, all_gather_object, broadcast_from_main, launch
@@ -13,6 +13,7 @@ from hetseq.distributed.identity import job_identity
 from hetseq.distributed.launch import exit_now
 from hetseq.errors import HetSeqError, UserError
 from hetseq.logging import setup_logging
+from hetseq.logging.balance import BalanceLog
 from hetseq.logging.meters import Meters, RateMeter
 from hetseq.logging.progress import Progress
 from hetseq.logging.tensorboard import TensorBoard
@@ -60,12 +61,13 @@ class Run:
         self.plan, self.devices = capacity.make_plan(args, ctx, self.controller, dataset,
                                                      self.task.collater(dataset),
                                                      ctx.local_world_size)
-        self.rebalancer = (capacity.Rebalancer(self.plan)
+        self.rebalancer = (rebalance.Rebalancer(self.plan)
                            if args.capacity == "auto" and not args.no_rebalance else None)
         self.train_data = self.make_iterator(dataset, self.plan.batch_sizes, shuffle=True)
         self.plan_schedule()
         self.valid_data = {}   # split -> iterator, built on first validation
         self.tensorboard = TensorBoard(args.tensorboard_logdir, ctx.is_main)
+        self.balance_log = BalanceLog(args.save_dir, ctx.is_main and not args.no_save)
         self.meters = Meters()
         self.checkpointer = checkpoint.Checkpointer(args, ctx, self.components(), skip=(
             {"train_iterator"} if args.reset_dataloader else set()) | (
@@ -99,7 +101,7 @@ class Run:
         plan = self.plan
         if saved.global_batch == plan.global_batch and len(saved.batch_sizes) == self.ctx.world_size \
                 and saved.batch_sizes != plan.batch_sizes:
-            self.set_plan(saved)
+            self.set_plan(saved, "the split saved in the checkpoint")
 
     def _log_resume(self, saved):
         """Say how the data continues when the global batch or the world changed:
@@ -138,15 +140,17 @@ class Run:
         caps = self.plan.micro_caps
         return max(-(-share // cap) if cap else 1 for share, cap in zip(shares, caps))
 
-    def set_plan(self, plan):
-        self.plan = plan
+    def set_plan(self, plan, reason):
+        old, self.plan = self.plan, plan
         self.train_data.set_shares(plan.batch_sizes)
         self.train_data.min_micro_batches = self.lockstep_micro_batches(plan.batch_sizes)
         if self.rebalancer is not None:
             self.rebalancer.plan = plan
         if self.ctx.is_main:
-            logger.info("capacity plan changed at update %d:\n%s", self.controller.num_updates,
-                        capacity.describe(plan, self.devices))
+            logger.info("capacity plan changed at update %d: batches %s -> %s; %s",
+                        self.controller.num_updates, "/".join(map(str, old.batch_sizes)),
+                        "/".join(map(str, plan.batch_sizes)), reason)
+            logger.debug("capacity plan:\n%s", capacity.describe(plan, self.devices))
 
     # ---- the loop ----
 
@@ -166,6 +170,7 @@ class Run:
                                        epoch if end_of_epoch else None, metric)
         logger.info("done: %s", self.stop_reason())
         self.tensorboard.close()
+        self.balance_log.close()
         if self.args.export_hf:
             self.export()
 
@@ -226,9 +231,11 @@ class Run:
 
     def update_stats(self, metrics, wall_time):
         rank_times, rank_samples = metrics.pop("rank_times"), metrics.pop("rank_samples")
+        self.balance_log.record(self.controller.num_updates, self.plan.batch_sizes,
+                                metrics["sample_size"], wall_time, rank_times, rank_samples)
         new_plan = self.rebalancer and self.rebalancer.observe(rank_times, rank_samples)
         if new_plan:
-            self.set_plan(new_plan)
+            self.set_plan(new_plan, self.rebalancer.reason)
         n = metrics["sample_size"]
         self.meters.update({k: v for k, v in metrics.items() if k not in ("lr", "sample_size")},
                            weight=n)

@@ -1,10 +1,13 @@
 """Capacity planning: the plan math, rebalancing, and parity while the split changes."""
 
+import math
+import random
 import re
 
 import pytest
 
-from hetseq.capacity import Plan, Rebalancer, proportional
+from hetseq.capacity import Plan, proportional
+from hetseq.rebalance import Rebalancer
 from hetseq.errors import UserError
 
 from conftest import assert_ok, final_params, free_port, max_diff, run_nodes
@@ -13,7 +16,8 @@ from test_parity import COMMON, reference
 
 def test_proportional_split_sums_exactly():
     plan = proportional(97, [3.0, 1.0, 1.0], [0, 0, 0])
-    assert plan.batch_sizes == [58, 20, 19] and plan.global_batch == 97   # 58.2, 19.4, 19.4
+    # 58.2, 19.4, 19.4: the leftover sample goes where it finishes first (59/3 < 20/1)
+    assert plan.batch_sizes == [59, 19, 19] and plan.global_batch == 97
     assert proportional(32, [2.5, 1.0], [0, 0]).batch_sizes == [23, 9]
 
 
@@ -34,23 +38,90 @@ def test_batch_smaller_than_world_is_an_error():
         proportional(2, [1.0, 1.0, 1.0], [0, 0, 0])
 
 
-def test_rebalancer_ignores_noise_and_follows_a_real_drift():
-    balancer = Rebalancer(Plan([16, 16], [0, 0], [100.0, 100.0]), patience=3, cooldown=4)
-    for noise in (1.03, 0.97, 1.05, 0.98, 1.04):             # a few percent: no change
-        assert balancer.observe([0.16 * noise, 0.16], [16, 16]) is None
-    changes = [balancer.observe([0.16, 0.32], [16, 16]) for _ in range(8)]   # rank 1 halves
-    new = [c for c in changes if c is not None]
-    assert len(new) >= 1 and changes.index(new[0]) <= 4
-    assert new[-1].batch_sizes[0] > new[-1].batch_sizes[1] and new[-1].global_batch == 32
+def simulate(balancer, speeds, noise, updates, seed=0, spikes=0.0, fixed=0.0):
+    """Feed ``balancer`` the compute times the ranks would report under its
+    current plan: ``fixed`` + b_i / speed_i(update) seconds, times lognormal
+    noise of ``noise`` (relative) and, with probability ``spikes``, a 3x stall
+    (a neighbour's job). Returns the plan in force at each update."""
+    rng = random.Random(seed)
+    plans = []
+    for update in range(updates):
+        plan = balancer.plan
+        plans.append(plan.batch_sizes)
+        times = [(fixed + b / speed(update)) * math.exp(rng.gauss(0, noise)) *
+                 (3.0 if rng.random() < spikes else 1.0)
+                 for b, speed in zip(plan.batch_sizes, speeds)]
+        balancer.observe(times, plan.batch_sizes)
+    return plans
+
+
+def changes(plans):
+    return sum(a != b for a, b in zip(plans, plans[1:]))
+
+
+@pytest.mark.parametrize("noise, spikes", [(0.05, 0.0), (0.15, 0.0), (0.10, 0.05)])
+def test_rebalancer_holds_still_on_noise(noise, spikes):
+    # Two equally fast ranks on a shared machine: 200 updates, at most 3
+    # changes (the issue's bar; a fixed 3% threshold made dozens).
+    balancer = Rebalancer(Plan([16, 16], [0, 0], [100.0, 100.0]))
+    plans = simulate(balancer, [lambda u: 100.0] * 2, noise, 200, spikes=spikes)
+    assert changes(plans) <= 3, plans
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rebalancer_follows_a_real_slowdown_within_10_updates(seed):
+    balancer = Rebalancer(Plan([32, 32], [0, 0], [100.0, 100.0]))
+    slow_from = 40
+    speeds = [lambda u: 100.0, lambda u: 100.0 if u < slow_from else 50.0]
+    plans = simulate(balancer, speeds, 0.08, 80, seed=seed)
+    assert changes(plans[:slow_from]) == 0
+    # The job's rate under a split, against the new ideal (150 samples/s).
+    of_ideal = [64 / max(b0 / 100.0, b1 / 50.0) / 150.0 for b0, b1 in plans]
+    assert min(of_ideal[slow_from + 10:]) >= 0.9, plans[slow_from:]
+    assert changes(plans[slow_from + 10:]) <= 1
+
+
+def test_rebalancer_undoes_a_change_that_did_not_pay_off():
+    # Rank 1 looks 2x slower, so its share shrinks; but the update is slower
+    # afterwards (a fixed cost per update, a share-dependent effect):
+    # the measured update time judges the prediction, the old split returns,
+    # and the same move must then promise twice its gain.
+    balancer = Rebalancer(Plan([32, 32], [0, 0], [100.0, 100.0]))
+    for _ in range(6):
+        new = balancer.observe([0.10, 0.20], [32, 32])
+    assert new.batch_sizes == [43, 21]
+    for _ in range(6):
+        back = balancer.observe([0.25, 0.25], [43, 21])
+    assert back.batch_sizes == [32, 32] and balancer.failures == 1
+    assert "undoing the last change: updates took 250.0 ms of compute after it, 200.0 ms " \
+           "before" in balancer.reason
+    assert all(balancer.observe([0.10, 0.20], [32, 32]) is None for _ in range(50))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rebalancer_does_not_starve_a_rank_with_a_fixed_cost(seed):
+    # A fixed cost per update as large as the per-sample work: a rank with a
+    # smaller share looks slower per sample. The split may move, but never
+    # runs away from the ranks' equal speed.
+    balancer = Rebalancer(Plan([40, 24], [0, 0], [100.0, 100.0]))
+    plans = simulate(balancer, [lambda u: 100.0] * 2, 0.02, 200, seed=seed, fixed=0.5)
+    assert changes(plans) <= 3 and min(min(p) for p in plans) >= 19, plans
 
 
 def test_rebalancer_closes_a_gap_of_a_few_percent_then_holds():
-    # 64/36 at rates 2:1 is 7.5% slower than the best whole-sample split 67/33.
-    balancer = Rebalancer(Plan([64, 36], [0, 0], [200.0, 100.0]), patience=3, cooldown=4)
-    changes = [balancer.observe([64 / 200, 36 / 100], [64, 36]) for _ in range(3)]
-    assert changes[:2] == [None, None] and changes[2].batch_sizes == [67, 33]
-    # Now the best split: rounding alone never moves it again.
-    assert all(balancer.observe([67 / 200, 33 / 100], [67, 33]) is None for _ in range(20))
+    # 64/36 at rates 2:1 is 7.5% slower than the best whole-sample split 67/33:
+    # worth a change when the rates are this steady (1% noise), then no more.
+    balancer = Rebalancer(Plan([64, 36], [0, 0], [200.0, 100.0]))
+    plans = simulate(balancer, [lambda u: 200.0, lambda u: 100.0], 0.01, 60)
+    assert plans[-1] == [67, 33] and changes(plans) == 1
+
+
+def test_rebalancer_reason_names_rates_and_gain():
+    balancer = Rebalancer(Plan([16, 16], [0, 0], [100.0, 100.0]))
+    simulate(balancer, [lambda u: 100.0, lambda u: 40.0], 0.02, 10)
+    assert re.fullmatch(r"rates [\d.]+/[\d.]+ samples/s, predicted [\d.]+% faster "
+                        r"\(threshold [\d.]+%: the noise of the rates and of past predictions, "
+                        r"at least 2%\)", balancer.reason)
 
 
 def test_plan_state_round_trip():
@@ -126,3 +197,15 @@ def test_half_the_memory_gives_half_the_micro_batch_and_the_same_update(tmp):
     assert len(caps) == 2 and 0.4 <= caps[1] / caps[0] <= 0.6, results[0][1][-2000:]
     assert micro[1] > 1, results[0][1][-2000:]     # rank 1 accumulates its share
     assert max_diff(reference(tmp, *width), final_params(out)) < 1e-5
+
+
+def test_equal_ranks_keep_their_plan_on_real_compute(tmp):
+    """Two equally fast ranks training for real on this shared 2-core machine:
+    the rates are noisy, the speeds are the same, so the plan holds (at most 3
+    changes in 200 updates), and each change is one INFO line with its reason."""
+    params, log = auto_nodes(tmp, "equal", 2, "--toy-width", 16384, "--toy-size", 6400,
+                             "--global-batch-size", 128, "--max-update", 200, "--lr", 1e-5)
+    changed = re.findall(r"capacity plan changed at update \d+: batches \d+/\d+ -> \d+/\d+; "
+                         r"(?:rates [\d.]+/[\d.]+ samples/s, predicted|undoing)[^\n]*", log)
+    assert len(changed) <= 3, changed
+    assert len(re.findall("capacity plan changed", log)) == len(changed), log[-3000:]

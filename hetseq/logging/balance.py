@@ -1,0 +1,48 @@
+"""The balance of a run, one JSON line per update in ``<save-dir>/balance.jsonl``
+(rank 0, unless --no-save), so that a user can plot their own run (as
+``bench/hetero.py`` does):
+
+    {"update": 12, "time": 1790000000.1, "wall_s": 0.21, "samples": 128,
+     "batch_sizes": [85, 43], "rank_compute_s": [0.19, 0.2], "rank_samples": [85, 43],
+     "rank_samples_per_s": [447.4, 215.0]}
+
+``batch_sizes`` is the plan the update ran with; the per-rank compute times
+reach every rank with the NEXT update's stats, so a line is written one
+update late (the last update's line at the end, with what is known).
+"""
+
+import json
+import os
+import time
+
+
+class BalanceLog:
+    NAME = "balance.jsonl"
+
+    def __init__(self, save_dir, enabled):
+        self.path = os.path.join(save_dir, self.NAME) if enabled else None
+        self.pending = None
+
+    def record(self, update, batch_sizes, samples, wall_s, rank_times, rank_samples):
+        """One update's figures; ``rank_times``/``rank_samples`` are the
+        previous update's (as the stats all-reduce carries them)."""
+        if self.path is None:
+            return
+        if self.pending is not None:
+            self._write(self.pending, rank_times, rank_samples)
+        self.pending = {"update": update, "time": time.time(), "wall_s": wall_s,
+                        "samples": samples, "batch_sizes": list(batch_sizes)}
+
+    def close(self):
+        if self.pending is not None:
+            self._write(self.pending, None, None)
+            self.pending = None
+
+    def _write(self, line, rank_times, rank_samples):
+        if rank_times is not None:
+            line.update(rank_compute_s=rank_times, rank_samples=rank_samples,
+                        rank_samples_per_s=[n / t if t > 0 else 0.0
+                                            for n, t in zip(rank_samples, rank_times)])
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")

@@ -1,0 +1,144 @@
+"""Rebalancing while training: a new ``auto`` plan when, and only when, a
+rank's speed has changed by more than the noise of its measurements.
+
+Each update the stats all-reduce brings every rank's compute seconds and
+samples of the previous update, so each rank's rate r_i = n_i / t_i.
+
+- Level: the median of a rank's last ``window`` rates. One slow update (a
+  garbage collection, a neighbour's job) does not move a median; a real change
+  of speed moves it once it fills half the window.
+- Noise: sigma_i from the median absolute difference of successive rates over
+  the last ``history`` updates (divided by 0.954, its value for Gaussian
+  noise). Differences of neighbours see a step change of speed only once, so a
+  real slowdown does not inflate the noise that is meant to tell it apart.
+  The median of k rates has a standard error of about 1.25 sigma / sqrt(k).
+- Gain: the current plan's predicted update time (its slowest rank's
+  b_i / r_i) over that of the best whole-sample split for the levels, minus 1.
+- Replan when the gain exceeds both ``min_gain`` and ``z`` standard errors of
+  the least certain rank's level (a relative error e in a rate moves the
+  predicted update time by up to e), then hold ``window`` updates so that the
+  next decision sees only rates measured under the new plan.
+- Then check the change: the measured update time (the slowest rank's
+  compute) must have dropped by half the predicted gain, or the old plan
+  comes back (see ``_judge_trial``).
+
+The global batch never changes: any split gives the same update.
+"""
+
+import math
+import statistics
+
+from hetseq.capacity import proportional
+
+_GAUSSIAN_MAD = 0.954     # median |x - y| / sigma for x, y independent N(0, sigma^2)
+
+
+class Rebalancer:
+    def __init__(self, plan, window=6, history=30, z=3.0, min_gain=0.02, hold=100):
+        self.plan = plan
+        self.window, self.history, self.z, self.min_gain = window, history, z, min_gain
+        self.hold = hold                 # updates a failed change blocks its like (doubling)
+        self.series = [[] for _ in plan.batch_sizes]     # per rank: recent rates, oldest first
+        self.update_times = []           # measured compute seconds of the slowest rank
+        self.gains = []                  # the predicted gain at each decision, oldest first
+        self.since_change = 0
+        self.trial = None                # (previous plan, its update time, predicted gain)
+        self.blocked = (0, 0.0)          # (updates left, gain a change must beat meanwhile)
+        self.failures = 0
+        self.reason = None               # why the last plan change was made (for the log)
+
+    def levels(self):
+        """Each rank's rate: the median of the faster half of its last
+        ``window`` rates. A device does not get faster by accident: slow
+        updates are interference (another process, the collectives' threads
+        on a busy CPU) and come in bursts; a burst shorter than half the window
+        leaves the level alone, a lasting change moves it."""
+        return [statistics.median(sorted(s[-self.window:])[-(self.window // 2):])
+                for s in self.series]     # window 6: the 2nd fastest; moves once 5 agree
+
+    def noise(self):
+        """Relative standard error of each rank's level."""
+        errors = []
+        for rates, level in zip(self.series, self.levels()):
+            steps = [abs(b - a) for a, b in zip(rates, rates[1:])]
+            sigma = statistics.median(steps) / _GAUSSIAN_MAD if steps else math.inf
+            errors.append(1.25 * sigma / math.sqrt(min(len(rates), self.window)) / level)
+        return errors
+
+    def _gain_noise(self):
+        """Twice the 90th percentile of the gains predicted before the last
+        ``window`` updates (from the second update on, while levels are still
+        taken from fewer rates). Interference comes in bursts that make a rank look
+        slow for several updates in a row, which the noise of single rates
+        (``noise``) underrates; the gains seen while nothing lasting happened
+        measure it directly. A real change predicts a gain far above them."""
+        past = sorted(self.gains[:-self.window])
+        return 2 * past[int(0.9 * (len(past) - 1))] if len(past) >= 3 else 0.0
+
+    def observe(self, rank_times, rank_samples):
+        """Feed one update's per-rank compute seconds and samples; returns a new
+        Plan when the split should change, else None."""
+        for series, t, n in zip(self.series, rank_times, rank_samples):
+            if t > 0 and n > 0:
+                series.append(n / t)
+                del series[:-self.history]
+        if max(rank_times) > 0:
+            self.update_times = (self.update_times + [max(rank_times)])[-self.window:]
+        self.since_change += 1
+        self.blocked = (max(0, self.blocked[0] - 1), self.blocked[1])
+        if any(len(s) < 2 for s in self.series):
+            return None
+        levels, new, gain = self._predict()
+        if self.since_change < self.window or any(len(s) < self.window for s in self.series):
+            self.gains = (self.gains + [gain])[-self.history:]
+            return None
+        if self.trial is not None:
+            return self._judge_trial()
+        return self._consider(levels, new, gain)
+
+    def _predict(self):
+        """(levels, the best plan for them, its predicted gain over the current one)."""
+        levels = self.levels()
+        new = proportional(self.plan.global_batch, levels, self.plan.micro_caps, levels)
+        return levels, new, _update_time(self.plan, levels) / _update_time(new, levels) - 1
+
+    def _consider(self, levels, new, gain):
+        threshold = max(self.min_gain, self.z * max(self.noise()), self._gain_noise(),
+                        self.blocked[1] if self.blocked[0] else 0.0)
+        self.gains = (self.gains + [gain])[-self.history:]
+        if gain <= threshold or new.batch_sizes == self.plan.batch_sizes:
+            return None
+        self.trial = (self.plan, statistics.median(self.update_times), gain)
+        self.reason = (f"rates {'/'.join(f'{r:.1f}' for r in levels)} samples/s, "
+                       f"predicted {100 * gain:.1f}% faster (threshold {100 * threshold:.1f}%: "
+                       "the noise of the rates and of past predictions, "
+                       f"at least {100 * self.min_gain:g}%)")
+        return self._switch(new)
+
+    def _judge_trial(self):
+        """Keep a change that made updates faster; undo one that made them
+        slower. A rank's rate is not quite independent of its share (a fixed
+        cost per update makes a small share look slow), so a prediction can be
+        wrong: the measured update time is the judge. After an undo, any change
+        must promise twice the failed gain for ``hold`` updates (doubling with
+        each failure)."""
+        previous, before, gain = self.trial
+        self.trial = None
+        after = statistics.median(self.update_times)
+        if after <= before:
+            return None
+        self.failures += 1
+        self.blocked = (self.hold * 2 ** (self.failures - 1), 2 * gain)
+        self.reason = (f"undoing the last change: updates took {1000 * after:.1f} ms of "
+                       f"compute after it, {1000 * before:.1f} ms before (predicted "
+                       f"{100 * gain:.1f}% faster)")
+        return self._switch(previous)
+
+    def _switch(self, plan):
+        self.plan, self.since_change = plan, 0
+        return plan
+
+
+def _update_time(plan, rates):
+    """Predicted compute seconds of an update: the slowest rank's share."""
+    return max(b / r for b, r in zip(plan.batch_sizes, rates))
