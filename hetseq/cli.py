@@ -134,7 +134,12 @@ def add_training_args(parser):
                             "(each is skipped; default: 10)")
     group.add_argument("--divergence-check-interval", type=int, default=10, metavar="N",
                        help="every N updates, check that all ranks hold the same parameters "
-                            "(one fused norm pass; 0: never; default: 10)")
+                            "and optimizer state (an exact checksum; 0: never; default: 10)")
+    group.add_argument("--divergence-tolerance", type=float, default=1e-4, metavar="REL",
+                       help="ranks that drifted from rank 0 by at most this relative "
+                            "distance (rounding on different devices) take rank 0's copy; "
+                            "further apart, the run stops with exit 4 (0: any difference "
+                            "stops it; default: %(default)s)")
     group.add_argument("--use-bmuf", action="store_true", help="not supported (HetSeq flag)")
     add_optimization_args(parser)
 
@@ -205,6 +210,10 @@ def check_args(args):
         raise UserError(f"--lr {args.lr}: expected non-negative learning rates")
     if args.distributed_timeout <= 0:
         raise UserError(f"--distributed-timeout {args.distributed_timeout}: expected seconds > 0")
+    if args.divergence_check_interval < 0 or not args.divergence_tolerance >= 0:
+        raise UserError(f"--divergence-check-interval {args.divergence_check_interval} / "
+                        f"--divergence-tolerance {args.divergence_tolerance}: expected an "
+                        "interval >= 0 updates and a relative distance >= 0")
     sharding.check_args(args)
     precision.check_args(args)
     OPTIMIZERS.get(args.optimizer)        # unknown names list the registered ones

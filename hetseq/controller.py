@@ -34,7 +34,7 @@ import time
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from hetseq import precision, sharding
+from hetseq import agreement, precision, sharding
 from hetseq.errors import TrainingFailed, UserError
 from hetseq.optim import OPTIMIZERS, build_lr_scheduler, build_optimizer
 from hetseq.stats import Backward, StatsExchange
@@ -201,28 +201,15 @@ class Controller:
                 f"(--max-nan-updates {self.args.max_nan_updates}); lower --lr, set --clip-norm, "
                 "or check the data for broken samples")
 
-    @torch.no_grad()
     def _parameter_checksum(self):
-        # Norm of the per-tensor norms: one fused pass, stays on the device.
-        # Sharded parameters (FSDP) differ between ranks by design: no check.
-        if self.sharding.shards_grads:
-            return 0.0
-        return torch.stack(torch._foreach_norm(self.params)).double().norm()
+        return agreement.checksum(self.sharding.replicated_state(self.params, self.optimizer))
 
     def _check_agreement(self, checksums):
-        """Every rank must hold the same parameters (as fairseq checks grad norms).
-        The tolerance allows for different devices rounding a norm differently."""
-        reference = checksums[0]
-        if reference == 0.0:
-            return
-        bad = [r for r, c in enumerate(checksums) if abs(c - reference) > 1e-5 * abs(reference)]
-        if bad:
-            raise TrainingFailed(
-                f"parameters differ between ranks before update {self.num_updates + 1}: norm "
-                f"{reference:.9g} on rank 0 but " + ", ".join(
-                    f"{checksums[r]:.9g} on rank {r}" for r in bad) + ". Every rank must run "
-                "the same code, model and flags; a rank changing parameters outside the "
-                "Controller, or a non-deterministic optimizer, does this")
+        """Every rank must hold rank 0's parameters and optimizer state: rounding
+        apart is undone, a real divergence stops the run (agreement.py)."""
+        if agreement.disagreeing(checksums):
+            agreement.resync(self.sharding.replicated_state(self.params, self.optimizer),
+                             self.ctx, self.args.divergence_tolerance, self.num_updates + 1)
 
     # ---- validation ----
 

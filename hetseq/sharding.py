@@ -105,6 +105,11 @@ class Sharding:
     def load_optimizer_state(self, model, optimizer, state):
         optimizer.load_state_dict(state)
 
+    def replicated_state(self, params, optimizer):
+        """The tensors every rank holds a copy of, which must stay equal
+        (agreement.py): parameters and optimizer state, unless sharded."""
+        return [*params, *_optimizer_tensors(optimizer)]
+
     def waited(self):
         """Seconds this process has spent, so far, waiting inside collectives
         that run in the middle of forward and backward (FSDP's); a rank's own
@@ -177,6 +182,9 @@ class ShardedOptimizer(Replicas):
         return ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer),
                                        lr=optimizer.defaults["lr"], **defaults)
 
+    def replicated_state(self, params, optimizer):
+        return list(params)      # each rank's optimizer state is its own part
+
     def optimizer_state(self, model, optimizer):
         """Collective: every rank sends its part to rank 0 (None on the others)."""
         if not self.ctx.distributed:
@@ -192,6 +200,9 @@ class FullyShard(Sharding):
     shards_grads = True
     lockstep = True
     reshard_after_forward = False
+
+    def replicated_state(self, params, optimizer):
+        return []                # every shard exists once: nothing to drift apart
 
     def describe(self):
         return "--zero 2 (optimizer state and gradients sharded, FSDP2)"
@@ -360,3 +371,9 @@ def _timed(method):
             _WAITED[0] += time.perf_counter() - start
     timed._hetseq_timed = True
     return timed
+
+
+def _optimizer_tensors(optimizer):
+    """The optimizer's state tensors, in parameter order (the same on every rank)."""
+    return [value for group in optimizer.param_groups for p in group["params"]
+            for _, value in sorted(optimizer.state.get(p, {}).items()) if torch.is_tensor(value)]

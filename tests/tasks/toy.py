@@ -33,7 +33,7 @@ class ToyTask(Task):
     # Each simulates something about one node (a slow device, a bug on one rank).
     per_node_flags = frozenset({"toy_slow_rank", "toy_slow_ms", "toy_slow_after",
                                 "toy_perturb_after", "toy_nan_grad_after", "toy_log_indices",
-                                "toy_nan_bias_grad_after",
+                                "toy_nan_bias_grad_after", "toy_drift_rank", "toy_drift",
                                 "toy_fail_after", "toy_dump_params"})
     @classmethod
     def add_args(cls, parser):
@@ -49,6 +49,10 @@ class ToyTask(Task):
                             help="start sleeping after this many train_step calls")
         parser.add_argument("--toy-perturb-after", type=int, default=0,
                             help="after N train_step calls, nudge a parameter on this rank only")
+        parser.add_argument("--toy-drift-rank", type=int, default=-1,
+                            help="this rank's parameters move by --toy-drift (relative) at "
+                                 "every train_step, as a device that rounds differently")
+        parser.add_argument("--toy-drift", type=float, default=1e-7)
         parser.add_argument("--toy-nan-after", type=int, default=0,
                             help="after N train_step calls, every loss is NaN")
         parser.add_argument("--toy-nan-grad-after", type=int, default=0,
@@ -113,6 +117,10 @@ class ToyTask(Task):
         if self.args.toy_log_indices and getattr(backward, "weight", 1):   # not padding
             with open(f"{self.args.toy_log_indices}.{rank}", "a") as log:
                 log.write(" ".join(map(str, sample["index"].tolist())) + "\n")
+        if rank == self.args.toy_drift_rank:
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.mul_(1 + self.args.toy_drift)
         if self.args.toy_perturb_after and self.calls == self.args.toy_perturb_after:
             with torch.no_grad():
                 next(model.parameters()).view(-1)[0] += 1.0   # outside the Controller

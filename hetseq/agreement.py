@@ -1,0 +1,103 @@
+"""Keeping every rank's copy of the model equal to rank 0's, for runs of any length.
+
+All ranks apply the same all-reduced gradient, yet two kinds of device (a CPU
+and a GPU, an A100 and a V100) round the same optimizer step differently:
+their parameters move apart by about one rounding per step, and after days
+the difference is no longer small. So every ``--divergence-check-interval``
+updates each rank sends an exact checksum of what it replicates (parameters,
+and the optimizer state where every rank holds all of it; see
+``Sharding.replicated_state``) in the stats all-reduce (stats.py), at no extra
+communication. When a checksum differs from rank 0's:
+
+- every rank receives rank 0's tensors (one broadcast of the state) and
+  measures how far its own were: ||x_r - x_0|| / ||x_0|| over all of them;
+- up to ``--divergence-tolerance`` (relative) that is rounding: the rank
+  takes rank 0's copy and training goes on, equal again;
+- beyond it, a rank's code, data or flags differ (or memory is corrupt): the
+  run stops with exit 4, naming the ranks and their distances.
+
+The checksum sums the tensors' bit patterns as integers: exact, the same on
+every kind of device, and 0 only by chance (a float norm of the same values
+can differ between devices in its last bit, which would resync for nothing).
+Its cost, and a resync's, are measured by ``bench/drift.py``.
+"""
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from hetseq.distributed import all_gather_object
+from hetseq.errors import TrainingFailed
+
+logger = logging.getLogger(__name__)
+
+_MODULUS = 2 ** 50          # kept below 2**53: the checksum travels in float64
+_INTS = {8: torch.int32, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+@torch.no_grad()
+def checksum(tensors):
+    """An integer fingerprint of ``tensors`` (their bits, their order), as a
+    float in 1..2**50; 0.0 when there is nothing to check."""
+    if not tensors:
+        return 0.0
+    sums = torch.stack([t.detach().reshape(-1).view(_INTS[t.element_size()])
+                        .sum(dtype=torch.int64).to(tensors[0].device) for t in tensors])
+    weights = torch.arange(1, len(tensors) + 1, dtype=torch.int64, device=sums.device)
+    # Weighted by position so that two tensors trading values are seen too;
+    # the products stay far below 2**63 (a sum of int32s times a count).
+    total = int((sums.remainder(_MODULUS) * weights).remainder(_MODULUS).sum())
+    return float(total % _MODULUS + 1)
+
+
+def disagreeing(checksums):
+    """Ranks whose checksum differs from rank 0's (none when nothing was sent)."""
+    reference = checksums[0]
+    return [] if reference == 0.0 else [r for r, c in enumerate(checksums) if c != reference]
+
+
+@torch.no_grad()
+def resync(tensors, ctx, tolerance, update):
+    """Give every rank rank 0's ``tensors`` when all ranks are within
+    ``tolerance`` of them (relative); otherwise stop the run (TrainingFailed).
+    A collective: every rank calls it in the same update."""
+    _check_layout(tensors, ctx, update)
+    start = time.perf_counter()
+    own = reference = 0.0
+    for tensor in tensors:
+        received = tensor.clone()
+        dist.broadcast(received, src=0)
+        own += float((tensor.double() - received.double()).square().sum())
+        reference += float(received.double().square().sum())
+        tensor.copy_(received)
+    distances = torch.zeros(ctx.world_size, dtype=torch.float64, device=ctx.device)
+    distances[ctx.rank] = own ** 0.5 / max(reference ** 0.5, 1e-30)
+    dist.all_reduce(distances)
+    far = {r: d for r, d in enumerate(distances.tolist()) if d > tolerance}
+    if far:
+        raise TrainingFailed(
+            f"parameters differ between ranks before update {update}: relative distance to "
+            "rank 0's " + ", ".join(f"{d:.3g} on rank {r}" for r, d in far.items()) +
+            f", beyond --divergence-tolerance {tolerance:g} (different devices only round "
+            "apart by about 1e-7 per update). Every rank must run the same code, model and "
+            "flags; a rank changing parameters outside the Controller, or a non-deterministic "
+            "optimizer, does this")
+    if ctx.is_main:
+        logger.info("ranks drifted apart by rounding (relative distance to rank 0: %s); all "
+                    "now hold rank 0's parameters and optimizer state (%.1f ms)",
+                    ", ".join(f"rank {r} {d:.2g}" for r, d in enumerate(distances.tolist())
+                              if r), 1000 * (time.perf_counter() - start))
+
+
+def _check_layout(tensors, ctx, update):
+    """The same tensors in the same shapes on every rank, or a broadcast would
+    hang or mix them up."""
+    layouts = all_gather_object([tuple(t.shape) for t in tensors], ctx)
+    odd = [r for r, layout in enumerate(layouts) if layout != layouts[0]]
+    if odd:
+        raise TrainingFailed(
+            f"ranks {odd} hold a different model or optimizer state than rank 0 before update "
+            f"{update} ({len(layouts[odd[0]])} tensors against {len(layouts[0])}); every rank "
+            "must build the same model with the same flags")
