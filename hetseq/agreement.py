@@ -66,12 +66,17 @@ def resync(tensors, ctx, tolerance, update):
     _check_layout(tensors, ctx, update)
     start = time.perf_counter()
     own = reference = 0.0
-    for tensor in tensors:
-        received = tensor.clone()
+    for bucket in _buckets(tensors):
+        # One broadcast per bucket of up to 64 MB, not one per tensor.
+        mine = torch.cat([t.reshape(-1) for t in bucket])
+        received = mine.clone()
         dist.broadcast(received, src=0)
-        own += float((tensor.double() - received.double()).square().sum())
-        reference += float(received.double().square().sum())
-        tensor.copy_(received)
+        own += float(torch.linalg.vector_norm(mine - received, dtype=torch.float64)) ** 2
+        reference += float(torch.linalg.vector_norm(received, dtype=torch.float64)) ** 2
+        offset = 0
+        for tensor in bucket:
+            tensor.copy_(received[offset:offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
     distances = torch.zeros(ctx.world_size, dtype=torch.float64, device=ctx.device)
     distances[ctx.rank] = own ** 0.5 / max(reference ** 0.5, 1e-30)
     dist.all_reduce(distances)
@@ -89,6 +94,20 @@ def resync(tensors, ctx, tolerance, update):
                     "now hold rank 0's parameters and optimizer state (%.1f ms)",
                     ", ".join(f"rank {r} {d:.2g}" for r, d in enumerate(distances.tolist())
                               if r), 1000 * (time.perf_counter() - start))
+
+
+def _buckets(tensors, limit=2 ** 24):
+    """``tensors`` in runs of one device and dtype, up to ``limit`` elements each."""
+    bucket, size = [], 0
+    for tensor in tensors:
+        if bucket and (size + tensor.numel() > limit or tensor.dtype != bucket[0].dtype
+                       or tensor.device != bucket[0].device):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(tensor)
+        size += tensor.numel()
+    if bucket:
+        yield bucket
 
 
 def _check_layout(tensors, ctx, update):
