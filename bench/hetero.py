@@ -1,24 +1,29 @@
 #!/usr/bin/env python
-"""Equal vs capacity-aware (auto) batches on 2 CPU ranks, one about 2x slower.
+"""Equal vs capacity-aware (auto) batches on CPU ranks of different speeds.
 
-1. Each rank's standalone rate (no communication; both measured at the same
-   time in two processes, so they share the 2 cores as the job's ranks do):
-   the ideal aggregate is their sum; equal batches are capped at 2 x the
-   slower rate.
-2. The same job with --capacity equal and --capacity auto: aggregate samples/s
-   over the updates after warm-up.
-   Also reported against the in-job ideal: the sum of the ranks' compute
-   rates (waits excluded) in the same updates.
-3. auto again, both ranks equally fast until update 30, then rank 1 becomes
-   2x slower: updates until the aggregate is back above 0.9 of the new ideal.
-Prints JSON. Targets: auto >= 0.95 of ideal; recovery within 20 updates.
+1. Compute: 2 ranks training a small CNN, one about 2x slower (sleeping the
+   difference), and the same with rank 1 turning 2x slower mid-run
+   (updates until the job is back above 0.9 of the new ideal).
+2. Mixes of speeds: 2, 3 and 4 ranks (``--mixes``), each rank sleeping
+   factor x ``--sleep-ms`` per sample on a tiny model, so that more ranks than
+   cores fit and the mix is exact.
 
-    python bench/hetero.py
+The ideal is the sum of the ranks' standalone rates (each rank alone, no
+communication, all measured at the same time so they share the cores as in
+the job); equal batches are capped at N x the slowest rate. Also reported:
+the ideal measured inside the job (the sum of the ranks' compute rates, waits
+excluded), plan changes, and the share of an update's wall time outside the
+slowest rank's compute (all-reduce, optimizer step, stats: what balancing
+cannot remove). Series come from each job's ``balance.jsonl``; ``--plot``
+draws per-rank samples/s and shares over the updates for equal and auto.
+
+    python bench/hetero.py --out bench/hetero.json --plot bench/hetero.png
 """
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -28,30 +33,34 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 from hetseq import cli  # noqa: E402
 from hetseq.distributed import launch  # noqa: E402
 from hetseq.tasks import TASKS, import_user_dir  # noqa: E402
-from hetseq.train import Run  # noqa: E402
+from hetseq.train import train_worker  # noqa: E402
+from output import emit  # noqa: E402
 
 TASK_DIR = os.path.join(ROOT, "bench", "tasks")
 GLOBAL_BATCH = 128
+WARM = 10
 
 
-def flags(mode, updates, extra=()):
+def flags(mode, updates, world, extra=(), save_dir=None):
     return ["--task", "bench_hetero", "--user-dir", TASK_DIR, "--cpu", "--no-progress-bar",
             "--log-interval", "1000", "--optimizer", "sgd", "--lr", "0.01",
-            "--lr-scheduler", "fixed", "--clip-norm", "0", "--no-save", "--disable-validation",
+            "--lr-scheduler", "fixed", "--clip-norm", "0", "--disable-validation",
             "--max-update", str(updates), "--capacity", mode, "--global-batch-size",
-            str(GLOBAL_BATCH), "--distributed-world-size", "2", *map(str, extra)]
+            str(GLOBAL_BATCH), "--distributed-world-size", str(world),
+            *(["--save-dir", save_dir, "--save-interval-updates", "100000"] if save_dir
+              else ["--no-save"]), *map(str, extra)]
 
 
-def standalone_rate(ms_per_sample, factor, batch=64, steps=12, repeats=7):
-    """Samples/s of one rank alone with the given slowdown factor (1 thread;
+def standalone_rate(extra, batch=64, steps=12, repeats=7):
+    """Samples/s of one rank alone with the task flags ``extra`` (1 thread;
     median of ``repeats`` timings, this machine is noisy)."""
     import_user_dir(TASK_DIR)
     torch.set_num_threads(1)
-    args = cli.parse_args(flags("equal", 1, ["--bench-slow-rank", 0, "--bench-slow-factor", factor,
-                                             "--bench-ms-per-sample", ms_per_sample]))
+    args = cli.parse_args(flags("equal", 1, 1, extra))
     task = TASKS.get("bench_hetero")(args)
     model, data = task.build_model(), task.load_dataset("train")
     sample = data.collater(list(range(batch)))
@@ -65,109 +74,170 @@ def standalone_rate(ms_per_sample, factor, batch=64, steps=12, repeats=7):
     return statistics.median(rates)
 
 
-def _standalone(index, ms_per_sample, factors, queue):
-    queue.put((index, standalone_rate(ms_per_sample, factors[index])))
+def _standalone(index, extras, queue):
+    queue.put((index, standalone_rate(extras[index])))
 
 
-def standalone_pair(ms_per_sample, factors):
-    """Both ranks' standalone rates, measured concurrently."""
+def standalone_all(extras):
+    """Each rank's standalone rate (task flags per rank), measured concurrently."""
     import torch.multiprocessing as mp
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_standalone, args=(ms_per_sample, factors, queue), nprocs=len(factors))
-    rates = dict(queue.get() for _ in factors)
-    return [rates[i] for i in range(len(factors))]
+    mp.spawn(_standalone, args=(extras, queue), nprocs=len(extras))
+    rates = dict(queue.get() for _ in extras)
+    return [rates[i] for i in range(len(extras))]
 
 
-def timed_worker(args, ctx, out):
-    """Train as usual, recording when each update ends (rank 0 writes them)."""
-    import_user_dir(args.user_dir)
-    run = Run(args, ctx)
-    marks, step = [], run.controller.train_step
-
-    def recorded(samples, dummy, **kwargs):
-        metrics = step(samples, dummy, **kwargs)
-        marks.append((time.perf_counter(), metrics["sample_size"], list(run.plan.batch_sizes),
-                      metrics["rank_times"], metrics["rank_samples"]))
-        return metrics
-    run.controller.train_step = recorded
-    run.train()
-    if ctx.is_main:
-        with open(out, "w") as f:
-            json.dump(marks, f)
+def run_job(mode, updates, world, extra=()):
+    """Train; returns the job's balance.jsonl lines (one per update)."""
+    folder = tempfile.mkdtemp()
+    try:
+        launch(cli.parse_args(flags(mode, updates, world, extra, folder)), train_worker)
+        with open(os.path.join(folder, "balance.jsonl")) as f:
+            return [json.loads(line) for line in f]
+    finally:
+        shutil.rmtree(folder)
 
 
-def run_job(mode, updates, extra=()):
-    out = tempfile.mktemp(suffix=".json")
-    launch(cli.parse_args(flags(mode, updates, extra)), timed_worker, out)
-    with open(out) as f:
-        marks = json.load(f)
-    os.remove(out)
-    return marks
+def rate(lines, first, last):
+    """Aggregate samples/s of updates first+1 .. last (list positions)."""
+    span = lines[last]["time"] - lines[first]["time"]
+    return sum(line["samples"] for line in lines[first + 1:last + 1]) / span
 
 
-def rate(marks, first, last):
-    """Aggregate samples/s of updates first+1 .. last."""
-    span = marks[last][0] - marks[first][0]
-    return sum(m[1] for m in marks[first + 1:last + 1]) / span
-
-
-def in_job_ideal(marks, first, last):
-    """Sum of the ranks' compute rates in the same updates (each rank's samples
-    over its compute seconds, waits excluded): the ideal measured in the job
-    itself, immune to the machine drifting between the standalone phase and
-    the job. Each update reports the previous update's times, hence the shift."""
-    times = [sum(m[3][r] for m in marks[first + 2:last + 1]) for r in range(len(marks[0][3]))]
-    samples = [sum(m[4][r] for m in marks[first + 2:last + 1]) for r in range(len(marks[0][4]))]
+def in_job_ideal(lines, first, last):
+    """Sum of the ranks' compute rates in the same updates (samples over compute
+    seconds, waits excluded): the ideal measured in the job itself, immune to
+    the machine drifting between the standalone phase and the job."""
+    used = [line for line in lines[first + 1:last + 1] if "rank_compute_s" in line]
+    world = len(used[0]["rank_compute_s"])
+    times = [sum(line["rank_compute_s"][r] for line in used) for r in range(world)]
+    samples = [sum(line["rank_samples"][r] for line in used) for r in range(world)]
     return sum(n / t for n, t in zip(samples, times) if t > 0)
 
 
-def plan_changes(marks):
-    return sum(a[2] != b[2] for a, b in zip(marks, marks[1:]))
+def outside_compute(lines, first, last):
+    """Share of the update wall time outside the slowest rank's compute."""
+    used = [line for line in lines[first + 1:last + 1] if "rank_compute_s" in line]
+    wall = sum(line["wall_s"] for line in used)
+    return 1 - sum(max(line["rank_compute_s"]) for line in used) / wall
+
+
+def plan_changes(lines):
+    return sum(a["batch_sizes"] != b["batch_sizes"] for a, b in zip(lines, lines[1:]))
+
+
+def summary(lines, ideal):
+    last = len(lines) - 1
+    agg = rate(lines, WARM, last)
+    return {"samples_per_s": round(agg, 1), "of_ideal": round(agg / ideal, 3),
+            "of_in_job_ideal": round(agg / in_job_ideal(lines, WARM, last), 3),
+            "outside_compute_share": round(outside_compute(lines, WARM, last), 3),
+            "final_split": lines[-1]["batch_sizes"], "plan_changes": plan_changes(lines)}
+
+
+def compare(world, extras_per_rank, job_extra, updates):
+    """Standalone rates, then equal and auto jobs; returns (report, series)."""
+    standalone = standalone_all(extras_per_rank)
+    ideal = sum(standalone)
+    report = {"standalone_samples_per_s": [round(r, 1) for r in standalone],
+              "ideal_samples_per_s": round(ideal, 1),
+              "equal_cap_of_ideal": round(world * min(standalone) / ideal, 3)}
+    series = {}
+    for mode in ("equal", "auto"):
+        series[mode] = run_job(mode, updates, world, job_extra)
+        report[mode] = summary(series[mode], ideal)
+    report["auto_over_equal"] = round(report["auto"]["samples_per_s"] /
+                                      report["equal"]["samples_per_s"], 3)
+    return report, series
 
 
 def calibrate():
     """Compute milliseconds per sample of the CNN on one thread."""
-    return 1000.0 / standalone_rate(0.0, 1.0)
+    return 1000.0 / standalone_rate(["--bench-slow-factor", 1.0, "--bench-ms-per-sample", 0.0])
+
+
+def cnn_pair(updates):
+    """Section 1: real compute, rank 1 2x slower; then a slowdown mid-run."""
+    ms = calibrate()
+    slowed = ["--bench-slow-factor", 2.0, "--bench-ms-per-sample", ms]
+    alone = [[*slowed, "--bench-slow-rank", 1 - rank] for rank in (0, 1)]   # alone = rank 0
+    report, series = compare(2, [alone[1], alone[0]], slowed, updates)
+    report["ms_per_sample"] = round(ms, 3)
+    report["drift"] = drift(ms, report["ideal_samples_per_s"], updates)
+    return report, series
+
+
+def drift(ms, new_ideal, updates, change=30):
+    """auto with both ranks fast until ``change``, then rank 1 2x slower."""
+    # Start-up profiling makes 6 train_step calls before training.
+    lines = run_job("auto", change + updates, 2, ["--bench-slow-factor", 2.0,
+                                                  "--bench-ms-per-sample", ms,
+                                                  "--bench-slow-after", change + 6])
+    recovered = next((u - change for u in range(change + 3, len(lines))
+                      if rate(lines, u - 3, u) >= 0.9 * new_ideal), None)
+    tail = rate(lines, len(lines) - 11, len(lines) - 1)
+    return {"slowdown_at_update": change, "updates_to_recover_0.9": recovered,
+            "final_of_new_ideal": round(tail / new_ideal, 3),
+            "final_split": lines[-1]["batch_sizes"], "plan_changes": plan_changes(lines)}
+
+
+def mix(factors, sleep_ms, updates):
+    """Section 2: ranks sleeping factor x sleep_ms per sample."""
+    extra = ["--bench-factors", ",".join(map(str, factors)), "--bench-ms-per-sample", sleep_ms]
+    alone = [["--bench-factors", str(f), "--bench-ms-per-sample", sleep_ms] for f in factors]
+    report, series = compare(len(factors), alone, extra, updates)
+    return {"factors": factors, **report}, series
+
+
+def plot(series, path, title):
+    """Per-rank samples/s and shares over the updates, equal and auto side by side."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 2, figsize=(11, 6), sharex=True)
+    for column, mode in enumerate(("equal", "auto")):
+        lines = [line for line in series[mode] if "rank_samples_per_s" in line]
+        updates = [line["update"] for line in lines]
+        world = len(lines[0]["batch_sizes"])
+        for r in range(world):
+            axes[0][column].plot(updates, [line["rank_samples_per_s"][r] for line in lines],
+                                 label=f"rank {r}")
+            axes[1][column].plot(updates, [line["batch_sizes"][r] / sum(line["batch_sizes"])
+                                           for line in lines], label=f"rank {r}")
+        axes[0][column].set_title(f"--capacity {mode}")
+        axes[0][column].set_ylabel("samples/s (own compute)")
+        axes[1][column].set_ylabel("share of the global batch")
+        axes[1][column].set_xlabel("update")
+    axes[0][0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--updates", type=int, default=60)
+    p.add_argument("--mixes", default="1,2;1,2,4;1,1,2,4;1,2,3,4",
+                   help="speed factors per rank, mixes separated by ';'")
+    p.add_argument("--sleep-ms", type=float, default=2.0,
+                   help="milliseconds per sample of the fastest rank in the mixes")
+    p.add_argument("--skip-cnn", action="store_true")
+    p.add_argument("--out")
+    p.add_argument("--plot", help="PNG of the 3-rank mix (per-rank rates and shares)")
     opts = p.parse_args()
     import_user_dir(TASK_DIR)
-    ms = calibrate()
-    fast, slow = standalone_pair(ms, [1.0, 2.0])
-    ideal = fast + slow
-    slowed = ["--bench-slow-factor", 2.0, "--bench-ms-per-sample", ms]
-    report = {"global_batch": GLOBAL_BATCH, "ms_per_sample": round(ms, 3),
-              "standalone_samples_per_s": {"rank0": round(fast, 1), "rank1": round(slow, 1)},
-              "ideal_samples_per_s": round(ideal, 1)}
-    warm = 10
-    for mode in ("equal", "auto"):
-        marks = run_job(mode, opts.updates, slowed)
-        agg = rate(marks, warm, len(marks) - 1)
-        report[mode] = {"samples_per_s": round(agg, 1), "of_ideal": round(agg / ideal, 3),
-                        "of_in_job_ideal": round(agg / in_job_ideal(marks, warm, len(marks) - 1), 3),
-                        "final_split": marks[-1][2], "plan_changes": plan_changes(marks)}
-    report["auto_over_equal"] = round(report["auto"]["samples_per_s"] /
-                                      report["equal"]["samples_per_s"], 3)
-    report["drift"] = drift(ms, fast, slow, opts.updates)
-    print(json.dumps(report, indent=2))
-
-
-def drift(ms, fast, slow, updates, change=30):
-    """auto with both ranks fast until ``change``, then rank 1 2x slower."""
-    # Start-up profiling makes 6 train_step calls before training.
-    marks = run_job("auto", change + updates, ["--bench-slow-factor", 2.0,
-                                               "--bench-ms-per-sample", ms,
-                                               "--bench-slow-after", change + 6])
-    new_ideal = fast + slow
-    recovered = next((u - change for u in range(change + 3, len(marks))
-                      if rate(marks, u - 3, u) >= 0.9 * new_ideal), None)
-    tail = rate(marks, len(marks) - 11, len(marks) - 1)
-    return {"slowdown_at_update": change, "new_ideal_samples_per_s": round(new_ideal, 1),
-            "updates_to_recover_0.9": recovered, "final_of_new_ideal": round(tail / new_ideal, 3),
-            "final_split": marks[-1][2], "plan_changes": plan_changes(marks)}
+    report = {"global_batch": GLOBAL_BATCH, "warm_up_updates": WARM, "updates": opts.updates}
+    if not opts.skip_cnn:
+        report["cnn_2_ranks"], _ = cnn_pair(opts.updates)
+    report["mixes"] = []
+    for text in opts.mixes.split(";"):
+        factors = [float(f) for f in text.split(",")]
+        result, series = mix(factors, opts.sleep_ms, opts.updates)
+        report["mixes"].append(result)
+        if opts.plot and len(factors) == 3:
+            plot(series, opts.plot, f"{len(factors)} ranks, per-sample times "
+                 f"{' : '.join(f'{f:g}' for f in factors)}")
+    emit(report, opts.out)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,9 @@ class HeteroBenchTask(Task):
                             help="train_step calls before the slowdown starts")
         parser.add_argument("--bench-ms-per-sample", type=float, default=0.5,
                             help="compute time per sample the slowdown is scaled from")
+        parser.add_argument("--bench-factors", metavar="F0,F1,...",
+                            help="per rank: sleep F x --bench-ms-per-sample per sample on a "
+                                 "tiny model (so that more ranks than cores fit)")
 
     def load_dataset(self, split):
         g = torch.Generator().manual_seed(0)
@@ -58,7 +61,19 @@ class HeteroBenchTask(Task):
                             torch.randint(0, 10, (20000,), generator=g))
 
     def build_model(self):
+        if self.args.bench_factors:
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
         return make_cnn()
+
+    def _sleep_per_sample(self, rank):
+        """Seconds this rank sleeps per sample, standing in for a slower device."""
+        ms = self.args.bench_ms_per_sample / 1000
+        if self.args.bench_factors:
+            return float(self.args.bench_factors.split(",")[rank]) * ms
+        if rank == self.args.bench_slow_rank and self.calls > self.args.bench_slow_after:
+            return (self.args.bench_slow_factor - 1) * ms
+        return 0.0
 
     def loss(self, model, sample):
         x, y = sample
@@ -67,7 +82,5 @@ class HeteroBenchTask(Task):
     def train_step(self, model, sample, backward=None):
         self.calls = getattr(self, "calls", 0) + 1
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        if rank == self.args.bench_slow_rank and self.calls > self.args.bench_slow_after:
-            extra = (self.args.bench_slow_factor - 1) * self.args.bench_ms_per_sample / 1000
-            time.sleep(extra * len(sample[1]))
+        time.sleep(self._sleep_per_sample(rank) * len(sample[1]))
         return super().train_step(model, sample, backward)
