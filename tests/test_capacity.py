@@ -155,11 +155,11 @@ def test_slowed_rank_gets_a_smaller_share_after_profiling(tmp, zero):
 @pytest.mark.parametrize("ranks, extra", [(2, []), (3, ["--micro-batch-cap", 5]),
                                           (2, ["--zero", 3])])
 def test_parity_holds_while_the_split_changes(tmp, ranks, extra):
-    ref = reference(tmp, "--max-update", 16)
+    ref = reference(tmp, "--max-update", 32)
     # Rank 1 turns slow after a few updates (start-up profiling makes 6 calls):
     # the plan must change mid-run, and the result must not.
     params, log = auto_nodes(tmp, "auto", ranks, "--toy-slow-rank", 1, "--toy-slow-ms", 4,
-                             "--toy-slow-after", 12, "--max-update", 16, *extra)
+                             "--toy-slow-after", 12, "--max-update", 32, *extra)
     assert "capacity plan changed" in log, log[-3000:]
     assert max_diff(ref, params) < 1e-5
 
