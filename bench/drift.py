@@ -66,7 +66,7 @@ def _resync_rank(rank, name, init, queue):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     kind = MODELS[name]
     tensors = [p.detach() for p in kind.build().parameters()]
-    tensors += [torch.zeros_like(t) for t in tensors] * 2       # AdamW's two moments
+    tensors += [torch.zeros_like(t) for t in tensors for _ in range(2)]   # AdamW's moments
     if rank == 1:
         for t in tensors:
             t.mul_(1 + 1e-7)                                     # a rank that rounded apart

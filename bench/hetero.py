@@ -160,8 +160,9 @@ def cnn_pair(updates):
     """Section 1: real compute, rank 1 2x slower; then a slowdown mid-run."""
     ms = calibrate()
     slowed = ["--bench-slow-factor", 2.0, "--bench-ms-per-sample", ms]
-    alone = [[*slowed, "--bench-slow-rank", 1 - rank] for rank in (0, 1)]   # alone = rank 0
-    report, series = compare(2, [alone[1], alone[0]], slowed, updates)
+    # Alone, a process is rank 0: slowing "rank 1" leaves it fast, "rank 0" slows it.
+    alone = [[*slowed, "--bench-slow-rank", 1 - rank] for rank in (0, 1)]
+    report, series = compare(2, alone, slowed, updates)
     report["ms_per_sample"] = round(ms, 3)
     report["drift"] = drift(ms, report["ideal_samples_per_s"], updates)
     return report, series

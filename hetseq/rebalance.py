@@ -56,10 +56,10 @@ class Rebalancer:
         return [statistics.median(sorted(s[-self.window:])[-(self.window // 2):])
                 for s in self.series]     # window 6: the 2nd fastest; moves once 5 agree
 
-    def noise(self):
+    def noise(self, levels):
         """Relative standard error of each rank's level."""
         errors = []
-        for rates, level in zip(self.series, self.levels()):
+        for rates, level in zip(self.series, levels):
             steps = [abs(b - a) for a, b in zip(rates, rates[1:])]
             sigma = statistics.median(steps) / _GAUSSIAN_MAD if steps else math.inf
             errors.append(1.25 * sigma / math.sqrt(min(len(rates), self.window)) / level)
@@ -103,7 +103,7 @@ class Rebalancer:
         return levels, new, _update_time(self.plan, levels) / _update_time(new, levels) - 1
 
     def _consider(self, levels, new, gain):
-        threshold = max(self.min_gain, self.z * max(self.noise()), self._gain_noise(),
+        threshold = max(self.min_gain, self.z * max(self.noise(levels)), self._gain_noise(),
                         self.blocked[1] if self.blocked[0] else 0.0)
         self.gains = (self.gains + [gain])[-self.history:]
         if gain <= threshold or new.batch_sizes == self.plan.batch_sizes:

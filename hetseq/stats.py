@@ -2,9 +2,9 @@
 
 The vector holds the summed values (loss, sample_size and the task's logs, by
 sorted key) followed by three world-size slots: each rank writes its compute
-time and sample count of the PREVIOUS update and a checksum of its parameters
-into its own slot, so after the SUM every rank knows every rank's speed
-(capacity planning reads it) and can check that no rank diverged.
+time and sample count of the PREVIOUS update and an exact checksum of its
+replicated state (agreement.py) into its own slot, so after the SUM every rank
+knows every rank's speed (rebalancing reads it) and whether any rank drifted.
 
 How the vector travels: in one asynchronous all-reduce of its own, in
 float64. When the task hands its stats to ``backward`` (the base

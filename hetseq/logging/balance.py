@@ -22,6 +22,7 @@ class BalanceLog:
     def __init__(self, save_dir, enabled):
         self.path = os.path.join(save_dir, self.NAME) if enabled else None
         self.pending = None
+        self._file = None        # opened on the first line, kept open (line-buffered)
 
     def record(self, update, batch_sizes, samples, wall_s, rank_times, rank_samples):
         """One update's figures; ``rank_times``/``rank_samples`` are the
@@ -37,12 +38,16 @@ class BalanceLog:
         if self.pending is not None:
             self._write(self.pending, None, None)
             self.pending = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def _write(self, line, rank_times, rank_samples):
         if rank_times is not None:
             line.update(rank_compute_s=rank_times, rank_samples=rank_samples,
                         rank_samples_per_s=[n / t if t > 0 else 0.0
                                             for n, t in zip(rank_samples, rank_times)])
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        if self._file is None:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)
+        self._file.write(json.dumps(line) + "\n")
