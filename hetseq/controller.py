@@ -115,7 +115,8 @@ class Controller:
         loss_scale = self.scaler.scale if self.scaler else 1.0
         for i, sample in enumerate(samples):
             backward = Backward(stats, weight=0.0 if sample is None else 1.0,
-                                last=i == len(samples) - 1, loss_scale=loss_scale)
+                                last=i == len(samples) - 1, loss_scale=loss_scale,
+                                waited=self.sharding.waited)
             with self.sharding.sync(self.wrapped, backward.last), \
                     precision.autocast(self.args, self.ctx.device):
                 loss, n, logs = self.task.train_step(
@@ -127,8 +128,11 @@ class Controller:
                                 "instead of loss.backward()")
             if not backward.announced:
                 stats.add(loss, n, logs, backward.weight)
-        end = backward.compute_end or time.perf_counter()
-        compute = end - start - (self.sharding.waited() - waited)   # this rank's own work
+        if backward.compute_end is None:
+            end, waited_end = time.perf_counter(), self.sharding.waited()
+        else:
+            end, waited_end = backward.compute_end, backward.waited_at_end
+        compute = end - start - (waited_end - waited)   # this rank's own work
         self._previous = (compute, stats.totals["sample_size"], self._checksum)
         totals, (rank_times, rank_samples, checksums) = stats.result()
         self._check_agreement(checksums)

@@ -34,9 +34,12 @@ _GAUSSIAN_MAD = 0.954     # median |x - y| / sigma for x, y independent N(0, sig
 
 
 class Rebalancer:
-    def __init__(self, plan, window=6, history=30, z=3.0, min_gain=0.02, hold=100):
+    def __init__(self, plan, window=6, history=30, z=3.0, min_gain=0.02, hold=200,
+                 patience=2):
         self.plan = plan
         self.window, self.history, self.z, self.min_gain = window, history, z, min_gain
+        self.patience = patience         # decisions in a row that must agree
+        self.ahead = 0                   # decisions in a row so far
         self.hold = hold                 # updates a failed change blocks its like (doubling)
         self.series = [[] for _ in plan.batch_sizes]     # per rank: recent rates, oldest first
         self.update_times = []           # measured compute seconds of the slowest rank
@@ -106,8 +109,10 @@ class Rebalancer:
         threshold = max(self.min_gain, self.z * max(self.noise(levels)), self._gain_noise(),
                         self.blocked[1] if self.blocked[0] else 0.0)
         self.gains = (self.gains + [gain])[-self.history:]
-        if gain <= threshold or new.batch_sizes == self.plan.batch_sizes:
+        self.ahead = self.ahead + 1 if gain > threshold else 0
+        if self.ahead < self.patience or new.batch_sizes == self.plan.batch_sizes:
             return None
+        self.ahead = 0
         self.trial = (self.plan, statistics.median(self.update_times), gain)
         self.reason = (f"rates {'/'.join(f'{r:.1f}' for r in levels)} samples/s, "
                        f"predicted {100 * gain:.1f}% faster (threshold {100 * threshold:.1f}%: "
@@ -116,8 +121,8 @@ class Rebalancer:
         return self._switch(new)
 
     def _judge_trial(self):
-        """Keep a change that made updates faster; undo one that made them
-        slower. A rank's rate is not quite independent of its share (a fixed
+        """Keep a change unless it made updates slower by more than half the
+        gain it predicted (then it was wrong, not noise): undo it. A rank's rate is not quite independent of its share (a fixed
         cost per update makes a small share look slow), so a prediction can be
         wrong: the measured update time is the judge. After an undo, any change
         must promise twice the failed gain for ``hold`` updates (doubling with
@@ -125,7 +130,7 @@ class Rebalancer:
         previous, before, gain = self.trial
         self.trial = None
         after = statistics.median(self.update_times)
-        if after <= before:
+        if after <= before * (1 + gain / 2):
             return None
         self.failures += 1
         self.blocked = (self.hold * 2 ** (self.failures - 1), 2 * gain)

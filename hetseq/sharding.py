@@ -346,6 +346,7 @@ def _check_shapes(model, state):
 # compute time, so these waits are timed and subtracted. The three methods are
 # FSDP2's internals (torch 2.6 to 2.13); without them nothing is subtracted.
 _WAITED = [0.0]
+_DEPTH = [0]     # timed methods under way (one may call another)
 
 
 def _time_fsdp_waits():
@@ -364,11 +365,15 @@ def _timed(method):
 
     @functools.wraps(method)
     def timed(*args, **kwargs):
+        if _DEPTH[0]:            # called from another timed method: counted there
+            return method(*args, **kwargs)
+        _DEPTH[0] += 1
         start = time.perf_counter()
         try:
             return method(*args, **kwargs)
         finally:
             _WAITED[0] += time.perf_counter() - start
+            _DEPTH[0] -= 1
     timed._hetseq_timed = True
     return timed
 

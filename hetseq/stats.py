@@ -147,15 +147,18 @@ class Backward:
     forward/backward so the collectives match, but contributes nothing.
     ``loss_scale`` multiplies the loss for fp16 loss scaling (the stats keep
     the true loss). ``compute_end`` is when this rank's own backward work
-    ended, before it waits for gradient collectives (and so for slower ranks).
+    ended, before it waits for gradient collectives (and so for slower ranks);
+    ``waited_at_end`` is ``waited()`` then (FSDP's waits so far, which must be
+    subtracted only up to that moment: the root's reduce-scatter comes after).
     """
 
-    def __init__(self, stats, weight, last, loss_scale=1.0):
+    def __init__(self, stats, weight, last, loss_scale=1.0, waited=lambda: 0.0):
         self.stats, self.weight, self.last = stats, weight, last
         self.loss_scale = loss_scale
         self.announced = False
         self.called = False
         self.compute_end = None
+        self.waited, self.waited_at_end = waited, None
 
     def __call__(self, loss, sample_size=None, logs=None):
         self.called = True
@@ -175,3 +178,4 @@ class Backward:
 
     def _stamp(self):
         self.compute_end = time.perf_counter()
+        self.waited_at_end = self.waited()
