@@ -74,15 +74,15 @@ def standalone_rate(extra, batch=64, steps=12, repeats=7):
     return statistics.median(rates)
 
 
-def _standalone(index, extras, queue):
-    queue.put((index, standalone_rate(extras[index])))
+def _standalone(index, extras, repeats, queue):
+    queue.put((index, standalone_rate(extras[index], repeats=repeats)))
 
 
-def standalone_all(extras):
+def standalone_all(extras, repeats=7):
     """Each rank's standalone rate (task flags per rank), measured concurrently."""
     import torch.multiprocessing as mp
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_standalone, args=(extras, queue), nprocs=len(extras))
+    mp.spawn(_standalone, args=(extras, repeats, queue), nprocs=len(extras))
     rates = dict(queue.get() for _ in extras)
     return [rates[i] for i in range(len(extras))]
 
@@ -135,9 +135,9 @@ def summary(lines, ideal):
             "final_split": lines[-1]["batch_sizes"], "plan_changes": plan_changes(lines)}
 
 
-def compare(world, extras_per_rank, job_extra, updates):
+def compare(world, extras_per_rank, job_extra, updates, repeats=7):
     """Standalone rates, then equal and auto jobs; returns (report, series)."""
-    standalone = standalone_all(extras_per_rank)
+    standalone = standalone_all(extras_per_rank, repeats)
     ideal = sum(standalone)
     report = {"standalone_samples_per_s": [round(r, 1) for r in standalone],
               "ideal_samples_per_s": round(ideal, 1),
@@ -176,8 +176,11 @@ def drift(ms, new_ideal, updates, change=30):
                                                   "--bench-slow-after", change + 6])
     recovered = next((u - change for u in range(change + 3, len(lines))
                       if rate(lines, u - 3, u) >= 0.9 * new_ideal), None)
+    first_change = next((u - change for u in range(change + 1, len(lines))
+                         if lines[u]["batch_sizes"] != lines[u - 1]["batch_sizes"]), None)
     tail = rate(lines, len(lines) - 11, len(lines) - 1)
-    return {"slowdown_at_update": change, "updates_to_recover_0.9": recovered,
+    return {"slowdown_at_update": change, "updates_to_first_plan_change": first_change,
+            "updates_to_recover_0.9": recovered,
             "final_of_new_ideal": round(tail / new_ideal, 3),
             "final_split": lines[-1]["batch_sizes"], "plan_changes": plan_changes(lines)}
 
@@ -186,8 +189,9 @@ def mix(factors, sleep_ms, updates):
     """Section 2: ranks sleeping factor x sleep_ms per sample."""
     extra = ["--bench-factors", ",".join(map(str, factors)), "--bench-ms-per-sample", sleep_ms]
     alone = [["--bench-factors", str(f), "--bench-ms-per-sample", sleep_ms] for f in factors]
-    report, series = compare(len(factors), alone, extra, updates)
-    return {"factors": factors, **report}, series
+    # Sleeping is steady: 3 timings per rank are enough (a slow rank's take long).
+    report, series = compare(len(factors), alone, extra, updates, repeats=3)
+    return {"factors": factors, "sleep_ms": sleep_ms, **report}, series
 
 
 def plot(series, path, title):
@@ -220,7 +224,7 @@ def main():
     p.add_argument("--updates", type=int, default=60)
     p.add_argument("--mixes", default="1,2;1,2,4;1,1,2,4;1,2,3,4",
                    help="speed factors per rank, mixes separated by ';'")
-    p.add_argument("--sleep-ms", type=float, default=2.0,
+    p.add_argument("--sleep-ms", type=float, default=5.0,
                    help="milliseconds per sample of the fastest rank in the mixes")
     p.add_argument("--skip-cnn", action="store_true")
     p.add_argument("--out")
@@ -231,7 +235,7 @@ def main():
     if not opts.skip_cnn:
         report["cnn_2_ranks"], _ = cnn_pair(opts.updates)
     report["mixes"] = []
-    for text in opts.mixes.split(";"):
+    for text in filter(None, opts.mixes.split(";")):
         factors = [float(f) for f in text.split(",")]
         result, series = mix(factors, opts.sleep_ms, opts.updates)
         report["mixes"].append(result)

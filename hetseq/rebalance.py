@@ -109,8 +109,10 @@ class Rebalancer:
         threshold = max(self.min_gain, self.z * max(self.noise(levels)), self._gain_noise(),
                         self.blocked[1] if self.blocked[0] else 0.0)
         self.gains = (self.gains + [gain])[-self.history:]
+        # Two decisions in a row must agree, unless the gain is twice the bar.
         self.ahead = self.ahead + 1 if gain > threshold else 0
-        if self.ahead < self.patience or new.batch_sizes == self.plan.batch_sizes:
+        sure = self.ahead >= self.patience or gain > 2 * threshold
+        if not sure or new.batch_sizes == self.plan.batch_sizes:
             return None
         self.ahead = 0
         self.trial = (self.plan, statistics.median(self.update_times), gain)

@@ -88,9 +88,8 @@ def test_rebalancer_undoes_a_change_that_did_not_pay_off():
     # the measured update time judges the prediction, the old split returns,
     # and the same move must then promise twice its gain.
     balancer = Rebalancer(Plan([32, 32], [0, 0], [100.0, 100.0]))
-    for _ in range(7):     # a full window, then two decisions in a row
-        new = balancer.observe([0.10, 0.20], [32, 32])
-    assert new.batch_sizes == [43, 21]
+    changes = [balancer.observe([0.10, 0.20], [32, 32]) for _ in range(6)]
+    assert changes[-1].batch_sizes == [43, 21]     # a full window, and a clear gain
     for _ in range(6):
         back = balancer.observe([0.30, 0.30], [43, 21])
     assert back.batch_sizes == [32, 32] and balancer.failures == 1
