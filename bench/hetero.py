@@ -164,7 +164,7 @@ def cnn_pair(updates):
     alone = [[*slowed, "--bench-slow-rank", 1 - rank] for rank in (0, 1)]
     report, series = compare(2, alone, slowed, updates)
     report["ms_per_sample"] = round(ms, 3)
-    report["drift"] = drift(ms, report["ideal_samples_per_s"], updates)
+    report["drift"], series["drift"] = drift(ms, report["ideal_samples_per_s"], updates)
     return report, series
 
 
@@ -182,7 +182,7 @@ def drift(ms, new_ideal, updates, change=30):
     return {"slowdown_at_update": change, "updates_to_first_plan_change": first_change,
             "updates_to_recover_0.9": recovered,
             "final_of_new_ideal": round(tail / new_ideal, 3),
-            "final_split": lines[-1]["batch_sizes"], "plan_changes": plan_changes(lines)}
+            "final_split": lines[-1]["batch_sizes"], "plan_changes": plan_changes(lines)}, lines
 
 
 def mix(factors, sleep_ms, updates):
@@ -195,13 +195,14 @@ def mix(factors, sleep_ms, updates):
 
 
 def plot(series, path, title):
-    """Per-rank samples/s and shares over the updates, equal and auto side by side."""
+    """Per-rank samples/s and shares over the updates, one column per run
+    (``series``: title -> balance.jsonl lines)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 2, figsize=(11, 6), sharex=True)
-    for column, mode in enumerate(("equal", "auto")):
-        lines = [line for line in series[mode] if "rank_samples_per_s" in line]
+    fig, axes = plt.subplots(2, len(series), figsize=(5.5 * len(series), 6), squeeze=False)
+    for column, (name, run) in enumerate(series.items()):
+        lines = [line for line in run if "rank_samples_per_s" in line]
         updates = [line["update"] for line in lines]
         world = len(lines[0]["batch_sizes"])
         for r in range(world):
@@ -209,38 +210,48 @@ def plot(series, path, title):
                                  label=f"rank {r}")
             axes[1][column].plot(updates, [line["batch_sizes"][r] / sum(line["batch_sizes"])
                                            for line in lines], label=f"rank {r}")
-        axes[0][column].set_title(f"--capacity {mode}")
+        axes[0][column].set_title(name)
         axes[0][column].set_ylabel("samples/s (own compute)")
         axes[1][column].set_ylabel("share of the global batch")
+        axes[1][column].set_ylim(0, 1)
         axes[1][column].set_xlabel("update")
-    axes[0][0].legend()
+        axes[0][column].legend()
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
 
 def main():
+    global GLOBAL_BATCH
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--updates", type=int, default=60)
     p.add_argument("--mixes", default="1,2;1,2,4;1,1,2,4;1,2,3,4",
                    help="speed factors per rank, mixes separated by ';'")
     p.add_argument("--sleep-ms", type=float, default=5.0,
                    help="milliseconds per sample of the fastest rank in the mixes")
+    p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
     p.add_argument("--skip-cnn", action="store_true")
     p.add_argument("--out")
-    p.add_argument("--plot", help="PNG of the 3-rank mix (per-rank rates and shares)")
+    p.add_argument("--plot", help="PNG of the 3-rank mix (per-rank rates and shares), and "
+                   "<name>_slowdown.png of the CNN run that slows mid-way")
     opts = p.parse_args()
     import_user_dir(TASK_DIR)
+    GLOBAL_BATCH = opts.global_batch
     report = {"global_batch": GLOBAL_BATCH, "warm_up_updates": WARM, "updates": opts.updates}
     if not opts.skip_cnn:
-        report["cnn_2_ranks"], _ = cnn_pair(opts.updates)
+        report["cnn_2_ranks"], cnn = cnn_pair(opts.updates)
+        if opts.plot:
+            plot({"auto, rank 1 2x slower from update 30":
+                  cnn["drift"]}, opts.plot.replace(".png", "_slowdown.png"),
+                 "2 ranks (CNN): rebalancing after a slowdown")
     report["mixes"] = []
     for text in filter(None, opts.mixes.split(";")):
         factors = [float(f) for f in text.split(",")]
         result, series = mix(factors, opts.sleep_ms, opts.updates)
         report["mixes"].append(result)
         if opts.plot and len(factors) == 3:
-            plot(series, opts.plot, f"{len(factors)} ranks, per-sample times "
+            plot({f"--capacity {mode}": series[mode] for mode in ("equal", "auto")},
+                 opts.plot, f"{len(factors)} ranks, per-sample times "
                  f"{' : '.join(f'{f:g}' for f in factors)}")
     emit(report, opts.out)
 
