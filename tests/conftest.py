@@ -69,6 +69,17 @@ def final_params(save_dir):
     return state["controller"]["model"]
 
 
+def leave_process_group():
+    """End a test worker's process group the way a run ends (launch.py):
+    collect first, since objects holding the group (DDP, FSDP's mesh) kept
+    alive by reference cycles to interpreter exit make gloo abort there."""
+    import gc
+    import torch.distributed as dist
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import TOY, assert_ok, final_params, free_port, max_diff, run_nodes
+from conftest import TOY, assert_ok, final_params, free_port, leave_process_group, max_diff, run_nodes
 
 COMMON = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--clip-norm",
           "0", "--max-update", "7", "--disable-validation", "--toy-size", "100"]
@@ -81,8 +81,6 @@ def test_equal_split_matches_too(tmp, layout):
 
 def _count_collectives(rank, world, init, plain, out):
     """One rank: three updates of a 3 + 1 split, counting Python-level collectives."""
-    import gc
-
     import torch
     import torch.distributed as dist
     from hetseq import cli
@@ -114,10 +112,8 @@ def _count_collectives(rank, world, init, plain, out):
         batch = {"x": data.x[rows], "y": data.y[rows]}
         sizes.append(controller.train_step([batch], batch)["sample_size"])
     out.put((rank, calls, sizes))
-    del controller    # DDP must go before its process group, or gloo aborts at exit
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    del controller
+    leave_process_group()
 
 
 @pytest.mark.parametrize("plain", [False, True])

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from conftest import TOY, assert_ok, free_port, max_diff, run_nodes, run_train
+from conftest import TOY, assert_ok, free_port, leave_process_group, max_diff, run_nodes, run_train
 
 BASE = [*TOY, "--optimizer", "adamw", "--lr", "0.05", "--weight-decay", "0.01",
         "--lr-scheduler", "fixed", "--clip-norm", "0.5", "--disable-validation",
@@ -145,8 +145,7 @@ def _state_bytes(rank, world, init, zero, out):
     controller.train_step([batch], batch)
     out.put((rank, zero, before, controller.state_bytes()))   # counted from the tensors
     del controller
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def test_each_mode_holds_its_share_of_the_model_state(tmp_path):
