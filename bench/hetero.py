@@ -14,7 +14,10 @@ the job); equal batches are capped at N x the slowest rate. Also reported:
 the ideal measured inside the job (the sum of the ranks' compute rates, waits
 excluded), plan changes, and the share of an update's wall time outside the
 slowest rank's compute (all-reduce, optimizer step, stats: what balancing
-cannot remove). Series come from each job's ``balance.jsonl``; ``--plot``
+cannot remove). Each mix also runs a hand-written DDP loop (the same model,
+sleeps and SGD step, no HetSeq) with auto's final split: the floor this
+machine sets for that split, so ``auto_over_ddp_same_split`` is HetSeq's own
+cost (stats all-reduce, data, rebalancer, logging). Series come from each job's ``balance.jsonl``; ``--plot``
 draws per-rank samples/s and shares over the updates for equal and auto.
 
     python bench/hetero.py --out bench/hetero.json --plot bench/hetero.png
@@ -185,12 +188,58 @@ def drift(ms, new_ideal, updates, change=30):
             "final_split": lines[-1]["batch_sizes"], "plan_changes": plan_changes(lines)}, lines
 
 
-def mix(factors, sleep_ms, updates):
+def _ddp_rank(rank, init, extra, split, updates, queue):
+    """One rank of the plain DDP loop: its slice of ``split`` every update."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=len(split))
+    import_user_dir(TASK_DIR)
+    task = TASKS.get("bench_hetero")(cli.parse_args(flags("equal", 1, 1, extra)))
+    model = DistributedDataParallel(task.build_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = task.load_dataset("train")
+    ends = []
+    for update in range(updates):
+        start = update * sum(split) + sum(split[:rank])
+        sample = data.collater(list(range(start, start + split[rank])))
+        optimizer.zero_grad(set_to_none=True)
+        task.train_step(model, sample)
+        optimizer.step()
+        ends.append(time.perf_counter())
+    if rank == 0:
+        queue.put(ends)
+    del model
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def ddp_same_split(extra, split, updates, ideal):
+    """Samples/s of the plain DDP loop with ``split``, over the same updates."""
+    import torch.multiprocessing as mp
+    folder = tempfile.mkdtemp()
+    try:
+        queue = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(_ddp_rank, args=(f"file://{folder}/store", extra, split, updates, queue),
+                 nprocs=len(split))
+        ends = queue.get()
+    finally:
+        shutil.rmtree(folder)
+    agg = sum(split) * (len(ends) - 1 - WARM) / (ends[-1] - ends[WARM])
+    return {"samples_per_s": round(agg, 1), "of_ideal": round(agg / ideal, 3), "split": split}
+
+
+def mix(factors, sleep_ms, updates, forward_share):
     """Section 2: ranks sleeping factor x sleep_ms per sample."""
-    extra = ["--bench-factors", ",".join(map(str, factors)), "--bench-ms-per-sample", sleep_ms]
-    alone = [["--bench-factors", str(f), "--bench-ms-per-sample", sleep_ms] for f in factors]
+    sleep = ["--bench-ms-per-sample", sleep_ms, "--bench-forward-share", forward_share]
+    extra = ["--bench-factors", ",".join(map(str, factors)), *sleep]
+    alone = [["--bench-factors", str(f), *sleep] for f in factors]
     # Sleeping is steady: 3 timings per rank are enough (a slow rank's take long).
     report, series = compare(len(factors), alone, extra, updates, repeats=3)
+    report["ddp_same_split"] = ddp_same_split(extra, report["auto"]["final_split"], updates,
+                                              report["ideal_samples_per_s"])
+    report["auto_over_ddp_same_split"] = round(report["auto"]["samples_per_s"] /
+                                               report["ddp_same_split"]["samples_per_s"], 3)
     return {"factors": factors, "sleep_ms": sleep_ms, **report}, series
 
 
@@ -229,6 +278,9 @@ def main():
                    help="speed factors per rank, mixes separated by ';'")
     p.add_argument("--sleep-ms", type=float, default=5.0,
                    help="milliseconds per sample of the fastest rank in the mixes")
+    p.add_argument("--forward-share", type=float, default=1 / 3,
+                   help="share of a mix's sleep before the forward, the rest in the "
+                        "backward (1: ranks slow only at loading data)")
     p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
     p.add_argument("--skip-cnn", action="store_true")
     p.add_argument("--out")
@@ -237,7 +289,8 @@ def main():
     opts = p.parse_args()
     import_user_dir(TASK_DIR)
     GLOBAL_BATCH = opts.global_batch
-    report = {"global_batch": GLOBAL_BATCH, "warm_up_updates": WARM, "updates": opts.updates}
+    report = {"global_batch": GLOBAL_BATCH, "warm_up_updates": WARM, "updates": opts.updates,
+              "forward_share": round(opts.forward_share, 3)}
     if not opts.skip_cnn:
         report["cnn_2_ranks"], cnn = cnn_pair(opts.updates)
         if opts.plot:
@@ -247,7 +300,7 @@ def main():
     report["mixes"] = []
     for text in filter(None, opts.mixes.split(";")):
         factors = [float(f) for f in text.split(",")]
-        result, series = mix(factors, opts.sleep_ms, opts.updates)
+        result, series = mix(factors, opts.sleep_ms, opts.updates, opts.forward_share)
         report["mixes"].append(result)
         if opts.plot and len(factors) == 3:
             plot({f"--capacity {mode}": series[mode] for mode in ("equal", "auto")},

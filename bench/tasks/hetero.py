@@ -4,6 +4,13 @@ The slowdown sleeps ``(factor - 1) x`` the measured compute time per sample
 (``--bench-ms-per-sample``), so a rank with factor 2 takes twice as long per
 sample: a stable, CPU-friendly stand-in for an older GPU. ``--bench-slow-after``
 lets the slowdown start mid-run (a GPU that gets shared or throttled).
+
+A third of the sleep comes before the forward and two thirds in the backward
+(``--bench-forward-share``),
+before any gradient is ready, as a slower device spends its time (a backward
+costs about two forwards). Sleeping all of it before the forward would model
+a device slow only at loading data: nothing started in backward (the stats
+all-reduce, stats.py) could then overlap with a slow rank's work.
 """
 
 import time
@@ -41,8 +48,24 @@ class SlicedImages(Dataset):
         return self.images[index], self.labels[index]
 
 
+class _SleepInBackward(torch.autograd.Function):
+    """Identity whose backward sleeps; applied to the model's output, so the
+    sleep comes before every parameter's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
 @register_task("bench_hetero")
 class HeteroBenchTask(Task):
+    _sleep = 0.0   # seconds this rank sleeps for the micro-batch in train_step
     @classmethod
     def add_args(cls, parser):
         parser.add_argument("--bench-slow-rank", type=int, default=1)
@@ -51,6 +74,9 @@ class HeteroBenchTask(Task):
                             help="train_step calls before the slowdown starts")
         parser.add_argument("--bench-ms-per-sample", type=float, default=0.5,
                             help="compute time per sample the slowdown is scaled from")
+        parser.add_argument("--bench-forward-share", type=float, default=1 / 3,
+                            help="share of the sleep before the forward; the rest is "
+                                 "in the backward (1: a device slow only at loading data)")
         parser.add_argument("--bench-factors", metavar="F0,F1,...",
                             help="per rank: sleep F x --bench-ms-per-sample per sample on a "
                                  "tiny model (so that more ranks than cores fit)")
@@ -77,10 +103,18 @@ class HeteroBenchTask(Task):
 
     def loss(self, model, sample):
         x, y = sample
-        return F.cross_entropy(model(x), y, reduction="sum"), len(y), {}
+        logits = model(x)
+        if self._sleep:
+            logits = _SleepInBackward.apply(
+                logits, (1 - self.args.bench_forward_share) * self._sleep)
+        return F.cross_entropy(logits, y, reduction="sum"), len(y), {}
 
     def train_step(self, model, sample, backward=None):
         self.calls = getattr(self, "calls", 0) + 1
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        time.sleep(self._sleep_per_sample(rank) * len(sample[1]))
-        return super().train_step(model, sample, backward)
+        self._sleep = self._sleep_per_sample(rank) * len(sample[1])
+        time.sleep(self.args.bench_forward_share * self._sleep)
+        try:
+            return super().train_step(model, sample, backward)
+        finally:
+            self._sleep = 0.0
