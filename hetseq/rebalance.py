@@ -18,6 +18,11 @@ samples of the previous update, so each rank's rate r_i = n_i / t_i.
   the least certain rank's level (a relative error e in a rate moves the
   predicted update time by up to e), then hold ``window`` updates so that the
   next decision sees only rates measured under the new plan.
+- A second, slow view: the median of every rate measured since the plan
+  last changed (up to ``history``). Its error falls as 1/sqrt(k), so a small
+  lasting imbalance (a start-up measurement 8% off) that the short levels
+  cannot tell from noise is closed after a few dozen updates; alone, the
+  short view would keep such a plan forever on a noisy machine.
 - Then check the change: the measured update time (the slowest rank's
   compute) must have dropped by half the predicted gain, or the old plan
   comes back (see ``_judge_trial``).
@@ -61,12 +66,8 @@ class Rebalancer:
 
     def noise(self, levels):
         """Relative standard error of each rank's level."""
-        errors = []
-        for rates, level in zip(self.series, levels):
-            steps = [abs(b - a) for a, b in zip(rates, rates[1:])]
-            sigma = statistics.median(steps) / _GAUSSIAN_MAD if steps else math.inf
-            errors.append(1.25 * sigma / math.sqrt(min(len(rates), self.window)) / level)
-        return errors
+        return [_standard_error(rates, min(len(rates), self.window)) / level
+                for rates, level in zip(self.series, levels)]
 
     def _gain_noise(self):
         """Twice the 90th percentile of the gains predicted before the last
@@ -105,12 +106,52 @@ class Rebalancer:
         new = proportional(self.plan.global_batch, levels, self.plan.micro_caps, levels)
         return levels, new, _update_time(self.plan, levels) / _update_time(new, levels) - 1
 
+    def _blocking(self):
+        return self.blocked[1] if self.blocked[0] else 0.0
+
+    def _long_view(self):
+        """(levels, best plan, gain, threshold, what) from the median of every
+        rate measured under the current plan, or None while there are fewer
+        than 4 x ``window`` of them (the first two updates after a change may
+        still report the old plan's rates). Interference on a shared machine
+        wanders for tens of updates, which the standard error of i.i.d. rates
+        underrates: each half of the span must show the gain on its own,
+        moving the same ranks the same way."""
+        k = min(self.since_change - 2, self.history) // 2 * 2
+        if k < 4 * self.window:
+            return None
+        spans = [[s[-k:] for s in self.series], [s[-k:-k // 2] for s in self.series],
+                 [s[-k // 2:] for s in self.series]]
+        views = [self._view(span) for span in spans]
+        if any(_direction(self.plan, view[1]) != _direction(self.plan, views[0][1])
+               or view[2] <= view[3] for view in views[1:]):
+            return None
+        levels, new, gain, threshold = views[0]
+        threshold = max(threshold, *(view[3] for view in views[1:]))
+        return levels, new, gain, threshold, (f"the noise of {k} updates' rates and of "
+                                              f"each half, at least {100 * self.min_gain:g}%")
+
+    def _view(self, series):
+        """(levels, best plan, gain, threshold) from the medians of ``series``."""
+        levels = [statistics.median(s) for s in series]
+        new = proportional(self.plan.global_batch, levels, self.plan.micro_caps, levels)
+        gain = _update_time(self.plan, levels) / _update_time(new, levels) - 1
+        error = max(_standard_error(s, len(s)) / level for s, level in zip(series, levels))
+        return levels, new, gain, max(self.min_gain, self.z * error, self._blocking())
+
     def _consider(self, levels, new, gain):
         threshold = max(self.min_gain, self.z * max(self.noise(levels)), self._gain_noise(),
-                        self.blocked[1] if self.blocked[0] else 0.0)
+                        self._blocking())
         self.gains = (self.gains + [gain])[-self.history:]
+        short = (levels, new, gain, threshold, "the noise of the rates and of past "
+                                               f"predictions, at least {100 * self.min_gain:g}%")
+        views = [short, self._long_view()]
+        chosen = next((view for view in views if view and view[2] > view[3]), None)
         # Two decisions in a row must agree, unless the gain is twice the bar.
-        self.ahead = self.ahead + 1 if gain > threshold else 0
+        self.ahead = self.ahead + 1 if chosen else 0
+        if chosen is None:
+            return None
+        levels, new, gain, threshold, why = chosen
         sure = self.ahead >= self.patience or gain > 2 * threshold
         if not sure or new.batch_sizes == self.plan.batch_sizes:
             return None
@@ -118,8 +159,7 @@ class Rebalancer:
         self.trial = (self.plan, statistics.median(self.update_times), gain)
         self.reason = (f"rates {'/'.join(f'{r:.1f}' for r in levels)} samples/s, "
                        f"predicted {100 * gain:.1f}% faster (threshold {100 * threshold:.1f}%: "
-                       "the noise of the rates and of past predictions, "
-                       f"at least {100 * self.min_gain:g}%)")
+                       f"{why})")
         return self._switch(new)
 
     def _judge_trial(self):
@@ -144,6 +184,19 @@ class Rebalancer:
     def _switch(self, plan):
         self.plan, self.since_change = plan, 0
         return plan
+
+
+def _standard_error(rates, k):
+    """Standard error of the median of ``k`` of these rates: 1.25 sigma /
+    sqrt(k), sigma from the median absolute difference of successive rates."""
+    steps = [abs(b - a) for a, b in zip(rates, rates[1:])]
+    sigma = statistics.median(steps) / _GAUSSIAN_MAD if steps else math.inf
+    return 1.25 * sigma / math.sqrt(k)
+
+
+def _direction(plan, new):
+    """Which ranks a new plan gives more (1) or fewer (-1) samples."""
+    return [(b > a) - (b < a) for a, b in zip(plan.batch_sizes, new.batch_sizes)]
 
 
 def _update_time(plan, rates):
