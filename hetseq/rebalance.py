@@ -103,8 +103,12 @@ class Rebalancer:
     def _predict(self):
         """(levels, the best plan for them, its predicted gain over the current one)."""
         levels = self.levels()
+        return (levels, *self._best(levels))
+
+    def _best(self, levels):
+        """(the best plan for ``levels``, its predicted gain over the current one)."""
         new = proportional(self.plan.global_batch, levels, self.plan.micro_caps, levels)
-        return levels, new, _update_time(self.plan, levels) / _update_time(new, levels) - 1
+        return new, _update_time(self.plan, levels) / _update_time(new, levels) - 1
 
     def _blocking(self):
         return self.blocked[1] if self.blocked[0] else 0.0
@@ -134,8 +138,7 @@ class Rebalancer:
     def _view(self, series):
         """(levels, best plan, gain, threshold) from the medians of ``series``."""
         levels = [statistics.median(s) for s in series]
-        new = proportional(self.plan.global_batch, levels, self.plan.micro_caps, levels)
-        gain = _update_time(self.plan, levels) / _update_time(new, levels) - 1
+        new, gain = self._best(levels)
         error = max(_standard_error(s, len(s)) / level for s, level in zip(series, levels))
         return levels, new, gain, max(self.min_gain, self.z * error, self._blocking())
 
