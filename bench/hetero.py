@@ -17,8 +17,9 @@ slowest rank's compute (all-reduce, optimizer step, stats: what balancing
 cannot remove). Each mix also runs a hand-written DDP loop (the same model,
 sleeps and SGD step, no HetSeq) with auto's final split: the floor this
 machine sets for that split, so ``auto_over_ddp_same_split`` is HetSeq's own
-cost (stats all-reduce, data, rebalancer, logging). Series come from each job's ``balance.jsonl``; ``--plot``
-draws per-rank samples/s and shares over the updates for equal and auto.
+cost (stats all-reduce, data, rebalancer, logging). Series come from each
+job's ``balance.jsonl``; ``--plot`` draws per-rank samples/s and shares over
+the updates for equal and auto.
 
     python bench/hetero.py --out bench/hetero.json --plot bench/hetero.png
 """

@@ -5,10 +5,9 @@ The slowdown sleeps ``(factor - 1) x`` the measured compute time per sample
 sample: a stable, CPU-friendly stand-in for an older GPU. ``--bench-slow-after``
 lets the slowdown start mid-run (a GPU that gets shared or throttled).
 
-A third of the sleep comes before the forward and two thirds in the backward
-(``--bench-forward-share``),
-before any gradient is ready, as a slower device spends its time (a backward
-costs about two forwards). Sleeping all of it before the forward would model
+A third of the sleep comes before the forward and two thirds in the backward,
+before any gradient is ready (``--bench-forward-share``), as a slower device
+spends its time (a backward costs about two forwards). Sleeping all of it before the forward would model
 a device slow only at loading data: nothing started in backward (the stats
 all-reduce, stats.py) could then overlap with a slow rank's work.
 """
@@ -66,6 +65,7 @@ class _SleepInBackward(torch.autograd.Function):
 @register_task("bench_hetero")
 class HeteroBenchTask(Task):
     _sleep = 0.0   # seconds this rank sleeps for the micro-batch in train_step
+
     @classmethod
     def add_args(cls, parser):
         parser.add_argument("--bench-slow-rank", type=int, default=1)
