@@ -25,6 +25,7 @@ the updates for equal and auto.
 """
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -211,6 +212,7 @@ def _ddp_rank(rank, init, extra, split, updates, queue):
     if rank == 0:
         queue.put(ends)
     del model
+    gc.collect()    # DDP must go before its process group, or gloo can abort at exit
     dist.barrier()
     dist.destroy_process_group()
 
