@@ -96,7 +96,8 @@ def run_job(mode, updates, world, extra=()):
     """Train; returns the job's balance.jsonl lines (one per update)."""
     folder = tempfile.mkdtemp()
     try:
-        launch(cli.parse_args(flags(mode, updates, world, extra, folder)), train_worker)
+        args, job, node = cli.parse(flags(mode, updates, world, extra, folder))
+        launch(node, job.distributed_backend, train_worker, args, job, node)
         with open(os.path.join(folder, "balance.jsonl")) as f:
             return [json.loads(line) for line in f]
     finally:

@@ -57,9 +57,9 @@ def start(rank, world, port):
 
 def controller(kind, flags, ctx):
     register(kind)
-    args = cli.parse_args(["--task", kind.name, "--optimizer", "adamw", "--lr", "1e-4",
-                           "--lr-scheduler", "fixed", "--clip-norm", "1", *flags])
-    return Controller(args, TASKS.get(kind.name)(args), kind.build(), ctx)
+    args, job, _ = cli.parse(["--task", kind.name, "--optimizer", "adamw", "--lr", "1e-4",
+                              "--lr-scheduler", "fixed", "--clip-norm", "1", *flags])
+    return Controller(job, TASKS.get(kind.name)(args), kind.build(), ctx)
 
 
 def finish():
@@ -90,7 +90,7 @@ def speed_worker(rank, world, port, steps, out):
     for i, batch in enumerate(batches):
         for name in names[i % len(names):] + names[:i % len(names)]:   # rotating order
             begin = time.perf_counter()
-            ctrls[name].train_step([batch], batch, grad_norm=False)
+            ctrls[name].train_step([batch], batch)
             if i >= 2:   # two warm-up rounds
                 spent[name] += time.perf_counter() - begin
     if rank == 0:

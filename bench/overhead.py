@@ -92,14 +92,14 @@ def worker(rank, world, port, opts, out):
     register(kind)
     g = torch.Generator().manual_seed(rank)
     batches = [kind.batch(opts.batch, g) for _ in range(opts.steps + 5)]
-    args = cli.parse_args(["--task", kind.name, "--optimizer", "sgd", "--lr", "0.01",
-                           "--lr-scheduler", "fixed", "--clip-norm", "0"])
+    args, job, _ = cli.parse(["--task", kind.name, "--optimizer", "sgd", "--lr", "0.01",
+                              "--lr-scheduler", "fixed", "--clip-norm", "0"])
     ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
-    controller = Controller(args, TASKS.get(kind.name)(args), kind.build(), ctx)
+    controller = Controller(job, TASKS.get(kind.name)(args), kind.build(), ctx)
     loops = [ddp_loop(kind), ddp_loop(kind, stats=True), ddp_loop(kind)]
     ddp = loops[0][2]
-    phases = {"hetseq": lambda b: controller.train_step([b], b, grad_norm=False),
-              "hetseq_grad_norm": lambda b: controller.train_step([b], b, grad_norm=True),
+    phases = {"hetseq": lambda b: controller.train_step([b], b),
+              "hetseq_grad_norm": lambda b: controller.train_step([b], b).grad_norm,
               "ddp_stats": loops[1][2], "ddp_control": loops[2][2]}
     result = {"model": opts.model, "ranks": world, "batch_per_rank": opts.batch,
               "steps_per_phase": opts.steps}

@@ -33,10 +33,10 @@ CTX = DistContext(0, 1, 0, torch.device("cpu"), None)
 
 def controller(flags, inputs, updates):
     import_builtin_tasks()
-    args = cli.parse_args(["--task", "bert", "--max-update", str(updates), *flags])
+    args, job, _ = cli.parse(["--task", "bert", "--max-update", str(updates), *flags])
     task = TASKS.get("bert")(args, inputs)
     torch.manual_seed(1)
-    ctrl = Controller(args, task, task.build_model(), CTX)
+    ctrl = Controller(job, task, task.build_model(), CTX)
     ctrl.set_horizon(updates)
     return ctrl, task
 
@@ -50,8 +50,9 @@ def batches(task, count, size=32):
 
 
 def loss_curve(flags, inputs, steps):
-    ctrl, _ = controller(flags, inputs, len(steps))
-    return [ctrl.train_step([batch], batch, grad_norm=False)["loss"] for batch in steps]
+    ctrl, task = controller(flags, inputs, len(steps))
+    return [task.reduce_metrics(ctrl.train_step([batch], batch).totals)["loss"]
+            for batch in steps]
 
 
 def speed(inputs, steps):
@@ -62,7 +63,7 @@ def speed(inputs, steps):
         order = (("fp32", fp32), ("bf16", bf16)) if i % 2 == 0 else (("bf16", bf16), ("fp32", fp32))
         for name, ctrl in order:
             start = time.perf_counter()
-            ctrl.train_step([batch], batch, grad_norm=False)
+            ctrl.train_step([batch], batch)
             if i >= 2:   # the first two pairs warm up
                 spent[name] += time.perf_counter() - start
     timed = (len(steps) - 2) * len(steps[0]["input_ids"])

@@ -20,6 +20,10 @@ The checksum sums the tensors' bit patterns as integers: exact, the same on
 every kind of device, and 0 only by chance (a float norm of the same values
 can differ between devices in its last bit, which would resync for nothing).
 Its cost, and a resync's, are measured by ``bench/drift.py``.
+
+``Agreement`` is the run's side of it: it checksums after an update when a
+check is due (the checksum travels with the next update's stats) and, when
+the checksums that update brought back differ, resyncs right after it.
 """
 
 import logging
@@ -50,6 +54,28 @@ def checksum(tensors):
     # the products stay far below 2**63 (a sum of int32s times a count).
     total = int((sums.remainder(_MODULUS) * weights).remainder(_MODULUS).sum())
     return float(total % _MODULUS + 1)
+
+
+class Agreement:
+    """``cfg``: the job's AgreementConfig; ``replicated()``: the tensors
+    every rank holds a copy of (``Sharding.replicated_state``)."""
+
+    def __init__(self, cfg, ctx, replicated):
+        self.cfg, self.ctx, self.replicated = cfg, ctx, replicated
+        self.pending = 0.0     # this rank's checksum for the next update's stats (0: none)
+
+    def due(self, num_updates, now=False):
+        """After update ``num_updates`` (``now``: at start-up or after a resume):
+        checksum the state if a check is due, for the next update's stats."""
+        every = self.cfg.divergence_check_interval
+        self.pending = checksum(self.replicated()) if every and (
+            now or num_updates % every == 0) else 0.0
+
+    def check(self, checksums, update):
+        """``checksums``: every rank's, as the stats of update ``update``
+        brought them; a collective when any differs (every rank gets them)."""
+        if disagreeing(checksums):
+            resync(self.replicated(), self.ctx, self.cfg.divergence_tolerance, update)
 
 
 def disagreeing(checksums):

@@ -19,8 +19,8 @@ import dataclasses
 import logging
 import math
 
-from hetseq import precision
 from hetseq.errors import UserError
+from hetseq.stats import measure_rate
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,12 @@ class Plan:
     def micro_batches(self, rank):
         cap = self.micro_caps[rank]
         return max(1, math.ceil(self.batch_sizes[rank] / cap)) if cap else 1
+
+    def most_micro_batches(self, shares=None):
+        """The most micro-batches any rank needs for ``shares`` (default: the
+        plan's own): what every rank runs when each forward communicates."""
+        shares = self.batch_sizes if shares is None else shares
+        return max(-(-share // cap) if cap else 1 for share, cap in zip(shares, self.micro_caps))
 
     def state_dict(self):
         return dataclasses.asdict(self)
@@ -130,18 +136,6 @@ def device_name(device):
     return f"cpu ({socket.gethostname()})"
 
 
-def measure_rate(run_batch, micro, steps=3, waited=lambda: 0.0):
-    """Samples/s of forward+backward at micro-batch ``micro`` (first call is a
-    warm-up; no update is made). ``waited()``: seconds spent so far waiting in
-    collectives inside forward/backward (FSDP), which are not this rank's work."""
-    import time
-    run_batch(micro)
-    start, before = time.perf_counter(), waited()
-    for _ in range(steps):
-        run_batch(micro)
-    return steps * micro / (time.perf_counter() - start - (waited() - before))
-
-
 def cuda_memory_cap(run_batch, start, limit):
     """Largest micro-batch <= ``limit`` that fits, by doubling then bisecting."""
     import torch
@@ -232,74 +226,54 @@ def available_memory_bytes():
 
 # ---- making the plan at start-up ----
 
-def _shares_manual(args, peers, world):
+def _shares_manual(cfg, peers):
     return [peer["max_sentences"] for peer in peers]
 
 
-def _shares_equal(args, peers, world):
-    return [1.0] * world
+def _shares_equal(cfg, peers):
+    return [1.0] * len(peers)
 
 
-def _shares_auto(args, peers, world):
+def _shares_auto(cfg, peers):
     return [peer["rate"] for peer in peers]
 
 
 SHARES = {"manual": _shares_manual, "equal": _shares_equal, "auto": _shares_auto}
 
 
-def _weights(args, peers):
-    world = len(peers)
+def _weights(cfg, peers):
     node_weights = [peer["weight"] for peer in peers]
     if any(w is not None for w in node_weights):
-        if None in node_weights or args.capacity not in ("manual", "weights"):
+        if None in node_weights or cfg.capacity not in ("manual", "weights"):
             raise UserError("--capacity-weight must be given on every node (ranks without it: "
                             f"{[r for r, w in enumerate(node_weights) if w is None]}) and not "
                             "together with another --capacity mode")
         return node_weights
-    if args.capacity in SHARES:
-        return SHARES[args.capacity](args, peers, world)
-    return parse_weights(args.capacity, world)
+    if cfg.capacity in SHARES:
+        return SHARES[cfg.capacity](cfg, peers)
+    return parse_weights(cfg.capacity, len(peers))
 
 
-def _global_batch(args, peers):
-    asked = {peer["global_batch"] for peer in peers}
-    if len(asked) > 1:
-        raise UserError(f"nodes disagree on --global-batch-size: {sorted(asked, key=str)}")
+def _global_batch(cfg, peers):
     sizes = [peer["max_sentences"] for peer in peers]
     total = sum(sizes) if None not in sizes else None
-    batch = asked.pop() or total
+    batch = cfg.global_batch_size or total
     if batch is None:
         raise UserError("set --global-batch-size, or --max-sentences on every node (the global "
                         "batch is then their sum)")
-    if args.capacity == "manual" and total is not None and batch != total:
+    if cfg.capacity == "manual" and total is not None and batch != total:
         raise UserError(f"--global-batch-size {batch} differs from the sum of the nodes' "
                         f"--max-sentences ({total}) with --capacity manual; drop one or pick "
                         "another --capacity mode")
     return batch
 
 
-def _batch_runner(controller, dataset, collate_fn):
-    """Forward+backward of the first ``size`` samples on the bare model."""
-    import torch
-
-    from hetseq.utils import move_to
-
-    def run(size):
-        controller.model.train()
-        sample = collate_fn([dataset[i % len(dataset)] for i in range(size)])
-        controller.task.train_step(controller.model, move_to(sample, controller.ctx.device))
-        controller.optimizer.zero_grad(set_to_none=True)
-        if controller.ctx.device.type == "cuda":
-            torch.cuda.synchronize(controller.ctx.device)
-    return run
-
-
-def _memory_budget(args, ctx, controller, local_world_size):
+def _memory_budget(shares, ctx, controller, local_world_size):
     """Bytes this rank may use for activations: its memory minus the model
     state it holds under the --zero mode (parameters, gradients, optimizer)."""
     import torch
-    if args.max_memory_gb:
-        total = args.max_memory_gb * 2**30
+    if shares.max_memory_gb:
+        total = shares.max_memory_gb * 2**30
     elif ctx.device.type == "cuda":
         total = torch.cuda.get_device_properties(ctx.device).total_memory * 0.9
     else:
@@ -307,41 +281,39 @@ def _memory_budget(args, ctx, controller, local_world_size):
     return total - controller.state_bytes(on_device=True)
 
 
-def _measure(args, ctx, controller, dataset, collate_fn, local_world_size):
+def _measure(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size):
     """This rank's (samples/s, micro-batch cap) on the real model and task."""
-    run = _batch_runner(controller, dataset, collate_fn)
+    def run(size):
+        controller.probe(collate_fn([dataset[i % len(dataset)] for i in range(size)]))
     # Profile at about the share this rank will get: per-step overheads make
     # a tiny probe batch under-estimate the rate.
-    even_share = (args.global_batch_size or 8 * ctx.world_size) // ctx.world_size
-    probe = max(1, args.micro_batch_cap or args.max_sentences or even_share)
+    even_share = (cfg.global_batch_size or 8 * ctx.world_size) // ctx.world_size
+    probe = max(1, shares.micro_batch_cap or shares.max_sentences or even_share)
     if ctx.device.type == "cuda" and not controller.lockstep:
         # Bisection until out of memory: exact, but ranks make different numbers
         # of calls, which only works when forwards do not communicate.
-        cap = cuda_memory_cap(run, probe, args.global_batch_size or 4 * probe)
+        cap = cuda_memory_cap(run, probe, cfg.global_batch_size or 4 * probe)
     else:
         measure = cuda_peak_bytes(run, ctx.device) if ctx.device.type == "cuda" \
             else saved_activation_bytes(run)
         cap = slope_memory_cap(measure, probe,
-                               _memory_budget(args, ctx, controller, local_world_size))
-    if args.micro_batch_cap:
-        cap = min(cap, args.micro_batch_cap) if cap else args.micro_batch_cap
+                               _memory_budget(shares, ctx, controller, local_world_size))
+    if shares.micro_batch_cap:
+        cap = min(cap, shares.micro_batch_cap) if cap else shares.micro_batch_cap
     micro = min(probe, cap) if cap else probe
     return measure_rate(run, micro, waited=controller.sharding.waited), cap
 
 
-def make_plan(args, ctx, controller, dataset, collate_fn, local_world_size=1):
-    """Every rank's share of the global batch, agreed by all ranks."""
+def make_plan(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size=1):
+    """Every rank's share of the global batch, agreed by all ranks. ``cfg``:
+    the job's CapacityConfig; ``shares``: this node's ShareConfig."""
     from hetseq.distributed import all_gather_object
-    rate, cap = 0.0, args.micro_batch_cap
-    if args.capacity == "auto":
-        rate, cap = _measure(args, ctx, controller, dataset, collate_fn, local_world_size)
-    peers = all_gather_object({"max_sentences": args.max_sentences, "weight": args.capacity_weight,
-                               "global_batch": args.global_batch_size, "rate": rate, "cap": cap,
+    rate, cap = 0.0, shares.micro_batch_cap
+    if cfg.capacity == "auto":
+        rate, cap = _measure(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size)
+    peers = all_gather_object({"max_sentences": shares.max_sentences,
+                               "weight": shares.capacity_weight, "rate": rate, "cap": cap,
                                "device": device_name(ctx.device)}, ctx)
-    plan = proportional(_global_batch(args, peers), _weights(args, peers),
+    plan = proportional(_global_batch(cfg, peers), _weights(cfg, peers),
                         [peer["cap"] for peer in peers], [peer["rate"] for peer in peers])
-    if ctx.is_main:
-        logger.info("capacity plan (%s), global batch %d, %s, %s:\n%s", args.capacity,
-                    plan.global_batch, controller.sharding.describe(), precision.describe(args),
-                    describe(plan, [peer["device"] for peer in peers]))
     return plan, [peer["device"] for peer in peers]

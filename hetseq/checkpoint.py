@@ -166,10 +166,11 @@ def load(path):
     return state
 
 
-def restore_path(args):
-    if os.path.isabs(args.restore_file):
-        return args.restore_file
-    return os.path.join(args.save_dir, args.restore_file)
+def restore_path(save):
+    """The checkpoint to resume from (``save``: the node's SaveConfig)."""
+    if os.path.isabs(save.restore_file):
+        return save.restore_file
+    return os.path.join(save.save_dir, save.restore_file)
 
 
 def check_save_dir(save_dir):
@@ -212,43 +213,54 @@ class Checkpointer:
     ``load_state_dict()`` (the model with its optimizer and schedule, the data
     position, the capacity plan, the meters: torchtitan's "Stateful"), and
     never reaches into the training run. Each component's state is saved
-    under its name; ``skip`` names components not loaded on resume (the
-    --reset-* flags). Components load in the order given.
+    under its name; ``skip`` names what a resume leaves out (the --reset-*
+    flags): a component ("meters"), or one part of a component's state
+    ("controller.optimizer"). Components load in the order given.
+
+    ``cfg`` is the job's CheckpointConfig, ``save`` this node's SaveConfig
+    (rank 0's decides where the job's checkpoints go), ``flags`` the plain
+    flags a checkpoint keeps for people to read.
 
     ``save`` must be called on every rank (each rank's RNG state is gathered
     into the checkpoint); rank 0 writes. ``restore`` reads rank 0's copy and
     sends it to all ranks, so nodes need no shared filesystem.
     """
 
-    def __init__(self, args, ctx, components, skip=()):
-        self.args, self.ctx = args, ctx
+    def __init__(self, cfg, save, ctx, components, skip=(), flags=None):
+        self.cfg, self.where, self.ctx = cfg, save, ctx
         self.components, self.skip = dict(components), frozenset(skip)
+        self.flags = flags or {}
         self.best = None
-        if not args.no_save and ctx.is_main:
-            check_save_dir(args.save_dir)
-            remove_stale_temporaries(args.save_dir)
+        if not save.no_save and ctx.is_main:
+            check_save_dir(save.save_dir)
+            remove_stale_temporaries(save.save_dir)
 
     def restore(self):
         """Load the checkpoint to resume from into the components; its path,
         or None when there is none (a fresh start)."""
         from hetseq.distributed import broadcast_from_main
-        path = restore_path(self.args)
+        path = restore_path(self.where)
         state = broadcast_from_main(lambda: load(path) if os.path.exists(path) else None, self.ctx)
         if state is None:
             return None
         try:
             for name, component in self.components.items():
                 if name not in self.skip:
-                    component.load_state_dict(state[name])
+                    component.load_state_dict(self._kept(name, state[name]))
         except (RuntimeError, KeyError, ValueError) as err:
             raise UserError(f"checkpoint {path} does not fit this run ({type(err).__name__}: "
                             f"{str(err).splitlines()[0][:300]}); it was made for another model "
                             "or task: pass another --restore-file or --save-dir") from None
         rng = state.get("rng") or []
-        if len(rng) == self.ctx.world_size and not self.args.reset_dataloader:
+        if len(rng) == self.ctx.world_size and "rng" not in self.skip:
             set_rng_state(rng[self.ctx.rank])
         self.best = state.get("best")
         return path
+
+    def _kept(self, name, state):
+        """A component's state without the parts ``skip`` leaves out."""
+        left_out = {part.split(".", 1)[1] for part in self.skip if part.startswith(name + ".")}
+        return {k: v for k, v in state.items() if k not in left_out} if left_out else state
 
     def save(self, updates, data_epoch, epoch=None, metric=None):
         """checkpoint_last.pt, plus checkpoint<EPOCH>.pt at the end of an epoch,
@@ -259,43 +271,44 @@ class Checkpointer:
         # states and sharded components are gathered to rank 0.
         rngs = all_gather_object(rng_state(), self.ctx)
         components = {name: component.state_dict() for name, component in self.components.items()}
-        if self.args.no_save or not self.ctx.is_main:
+        if self.where.no_save or not self.ctx.is_main:
             return
         improved = metric is not None and self._improves(metric)
         if improved:
             self.best = metric
-        state = {"format": FORMAT, "args": plain_args(self.args), **components,
-                 "rng": rngs, "best": self.best}
-        folder = self.args.save_dir
+        state = {"format": FORMAT, "args": self.flags, **components, "rng": rngs,
+                 "best": self.best}
+        folder, cfg = self.where.save_dir, self.cfg
         last = os.path.join(folder, "checkpoint_last.pt")
         save(last, state)
         copies = []
-        if epoch is not None and not self.args.no_epoch_checkpoints:
+        if epoch is not None and not cfg.no_epoch_checkpoints:
             copies.append(f"checkpoint{epoch}.pt")
-        elif epoch is None and self.args.save_interval_updates and \
-                updates % self.args.save_interval_updates == 0:
+        elif epoch is None and cfg.save_interval_updates and \
+                updates % cfg.save_interval_updates == 0:
             copies.append(f"checkpoint_{data_epoch}_{updates}.pt")
         if improved:
             copies.append("checkpoint_best.pt")
         for name in copies:
             copy(last, os.path.join(folder, name))
-        prune(folder, r"checkpoint_(\d+)_(\d+)\.pt", self.args.keep_interval_updates)
-        prune(folder, r"checkpoint(\d+)\.pt", self.args.keep_last_epochs)
+        prune(folder, r"checkpoint_(\d+)_(\d+)\.pt", cfg.keep_interval_updates)
+        prune(folder, r"checkpoint(\d+)\.pt", cfg.keep_last_epochs)
         logger.info("saved %s (%d updates)%s", last, updates,
                     "".join(f", {name}" for name in copies))
 
     def has_best(self):
         """Whether checkpoint_best.pt exists (as rank 0 sees it)."""
-        return not self.args.no_save and self.ctx.is_main and os.path.exists(self._best_path())
+        return not self.where.no_save and self.ctx.is_main and os.path.exists(self._best_path())
 
     def best_model_state(self):
         """The model of checkpoint_best.pt (rank 0; None elsewhere or when there is none)."""
         return load(self._best_path())["controller"]["model"] if self.has_best() else None
 
     def _best_path(self):
-        return os.path.join(self.args.save_dir, "checkpoint_best.pt")
+        return os.path.join(self.where.save_dir, "checkpoint_best.pt")
 
     def _improves(self, metric):
         if self.best is None:
             return True
-        return metric > self.best if self.args.maximize_best_checkpoint_metric else metric < self.best
+        return metric > self.best if self.cfg.maximize_best_checkpoint_metric else \
+            metric < self.best

@@ -6,7 +6,7 @@ anything are accepted and say so in --help (``LEGACY``).
 
 import argparse
 
-from hetseq import capacity, checkpoint, precision, sharding
+from hetseq import capacity, checkpoint, config, precision, sharding
 from hetseq.errors import UserError
 from hetseq.optim import OPTIMIZERS, SCHEDULERS, add_optimization_args
 from hetseq.tasks import TASKS, import_builtin_tasks, import_user_dir
@@ -163,6 +163,12 @@ def build_parser(task_cls=None):
     return parser
 
 
+def task_dests(task_cls):
+    """The dests of the flags a task adds (its own, next to the general ones)."""
+    general = {action.dest for action in build_parser()._actions}
+    return sorted({action.dest for action in build_parser(task_cls)._actions} - general)
+
+
 def set_task_defaults(parser, task_cls):
     """The task's own defaults replace the general ones (and show in --help);
     a flag on the command line still wins."""
@@ -174,9 +180,18 @@ def set_task_defaults(parser, task_cls):
     parser.set_defaults(**task_cls.defaults)
 
 
+class Flags(argparse.Namespace):
+    """The parsed flags, read-only: every component sees what the user typed
+    (what the flags leave open is derived in config.py, not written back)."""
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"flags are read-only after parsing (tried to set '{name}'); "
+                             "derive values in hetseq/config.py instead")
+
+
 def parse_args(argv=None):
-    """Parse in two passes: --user-dir and --task first, so the chosen task's
-    flags are part of the parser (and of --help)."""
+    """The flags, checked. Parsed in two passes: --user-dir and --task first,
+    so the chosen task's flags are part of the parser (and of --help)."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--user-dir")
     pre.add_argument("--task")
@@ -185,14 +200,22 @@ def parse_args(argv=None):
     import_user_dir(known.user_dir)
     task_cls = TASKS.get(known.task) if known.task else None
     args = build_parser(task_cls).parse_args(argv)
+    args.__class__ = Flags
     check_args(args)
     return args
 
 
+def parse(argv=None):
+    """(flags, JobConfig, NodeConfig): the flags for tasks (``Task.args``),
+    the two configurations for everything else."""
+    args = parse_args(argv)
+    task_cls = TASKS.get(args.task)
+    job, node = config.build(args, task_dests(task_cls), task_cls.per_node_flags)
+    return args, job, node
+
+
 def check_args(args):
-    """Rules between flags that argparse cannot express."""
-    if args.max_sentences_valid is None:
-        args.max_sentences_valid = args.max_sentences
+    """Rules between flags that argparse cannot express. Reads, never writes."""
     if args.max_tokens is not None:
         raise UserError(f"--max-tokens {args.max_tokens}: token-budget batching is not supported "
                         "yet; use --max-sentences (samples per rank)")
@@ -218,8 +241,3 @@ def check_args(args):
     precision.check_args(args)
     OPTIMIZERS.get(args.optimizer)        # unknown names list the registered ones
     SCHEDULERS.get(args.lr_scheduler)
-    if args.maximize_best_checkpoint_metric is None:   # as HF: larger is better but for a loss
-        args.maximize_best_checkpoint_metric = not args.best_checkpoint_metric.endswith("loss")
-    if args.log_format != "tqdm":
-        args.no_progress_bar = True
-    return args

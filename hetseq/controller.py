@@ -20,24 +20,26 @@ multiplied by the loss scale S, so the factor becomes W / (N * S): one pass.
 
 The norm for --clip-norm is the norm of the whole gradient: with sharded
 gradients each rank sums the squares of its shard and one all-reduce adds
-them; an overflow flag found in one shard is summed the same way, so every
-rank skips the same updates.
+them, together with an overflow flag, so every rank skips the same updates.
+That all-reduce happens in every update under sharding, clipped or not, and
+nothing else in an update depends on what a node wants to log: the ranks
+always issue the same collectives (a node that shows the norm of an
+unsharded gradient computes it locally, after the update: ``StepResult``).
 
 DDP's built-in averaging, rather than a SUM communication hook, keeps the
 all-reduce in C++: a Python hook costs 3-5% of a small model's step.
 """
 
+import dataclasses
 import logging
 import math
-import time
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
-from hetseq import agreement, precision, sharding
+from hetseq import precision, sharding
 from hetseq.errors import TrainingFailed, UserError
 from hetseq.optim import OPTIMIZERS, build_lr_scheduler, build_optimizer
-from hetseq.stats import Backward, StatsExchange
+from hetseq.stats import Backward, ComputeClock, StatsExchange
 from hetseq.utils import move_to
 
 logger = logging.getLogger(__name__)
@@ -55,46 +57,121 @@ def _scale_and_check(grads, scale, device):
     return found
 
 
+def _squares(grads, device):
+    """Sum of the squares of ``grads`` (a float64 tensor of one element)."""
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    if grads:
+        total += torch.stack(torch._foreach_norm(grads)).double().square().sum().to(total)
+    return total
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one update leaves for the run. ``totals``: the task's logs, loss
+    and sample_size, summed over micro-batches and ranks; per rank, the
+    compute seconds and samples of the PREVIOUS update and the checksum each
+    sent (stats.py); ``lr``: the rate of the next update."""
+    totals: dict
+    rank_times: list
+    rank_samples: list
+    checksums: list
+    lr: float
+    updated: bool
+    _norm: object = None        # the norm, or a function that measures it locally
+
+    @property
+    def sample_size(self):
+        return self.totals["sample_size"]
+
+    @property
+    def grad_norm(self):
+        """Norm of the mean-loss gradient of this update (None once the next
+        update has begun). Unsharded and unclipped, it is measured here, on
+        demand: a local pass that no other rank has to match."""
+        return self._norm() if callable(self._norm) else self._norm
+
+
+class LossScaler:
+    """fairseq's dynamic loss scaler for --fp16: halve S on overflow, double
+    it after a window of clean updates; ``state_dict`` for checkpoints."""
+
+    def __init__(self, cfg, window_default):
+        self.scale = float(cfg.fp16_init_scale)
+        self.window = cfg.fp16_scale_window or max(1, int(window_default))
+        self.min_scale = cfg.min_loss_scale
+        self.clean_updates = 0
+
+    def update(self, overflow):
+        """After an update: ``overflow`` True means it was skipped."""
+        if overflow:
+            self.scale /= 2
+            self.clean_updates = 0
+            logger.info("gradient overflow: update skipped, loss scale now %g", self.scale)
+            if self.scale < self.min_scale:
+                raise TrainingFailed(
+                    f"the fp16 loss scale fell below --min-loss-scale {self.min_scale}: the "
+                    "loss or gradients overflow at any scale; lower --lr, set --clip-norm, "
+                    "or train with --bf16")
+            return
+        self.clean_updates += 1
+        if self.clean_updates % self.window == 0:
+            self.scale *= 2
+
+    def state_dict(self):
+        return {"scale": self.scale, "clean_updates": self.clean_updates}
+
+    def load_state_dict(self, state):
+        self.scale, self.clean_updates = float(state["scale"]), int(state["clean_updates"])
+
+
 class Controller:
-    def __init__(self, args, task, model, ctx):
-        self.args = args
-        self.task = task
-        self.ctx = ctx
-        self.sharding = sharding.build(args, ctx)
+    """Owns the model as trained (wrapped by the --zero mode), the optimizer,
+    the LR schedule and the loss scale. ``job``: the JobConfig (config.py);
+    a node's own flags never reach it."""
+
+    def __init__(self, job, task, model, ctx):
+        self.task, self.ctx, self.cfg = task, ctx, job.update
+        self.sharding = sharding.build(job.sharding, job.precision, ctx)
         # FSDP moves each shard to the device itself: the whole model never
         # has to fit there (with --cpu-offload the shards stay on the host).
         self.model = model if self.sharding.shards_grads else model.to(ctx.device)
         self.wrapped = self.sharding.wrap(self.model)
-        hook = precision.ddp_comm_hook(args)
-        if hook is not None and isinstance(self.wrapped, DistributedDataParallel):
-            self.wrapped.register_comm_hook(None, hook)
-        self._grad_divisor = ctx.world_size if ctx.distributed else 1  # every mode averages
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
-            raise UserError(f"the model built by task '{args.task}' has no trainable parameters")
-        self.optimizer = self.sharding.build_optimizer(build_optimizer(args, self.params))
-        self.lr_scheduler = build_lr_scheduler(args, self.optimizer)
-        self.scaler = precision.LossScaler(args, ctx.world_size) if args.fp16 else None
+            raise UserError(f"the model built by task '{job.task}' has no trainable parameters")
+        self.optimizer = self.sharding.build_optimizer(build_optimizer(job.optimizer, self.params))
+        self._state_slots = OPTIMIZERS.get(job.optimizer.optimizer).state_slots(job.optimizer)
+        self._offloaded = job.sharding.cpu_offload and ctx.device.type != "cpu"
+        self.lr_scheduler = build_lr_scheduler(job.schedule, self.optimizer,
+                                               job.training.max_update)
+        self.autocast = precision.autocast(job.precision, ctx.device)
+        # fairseq's default window: 2**14 updates of one rank's batch.
+        self.scaler = LossScaler(job.precision, 2 ** 14 / ctx.world_size / self.cfg.update_freq[0]) \
+            if job.precision.fp16 else None
+        self._grad_divisor = ctx.world_size if ctx.distributed else 1  # every mode averages
         self.num_updates = 0
         self.lr = self.lr_scheduler.step_update(1)
-        self._previous = (0.0, 0.0, 0.0)  # this rank's stats slots (see stats.py)
-        self._checksum = self._parameter_checksum()
-        self.failed_updates = 0           # non-finite updates in a row
+        self._previous = (0.0, 0.0)   # this rank's compute seconds and samples, last update
+        self._steps = 0               # train_step calls: a StepResult's norm is valid until the next
+        self.failed_updates = 0       # non-finite updates in a row
         self.wrapped.train()
 
     def state_bytes(self, on_device=False):
         """Bytes of parameters, gradients and optimizer state this rank holds
         (``on_device``: 0 when --cpu-offload keeps them on the host of a GPU)."""
-        if on_device and self.args.cpu_offload and self.ctx.device.type != "cpu":
+        if on_device and self._offloaded:
             return 0
-        slots = OPTIMIZERS.get(self.args.optimizer).state_slots(self.args)
-        return sharding.model_state_bytes(self.params, self.optimizer, slots)
+        return sharding.model_state_bytes(self.params, self.optimizer, self._state_slots)
 
     @property
     def lockstep(self):
         """True when every forward communicates (FSDP): all ranks must then run
         the same number of micro-batches, padding with zero-weight ones."""
         return self.sharding.lockstep and self.ctx.distributed
+
+    def replicated_state(self):
+        """The tensors every rank holds a copy of (agreement.py keeps them equal)."""
+        return self.sharding.replicated_state(self.params, self.optimizer)
 
     def _mode(self, training):
         # Switching walks every module, so only on a change (validation to training).
@@ -103,95 +180,88 @@ class Controller:
 
     # ---- training ----
 
-    def train_step(self, samples, dummy, grad_norm=True):
+    def train_step(self, samples, dummy, checksum=0.0):
         """One update from this rank's micro-batches ``samples`` (None: no data
         this step; ``dummy`` is run with zero weight so collectives still match).
-        ``grad_norm=False`` skips measuring the gradient norm when clipping does
-        not need it either (it costs one pass over the gradients)."""
-        start, waited = time.perf_counter(), self.sharding.waited()
+        ``checksum``: this rank's for the agreement check (0: none this update).
+        Returns a StepResult."""
+        self._steps += 1
+        clock = ComputeClock(self.sharding.waited)
         self._mode(True)
         self.optimizer.zero_grad(set_to_none=True)
-        stats = StatsExchange(self.ctx, self._previous)
+        stats = StatsExchange(self.ctx, (*self._previous, checksum))
         loss_scale = self.scaler.scale if self.scaler else 1.0
         for i, sample in enumerate(samples):
-            backward = Backward(stats, weight=0.0 if sample is None else 1.0,
-                                last=i == len(samples) - 1, loss_scale=loss_scale,
-                                waited=self.sharding.waited)
-            with self.sharding.sync(self.wrapped, backward.last), \
-                    precision.autocast(self.args, self.ctx.device):
+            last = i == len(samples) - 1
+            backward = Backward(stats, weight=0.0 if sample is None else 1.0, last=last,
+                                loss_scale=loss_scale, clock=clock if last else None)
+            with self.sharding.sync(self.wrapped, last), self.autocast:
                 loss, n, logs = self.task.train_step(
                     self.wrapped, move_to(dummy if sample is None else sample, self.ctx.device),
                     backward=backward)
             if not backward.called:
-                raise UserError(f"train_step of task '{self.args.task}' did not call the "
-                                "backward it was given; call backward(loss, sample_size, logs) "
-                                "instead of loss.backward()")
+                raise UserError(f"train_step of task '{type(self.task).__name__}' did not call "
+                                "the backward it was given; call backward(loss, sample_size, "
+                                "logs) instead of loss.backward()")
             if not backward.announced:
                 stats.add(loss, n, logs, backward.weight)
-        if backward.compute_end is None:
-            end, waited_end = time.perf_counter(), self.sharding.waited()
-        else:
-            end, waited_end = backward.compute_end, backward.waited_at_end
-        compute = end - start - (waited_end - waited)   # this rank's own work
-        self._previous = (compute, stats.totals["sample_size"], self._checksum)
+        self._previous = (clock.seconds(), stats.totals["sample_size"])
         totals, (rank_times, rank_samples, checksums) = stats.result()
-        self._check_agreement(checksums)
-        norm = self._apply_update(totals["sample_size"], grad_norm)
-        metrics = self.task.reduce_metrics(totals)
-        metrics.update(sample_size=totals["sample_size"], lr=self.lr)
-        if norm is not None:
-            metrics["grad_norm"] = norm
-        metrics["rank_times"], metrics["rank_samples"] = rank_times, rank_samples
-        return metrics
+        updated, norm = self._apply_update(totals["sample_size"])
+        return StepResult(totals, rank_times, rank_samples, checksums, self.lr, updated, norm)
 
-    def _apply_update(self, sample_size, want_norm):
-        """Scale the gradients to the mean-loss gradient (math above), clip, step.
-        Returns the norm of the mean-loss gradient, or None when not measured.
-
-        What decides the update depends only on job-wide flags (--clip-norm),
-        never on ``want_norm``: that comes from a node's own log settings
-        (--log-interval, --tensorboard-logdir), and ranks that scaled by
-        different kernels (a float64 factor here, a float32 one there) or
-        skipped on different checks would drift apart."""
+    def _apply_update(self, sample_size):
+        """Scale the gradients to the mean-loss gradient (math above), clip,
+        step. Returns (whether the update was made, its gradient norm or a
+        function measuring it). Only job-wide flags decide what runs here."""
         if sample_size <= 0:
             logger.warning("update %d had no samples on any rank; skipped", self.num_updates + 1)
-            return float("nan")
+            return False, None
         grads = self.sharding.local_grads(self.params)
         scale = self._grad_divisor / (sample_size * (self.scaler.scale if self.scaler else 1.0))
-        clip, norm = self.args.clip_norm, None
-        if clip > 0 or want_norm:
+        clip = self.cfg.clip_norm
+        if self.sharding.shards_grads:
+            norm, finite = self._sharded_norm_and_scale(grads, scale, clip)
+        elif clip > 0:
             # ||scale * g|| = scale * ||g||: one pass for the norm.
-            norm = self._grad_norm(grads) * scale
-        if clip > 0:
+            norm = float(torch.nn.utils.get_total_norm(grads)) * scale
             finite = math.isfinite(norm)
-            if finite:   # the scaling and the clipping factor in one pass
-                torch._foreach_mul_(grads, scale * min(1.0, clip / (norm + 1e-6)))
-        else:   # the norm, when measured, is only reported
-            found = _scale_and_check(grads, scale, self.ctx.device)
-            finite = not self.sharding.reduce(found).item()
+        else:
+            finite = not _scale_and_check(grads, scale, self.ctx.device).item()
+            norm = self._local_norm(self._steps)
+        if clip > 0 and finite:   # the scaling and the clipping factor in one pass
+            torch._foreach_mul_(grads, scale * min(1.0, clip / (norm + 1e-6)))
         if self.scaler is not None:
             self.scaler.update(overflow=not finite)
         if not finite:
             if self.scaler is None:
                 self._skip_update()
-            return norm
+            return False, norm
         self.failed_updates = 0
         self.optimizer.step()
         self.num_updates += 1
         self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
-        every = self.args.divergence_check_interval
-        self._checksum = self._parameter_checksum() if every and self.num_updates % every == 0 \
-            else 0.0   # 0: nothing to compare in the next update's stats
-        return norm
+        return True, norm
 
-    def _grad_norm(self, grads):
-        """Norm of the whole gradient (all shards), as a float."""
-        if not self.sharding.shards_grads:
-            return float(torch.nn.utils.get_total_norm(grads))
-        squares = torch.zeros(1, dtype=torch.float64, device=self.ctx.device)
-        if grads:
-            squares += torch.stack(torch._foreach_norm(grads)).double().square().sum().to(squares)
-        return float(self.sharding.reduce(squares).sqrt())
+    def _sharded_norm_and_scale(self, grads, scale, clip):
+        """(norm, finite) of a gradient whose shards are spread over the ranks:
+        one all-reduce of [sum of squares, overflow flag], whatever --clip-norm.
+        Without clipping the gradients are scaled (and checked) first."""
+        squares = _squares(grads, self.ctx.device)
+        found = torch.zeros(1, device=self.ctx.device) if clip > 0 else \
+            _scale_and_check(grads, scale, self.ctx.device)
+        summed = self.sharding.reduce(torch.cat([squares, found.to(squares)])).tolist()
+        norm = math.sqrt(summed[0]) * scale
+        return norm, math.isfinite(norm) and not summed[1]
+
+    def _local_norm(self, step):
+        """The norm of this rank's full (scaled) gradient, measured when asked."""
+        def measure():
+            if step != self._steps:
+                return None
+            grads = self.sharding.local_grads(self.params)
+            return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        return measure
 
     def _skip_update(self):
         """A NaN/inf loss or gradient: every rank sees the same all-reduced
@@ -199,29 +269,30 @@ class Controller:
         self.failed_updates += 1
         logger.warning("non-finite loss or gradient at update %d; update skipped (%d in a row)",
                        self.num_updates + 1, self.failed_updates)
-        if self.failed_updates >= self.args.max_nan_updates:
+        if self.failed_updates >= self.cfg.max_nan_updates:
             raise TrainingFailed(
                 f"{self.failed_updates} updates in a row had a non-finite loss or gradient "
-                f"(--max-nan-updates {self.args.max_nan_updates}); lower --lr, set --clip-norm, "
+                f"(--max-nan-updates {self.cfg.max_nan_updates}); lower --lr, set --clip-norm, "
                 "or check the data for broken samples")
 
-    def _parameter_checksum(self):
-        return agreement.checksum(self.sharding.replicated_state(self.params, self.optimizer))
+    # ---- measuring and validating ----
 
-    def _check_agreement(self, checksums):
-        """Every rank must hold rank 0's parameters and optimizer state: rounding
-        apart is undone, a real divergence stops the run (agreement.py)."""
-        if agreement.disagreeing(checksums):
-            agreement.resync(self.sharding.replicated_state(self.params, self.optimizer),
-                             self.ctx, self.args.divergence_tolerance, self.num_updates + 1)
-
-    # ---- validation ----
+    def probe(self, sample):
+        """Forward and backward of ``sample`` with no update (capacity.py
+        measures speed and memory with it). Under FSDP its forward
+        communicates: every rank must probe the same number of times."""
+        self._mode(True)
+        with self.autocast:
+            self.task.train_step(self.model, move_to(sample, self.ctx.device))
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
 
     def valid_step(self, sample, stats, weight=1.0):
         """Add one validation batch's stats to ``stats`` (a StatsExchange);
         ``weight`` 0: a padding batch that only keeps the collectives matched."""
         self._mode(False)
-        with precision.autocast(self.args, self.ctx.device):
+        with self.autocast:
             loss, n, logs = self.task.valid_step(self.model, move_to(sample, self.ctx.device))
         stats.add(loss, n, logs, weight)
 
@@ -248,15 +319,15 @@ class Controller:
         return state
 
     def load_state_dict(self, state):
-        """The model always; the optimizer and schedule unless --reset-optimizer
-        or --reset-lr-scheduler. A state saved under any --zero mode loads."""
+        """What ``state`` holds: always the model; the optimizer, loss scale
+        and schedule unless the checkpointer left them out (--reset-*). A state
+        saved under any --zero mode loads."""
         self.sharding.load_model_state(self.model, state["model"])
-        if not self.args.reset_optimizer:
+        if "optimizer" in state:
             self.sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-            if self.scaler is not None and "loss_scaler" in state:
-                self.scaler.load_state_dict(state["loss_scaler"])
-        if not self.args.reset_lr_scheduler:
+        if self.scaler is not None and "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
+        if "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.num_updates = state["num_updates"]
         self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
-        self._checksum = self._parameter_checksum()

@@ -9,21 +9,18 @@ Under FSDP (``--zero 2/3``) the parameters are also all-gathered in 16 bits
 
 fp16 has a narrow range, so the loss is multiplied by a scale S before
 backward and the Controller divides S out in the same pass that weights the
-gradients (controller.py: factor W / (N * S)). An inf or NaN in any gradient
-on any rank skips the update on every rank and halves S; ``--fp16-scale-window``
-updates without overflow double it (fairseq's dynamic loss scaler, with its
-flag names). Its state is part of the checkpoint.
+gradients (controller.py: factor W / (N * S), and its LossScaler).
+
+Everything here is decided once, when the run is built, from the job's
+PrecisionConfig (config.py): the update itself reads no flag.
 """
 
 import contextlib
-import logging
 import os
 
 import torch
 
-from hetseq.errors import TrainingFailed, UserError
-
-logger = logging.getLogger(__name__)
+from hetseq.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Tests run the fp16 code path on CPU (slow there, and not a training mode we offer).
@@ -65,43 +62,45 @@ def check_args(args):
         raise UserError(f"--fp16-init-scale {args.fp16_init_scale}: expected a positive scale")
 
 
-def compute_dtype(args):
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+def compute_dtype(cfg):
+    """The autocast dtype of PrecisionConfig ``cfg`` (None: fp32)."""
+    return torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else None
 
 
-def describe(args):
-    dtype = compute_dtype(args)
+def describe(cfg):
+    dtype = compute_dtype(cfg)
     text = {torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast, loss scaling",
             None: "fp32"}[dtype]
-    return text + (f", gradients reduced in {args.reduce_dtype}"
-                   if args.reduce_dtype != "float32" else "")
+    return text + (f", gradients reduced in {cfg.reduce_dtype}"
+                   if cfg.reduce_dtype != "float32" else "")
 
 
-def autocast(args, device):
-    """The context the forward runs in."""
-    dtype = compute_dtype(args)
+def autocast(cfg, device):
+    """The context every forward runs in, made once: a context manager that
+    can be entered again after each exit (not nested)."""
+    dtype = compute_dtype(cfg)
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
 
 
-def mixed_precision_policy(args):
+def mixed_precision_policy(cfg):
     """FSDP2's policy: parameters gathered in the compute dtype, gradients
     reduced in --reduce-dtype; None in fp32 with fp32 reduction."""
-    dtype = compute_dtype(args)
-    if dtype is None and args.reduce_dtype == "float32":
+    dtype = compute_dtype(cfg)
+    if dtype is None and cfg.reduce_dtype == "float32":
         return None
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=DTYPES[args.reduce_dtype])
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=DTYPES[cfg.reduce_dtype])
 
 
-def ddp_comm_hook(args):
+def ddp_comm_hook(cfg):
     """A DDP hook that sums gradients in --reduce-dtype (then divides by the
     world size, as DDP's own reduction does), or None for float32. Torch's
     bf16 hook needs NCCL; this one runs on gloo too."""
-    if args.reduce_dtype == "float32":
+    if cfg.reduce_dtype == "float32":
         return None
-    dtype = DTYPES[args.reduce_dtype]
+    dtype = DTYPES[cfg.reduce_dtype]
 
     def hook(state, bucket):   # DDP requires these parameter names
         import torch.distributed as dist
@@ -114,37 +113,3 @@ def ddp_comm_hook(args):
             return buffer
         return future.then(decompress)
     return hook
-
-
-class LossScaler:
-    """fairseq's dynamic loss scaler: halve on overflow, double after a window
-    of clean updates; ``state_dict`` for checkpoints."""
-
-    def __init__(self, args, world_size):
-        self.scale = float(args.fp16_init_scale)
-        self.window = args.fp16_scale_window or max(
-            1, int(2 ** 14 / world_size / args.update_freq[0]))
-        self.min_scale = args.min_loss_scale
-        self.clean_updates = 0
-
-    def update(self, overflow):
-        """After an update: ``overflow`` True means it was skipped."""
-        if overflow:
-            self.scale /= 2
-            self.clean_updates = 0
-            logger.info("gradient overflow: update skipped, loss scale now %g", self.scale)
-            if self.scale < self.min_scale:
-                raise TrainingFailed(
-                    f"the fp16 loss scale fell below --min-loss-scale {self.min_scale}: the "
-                    "loss or gradients overflow at any scale; lower --lr, set --clip-norm, "
-                    "or train with --bf16")
-            return
-        self.clean_updates += 1
-        if self.clean_updates % self.window == 0:
-            self.scale *= 2
-
-    def state_dict(self):
-        return {"scale": self.scale, "clean_updates": self.clean_updates}
-
-    def load_state_dict(self, state):
-        self.scale, self.clean_updates = float(state["scale"]), int(state["clean_updates"])

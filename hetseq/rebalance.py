@@ -30,10 +30,13 @@ samples of the previous update, so each rank's rate r_i = n_i / t_i.
 The global batch never changes: any split gives the same update.
 """
 
+import logging
 import math
 import statistics
 
-from hetseq.capacity import proportional
+from hetseq.capacity import Plan, describe, proportional
+
+logger = logging.getLogger(__name__)
 
 _GAUSSIAN_MAD = 0.954     # median |x - y| / sigma for x, y independent N(0, sigma^2)
 
@@ -205,3 +208,62 @@ def _direction(plan, new):
 def _update_time(plan, rates):
     """Predicted compute seconds of an update: the slowest rank's share."""
     return max(b / r for b, r in zip(plan.batch_sizes, rates))
+
+
+class Balance:
+    """The plan in force: every rank's share of each global batch, applied to
+    this rank's training iterator. With ``rebalancer`` (``--capacity auto``)
+    it is re-planned while training from the per-rank compute times each
+    update brings. A checkpoint component: the split is saved, and resumed
+    when the global batch and the world are the same."""
+
+    def __init__(self, plan, devices, iterator, ctx, lockstep, rebalancer=None):
+        self.plan, self.devices, self.iterator = plan, devices, iterator
+        self.ctx, self.lockstep, self.rebalancer = ctx, lockstep, rebalancer
+
+    def micro_batches(self, shares):
+        """Micro-batches every rank runs per step when forwards communicate
+        (FSDP): the most any rank needs; 1 (no padding) otherwise."""
+        return self.plan.most_micro_batches(shares) if self.lockstep else 1
+
+    def observe(self, update, rank_times, rank_samples):
+        """After update ``update``: the rebalancer's view of the rates."""
+        new = self.rebalancer and self.rebalancer.observe(rank_times, rank_samples)
+        if new:
+            self.set_plan(new, self.rebalancer.reason, update)
+
+    def set_plan(self, plan, reason, update):
+        old, self.plan = self.plan, plan
+        self.iterator.set_shares(plan.batch_sizes)
+        self.iterator.min_micro_batches = self.micro_batches(plan.batch_sizes)
+        if self.rebalancer is not None:
+            self.rebalancer.plan = plan
+        if self.ctx.is_main:
+            logger.info("capacity plan changed at update %d: batches %s -> %s; %s", update,
+                        "/".join(map(str, old.batch_sizes)), "/".join(map(str, plan.batch_sizes)),
+                        reason)
+            logger.debug("capacity plan:\n%s", describe(plan, self.devices))
+
+    def state_dict(self):
+        return self.plan.state_dict()
+
+    def load_state_dict(self, state):
+        """The saved split continues the run; a different world or batch starts
+        afresh (the data position, loaded before, is kept in samples)."""
+        saved, plan = Plan.from_state_dict(state), self.plan
+        same_batch = saved.global_batch == plan.global_batch
+        same_world = len(saved.batch_sizes) == len(plan.batch_sizes)
+        if not (same_batch and same_world):
+            self._log_resume(saved)
+        elif saved.batch_sizes != plan.batch_sizes:
+            self.set_plan(saved, "the split saved in the checkpoint", 0)
+
+    def _log_resume(self, saved):
+        data, plan = self.iterator, self.plan
+        resumed = data.epoch > 1 or data.samples_in_epoch   # not --reset-dataloader
+        if self.ctx.is_main and resumed:
+            logger.info("resuming epoch %d at sample %d of %d with a global batch of %d on %d "
+                        "ranks (saved: %d on %d ranks): the epoch goes on from that sample, "
+                        "none repeated or skipped", data.epoch, data.samples_in_epoch,
+                        data.batches.dataset_size, plan.global_batch, len(plan.batch_sizes),
+                        saved.global_batch, len(saved.batch_sizes))

@@ -18,7 +18,11 @@ Whatever the mode, the Controller's gradient math is the same (controller.py):
 every mode leaves on each rank (a shard of) the SUM over ranks divided by the
 world size W, which the Controller multiplies by W/N. ``local_grads`` gives
 the tensors this rank owns, and ``reduce`` sums a small tensor over ranks
-when gradients are sharded (a norm or an overflow flag then needs every shard).
+when gradients are sharded (a norm or an overflow flag then needs every shard:
+the Controller sends both in one all-reduce, every update).
+
+A mode is built from the job's ShardingConfig and PrecisionConfig only
+(config.py): every rank of a job wraps, buckets and communicates the same way.
 
 Checkpoints hold the FULL state in one format whatever the mode: the model's
 ``state_dict`` and the optimizer's index-keyed ``state_dict`` of a plain
@@ -35,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hetseq import stats
 from hetseq.errors import UserError
 from hetseq.registry import Registry
 
@@ -66,8 +71,8 @@ class Sharding:
     lockstep = False       # True: every forward communicates, so every rank must
                            # run the same number of micro-batches per update
 
-    def __init__(self, args, ctx):
-        self.args, self.ctx = args, ctx
+    def __init__(self, cfg, precision, ctx):
+        self.cfg, self.precision, self.ctx = cfg, precision, ctx   # ShardingConfig, PrecisionConfig
 
     def describe(self):
         return f"--zero {self.registered_name}"
@@ -142,10 +147,15 @@ def model_state_bytes(params, optimizer, slots):
     return total
 
 
-def _ddp(model, ctx, args):
-    return DistributedDataParallel(
+def _ddp(model, ctx, cfg, precision):
+    from hetseq.precision import ddp_comm_hook
+    ddp = DistributedDataParallel(
         model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
-        bucket_cap_mb=args.bucket_cap_mb, find_unused_parameters=args.find_unused_parameters)
+        bucket_cap_mb=cfg.bucket_cap_mb, find_unused_parameters=cfg.find_unused_parameters)
+    hook = ddp_comm_hook(precision)
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
+    return ddp
 
 
 @SHARDING.register("0")
@@ -154,7 +164,7 @@ class Replicas(Sharding):
         return "--zero 0 (replicas, DDP)"
 
     def wrap(self, model):
-        return _ddp(model, self.ctx, self.args) if self.ctx.distributed else model
+        return _ddp(model, self.ctx, self.cfg, self.precision) if self.ctx.distributed else model
 
     def sync(self, wrapped, last):
         if not self.ctx.distributed or last:
@@ -221,7 +231,7 @@ class FullyShard(Sharding):
                 for unit in module:
                     fully_shard(unit, **options)
         fully_shard(model, **options)
-        _time_fsdp_waits()
+        stats.time_fsdp_waits()
         return model
 
     def _placement(self, param):
@@ -237,7 +247,7 @@ class FullyShard(Sharding):
 
     def policies(self):
         from hetseq.precision import mixed_precision_policy
-        policy = mixed_precision_policy(self.args)
+        policy = mixed_precision_policy(self.precision)
         return {"mp_policy": policy} if policy is not None else {}
 
     def sync(self, wrapped, last):
@@ -248,7 +258,7 @@ class FullyShard(Sharding):
         return [p.grad.to_local() for p in params if p.grad is not None]
 
     def waited(self):
-        return _WAITED[0]
+        return stats.fsdp_waited()
 
     def reduce(self, tensor):
         if self.ctx.distributed:
@@ -272,6 +282,12 @@ class FullyShard(Sharding):
 
     def load_optimizer_state(self, model, optimizer, state):
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        if not state["state"]:
+            # A stateless optimizer (SGD without momentum), or one saved before
+            # its first step: only settings to load, and set_optimizer_state_dict
+            # cannot place an empty state on the shards (it fails on the device).
+            _load_settings(optimizer, state)
+            return
         set_optimizer_state_dict(model, optimizer, _by_name(model, state), options=_full())
 
 
@@ -280,25 +296,26 @@ class FullyShardParameters(FullyShard):
     reshard_after_forward = True
 
     def describe(self):
-        where = ", on the host (CPU offload)" if self.args.cpu_offload else ""
+        where = ", on the host (CPU offload)" if self.cfg.cpu_offload else ""
         return f"--zero 3 (parameters, gradients and optimizer state sharded{where}, FSDP2)"
 
     def policies(self):
         policies = super().policies()
-        if self.args.cpu_offload:
+        if self.cfg.cpu_offload:
             from torch.distributed.fsdp import CPUOffloadPolicy
             policies["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         return policies
 
 
-def build(args, ctx):
-    """The mode for this run. One process has nothing to shard: --zero N then
-    trains as --zero 0, except --cpu-offload on a GPU (the state on the host)."""
-    zero = args.zero
-    if not ctx.distributed and zero and not (args.cpu_offload and ctx.device.type == "cuda"):
+def build(cfg, precision, ctx):
+    """The mode for this run (``cfg``: ShardingConfig, ``precision``:
+    PrecisionConfig). One process has nothing to shard: --zero N then trains
+    as --zero 0, except --cpu-offload on a GPU (the state on the host)."""
+    zero = cfg.zero
+    if not ctx.distributed and zero and not (cfg.cpu_offload and ctx.device.type == "cuda"):
         logger.info("one process: nothing to shard, --zero %d trains as --zero 0", zero)
         zero = 0
-    return SHARDING.get(str(zero))(args, ctx)
+    return SHARDING.get(str(zero))(cfg, precision, ctx)
 
 
 def _full(**options):
@@ -326,6 +343,16 @@ def _by_name(model, state):
                              for group in state["param_groups"]]}
 
 
+def _load_settings(optimizer, state):
+    """The per-group settings (lr, momentum, ...) of a state without tensors."""
+    saved = state["param_groups"]
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved)} parameter groups, this "
+                         f"one {len(optimizer.param_groups)}")
+    for group, settings in zip(optimizer.param_groups, saved):
+        group.update({k: v for k, v in settings.items() if k != "params"})
+
+
 def _check_shapes(model, state):
     """A clear error before FSDP's own (which names no parameter)."""
     from torch.distributed.tensor import DTensor
@@ -335,47 +362,6 @@ def _check_shapes(model, state):
         if saved is not None and tuple(saved.shape) != shape:
             raise RuntimeError(f"parameter {name} has shape {shape} but the checkpoint holds "
                                f"{tuple(saved.shape)}")
-
-
-# ---- how long FSDP made this rank wait ----
-#
-# Under FSDP every unit's forward and backward starts by waiting for its
-# parameters' all-gather, and ends (backward) with a reduce-scatter: a rank
-# that is faster than the others waits there, so its wall time says nothing
-# of its speed. The capacity probe and the rebalancer need each rank's own
-# compute time, so these waits are timed and subtracted. The three methods are
-# FSDP2's internals (torch 2.6 to 2.13); without them nothing is subtracted.
-_WAITED = [0.0]
-_DEPTH = [0]     # timed methods under way (one may call another)
-
-
-def _time_fsdp_waits():
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
-    cls = group.FSDPParamGroup
-    for name in ("unshard", "wait_for_unshard", "post_backward"):
-        method = getattr(cls, name, None)
-        if method is None or getattr(method, "_hetseq_timed", False):
-            continue
-        setattr(cls, name, _timed(method))
-
-
-def _timed(method):
-    import functools
-    import time
-
-    @functools.wraps(method)
-    def timed(*args, **kwargs):
-        if _DEPTH[0]:            # called from another timed method: counted there
-            return method(*args, **kwargs)
-        _DEPTH[0] += 1
-        start = time.perf_counter()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            _WAITED[0] += time.perf_counter() - start
-            _DEPTH[0] -= 1
-    timed._hetseq_timed = True
-    return timed
 
 
 def _optimizer_tensors(optimizer):

@@ -1,85 +1,20 @@
-"""The job's identity: what every node must agree on before it may join.
+"""The job's identity at rendezvous: what every node must agree on before it may join.
 
 Nodes are started by hand, by different people, from different shells. Two
 jobs on one ``file://`` path, or one node started with another ``--seed`` or
 ``--max-epoch``, would otherwise train together and silently damage the run
 (samples trained twice or never, a node waiting for one that stopped). So
-each node presents the flags that define the job at rendezvous; rank 0 sets
-them, and a node whose flags differ is refused, before it claims a rank,
-with the flags that differ named.
-
-What may differ per node is listed in PER_NODE (README: "Checked across
-nodes"). A flag that names a file (a model config, a vocab) is compared by
-the file's content, since each node may keep its copy elsewhere; a flag that
-names a folder (``--data``) is a per-node location whose content is checked
-after joining (every rank must see a dataset of the same size).
+each node presents its job's identity (``JobConfig.identity()``: every job
+flag, files by content, plus HetSeq's code) at rendezvous; rank 0 sets it,
+and a node whose identity differs is refused, before it claims a rank, with
+the flags that differ named. What may differ per node is ``NodeConfig``
+(config.py): it is not part of the identity.
 """
 
-import functools
-import hashlib
 import json
-import os
 import time
 
-import hetseq
 from hetseq.errors import UserError
-
-PER_NODE = frozenset({
-    # this node's share of the work and its devices
-    "max_sentences", "max_sentences_valid", "distributed_rank", "distributed_gpus",
-    "device_id", "cpu", "num_workers", "capacity_weight", "micro_batch_cap", "max_memory_gb",
-    "distributed_no_spawn", "distributed_interface", "distributed_port", "distributed_timeout",
-    "distributed_init_method",   # one master, reached by name or address
-    "bucket_cap_mb",
-    # where this node keeps things, and what it prints
-    "save_dir", "restore_file", "user_dir", "tensorboard_logdir", "no_progress_bar",
-    "log_interval", "log_format", "log_all_ranks", "no_save",
-})
-# Compared elsewhere, with a message of its own (rank claims, rendezvous.py).
-CHECKED_AT_CLAIM = frozenset({"distributed_world_size"})
-
-
-@functools.lru_cache(maxsize=None)
-def _file_digest(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return "sha256:" + digest.hexdigest()[:16]
-
-
-@functools.lru_cache(maxsize=None)
-def code_digest():
-    """HetSeq's own source, so nodes on different code are told so at rendezvous
-    (not later by DDP as 'expects same model')."""
-    root = os.path.dirname(hetseq.__file__)
-    digest = hashlib.sha256()
-    for folder, dirs, files in sorted(os.walk(root)):
-        dirs.sort()
-        for name in sorted(f for f in files if f.endswith(".py")):
-            path = os.path.join(folder, name)
-            digest.update(os.path.relpath(path, root).encode())
-            with open(path, "rb") as source:
-                digest.update(source.read())
-    return digest.hexdigest()[:16]
-
-
-def job_identity(args, task_per_node=frozenset()):
-    """{flag: value} of every flag that defines the job, plus HetSeq's version
-    and code. ``task_per_node``: the task's own flags that may differ per node."""
-    identity = {"hetseq_version": hetseq.__version__, "hetseq_code": code_digest()}
-    for name, value in sorted(vars(args).items()):
-        if name in PER_NODE or name in CHECKED_AT_CLAIM or name in task_per_node:
-            continue
-        if isinstance(value, str) and os.path.isfile(value):
-            value = _file_digest(os.path.abspath(value))
-        elif isinstance(value, str) and os.path.isdir(value):
-            continue
-        if value is None or isinstance(value, (bool, int, float, str)):
-            identity[name] = value
-        elif isinstance(value, (list, tuple)):
-            identity[name] = list(value)
-    return identity
 
 
 def _flag(name):

@@ -1,7 +1,8 @@
 """Start this node's processes and give each one its rank and device.
 
-``launch(args, worker)`` runs ``worker(args, ctx)`` once per local rank: in
-this process when the node runs one rank, else in spawned children. A user
+``launch(node, backend, worker, ...)`` runs ``worker(ctx, ...)`` once per
+local rank: in this process when the node runs one rank, else in spawned
+children. A user
 error in any child (a ``UserError``) ends the whole command with its message
 and exit code 2; a crash ends it with the child's traceback and exit code 1.
 """
@@ -51,19 +52,21 @@ class WorkerFailed(Exception):
         self.exit_code = exit_code
 
 
-def launch(args, worker, *worker_args, identity=None):
-    """Run ``worker(args, ctx, *worker_args)`` on every rank this node owns.
-    ``identity``: what every node must agree on to join (distributed/identity.py).
+def launch(node, backend, worker, *worker_args, identity=None):
+    """Run ``worker(ctx, *worker_args)`` on every rank this node owns.
+    ``node``: the NodeConfig (config.py); ``backend``: the job's
+    --distributed-backend; ``identity``: what every node must agree on to
+    join (``JobConfig.identity()``).
 
     Returns the worker's result when it ran in this process (one local rank).
     """
-    cuda_count = torch.cuda.device_count() if not args.cpu else 0
-    topology = resolve_topology(args, os.environ, cuda_count)
+    cuda_count = torch.cuda.device_count() if not node.launch.cpu else 0
+    topology = resolve_topology(node.launch, os.environ, cuda_count, backend)
     if topology.nprocs == 1:
-        return _run_rank(0, topology, args, identity, worker, worker_args)
+        return _run_rank(0, topology, node, identity, worker, worker_args)
     with _hosted_store(topology) as topology:
         try:
-            mp.spawn(_spawned_rank, args=(topology, args, identity, worker, worker_args),
+            mp.spawn(_spawned_rank, args=(topology, node, identity, worker, worker_args),
                      nprocs=topology.nprocs, join=True)
         except mp.ProcessExitedException as err:
             raise _exited(topology.first_rank + err.error_index, err) from None
@@ -96,9 +99,9 @@ def _hosted_store(topology):
     del store
 
 
-def _spawned_rank(index, topology, args, identity, worker, worker_args):
+def _spawned_rank(index, topology, node, identity, worker, worker_args):
     try:
-        _run_rank(index, topology, args, identity, worker, worker_args)
+        _run_rank(index, topology, node, identity, worker, worker_args)
     except HetSeqError as err:
         logging.getLogger("hetseq").error("rank %d: %s", topology.first_rank + index, err)
         exit_now(err.exit_code)
@@ -113,20 +116,20 @@ def exit_now(code):
     os._exit(code)
 
 
-def _run_rank(index, topology, args, identity, worker, worker_args):
+def _run_rank(index, topology, node, identity, worker, worker_args):
     rank = topology.first_rank + index
-    setup_logging(rank, all_ranks=args.log_all_ranks)
+    setup_logging(rank, all_ranks=node.log.log_all_ranks)
     _set_threads(topology)
     device = _device(topology, index)
     ctx = DistContext(rank, topology.world_size, topology.first_device + index, device,
                       topology.backend, topology.local_world_size)
     if not ctx.distributed:
-        return worker(args, ctx, *worker_args)
-    store, peers = rendezvous.init_process_group(topology, rank, args.distributed_timeout,
-                                                 args.distributed_interface, identity)
+        return worker(ctx, *worker_args)
+    store, peers = rendezvous.init_process_group(topology, rank, node.launch.distributed_timeout,
+                                                 node.launch.distributed_interface, identity)
     heartbeat = health.Heartbeat(store, rank)
     try:
-        result = worker(args, ctx, *worker_args)
+        result = worker(ctx, *worker_args)
     except RuntimeError as err:
         if not health.is_communication_error(err):
             raise

@@ -141,37 +141,39 @@ def choose_backend(requested, device_type):
     return backend
 
 
-def resolve_topology(args, env, cuda_count):
-    device_type = "cpu" if args.cpu or cuda_count == 0 else "cuda"
-    launched = detect_launcher(env) if args.distributed_rank is None else None
+def resolve_topology(launch, env, cuda_count, backend=None):
+    """``launch``: the node's LaunchConfig (config.py); ``backend``: the job's
+    --distributed-backend (None: from the device)."""
+    device_type = "cpu" if launch.cpu or cuda_count == 0 else "cuda"
+    launched = detect_launcher(env) if launch.distributed_rank is None else None
     if launched is not None and launched.world_size > 1:
-        return _from_launcher(args, env, launched, device_type, cuda_count)
-    return _from_flags(args, device_type, cuda_count)
+        return _from_launcher(launch, backend, env, launched, device_type, cuda_count)
+    return _from_flags(launch, backend, device_type, cuda_count)
 
 
-def _from_launcher(args, env, launched, device_type, cuda_count):
-    flag_world = args.distributed_world_size
+def _from_launcher(launch, backend, env, launched, device_type, cuda_count):
+    flag_world = launch.distributed_world_size
     if flag_world is not None and flag_world != launched.world_size:
         raise UserError(f"--distributed-world-size {flag_world} disagrees with the "
                         f"{launched.name} environment (world size {launched.world_size}); "
                         "drop the flag when a launcher starts the job")
     if not 0 <= launched.rank < launched.world_size:
         raise UserError(f"{launched.name} gave rank {launched.rank} outside 0..{launched.world_size - 1}")
-    init = args.distributed_init_method or _launcher_init_method(args, env, launched)
+    init = launch.distributed_init_method or _launcher_init_method(launch, env, launched)
     device = launched.local_rank if device_type == "cuda" else 0
     _check_devices(device_type, device, 1, cuda_count)
     return Topology(launched.world_size, launched.rank, 1, init,
-                    choose_backend(args.distributed_backend, device_type), device_type, device,
+                    choose_backend(backend, device_type), device_type, device,
                     launched.local_world_size, launched.name)
 
 
-def _launcher_init_method(args, env, launched):
+def _launcher_init_method(launch, env, launched):
     if "MASTER_ADDR" in env and "MASTER_PORT" in env:
         return "env://"
     if launched.name == "SLURM":
         host = _first_slurm_host(env)
         if host:
-            return f"tcp://{host}:{args.distributed_port}"
+            return f"tcp://{host}:{launch.distributed_port}"
     raise UserError(f"started by {launched.name} with {launched.world_size} ranks but no address "
                     "to meet at: set MASTER_ADDR and MASTER_PORT, or pass "
                     "--distributed-init-method tcp://HOST:PORT (or file:///shared/path)")
@@ -189,9 +191,9 @@ def _first_slurm_host(env):
     return out.split()[0] if out.split() else None
 
 
-def _from_flags(args, device_type, cuda_count):
-    world = args.distributed_world_size or (cuda_count if device_type == "cuda" else 1)
-    init = args.distributed_init_method
+def _from_flags(launch, backend, device_type, cuda_count):
+    world = launch.distributed_world_size or (cuda_count if device_type == "cuda" else 1)
+    init = launch.distributed_init_method
     if world < 1:
         raise UserError(f"--distributed-world-size {world}: expected 1 or more processes in total")
     if world == 1:
@@ -199,35 +201,35 @@ def _from_flags(args, device_type, cuda_count):
             raise UserError(f"--distributed-init-method {init} was given with a world size of 1; "
                             "set --distributed-world-size to the total number of processes, "
                             "or drop the init method for a single-process run")
-        if args.distributed_rank not in (None, 0):
-            raise UserError(f"--distributed-rank {args.distributed_rank} needs "
+        if launch.distributed_rank not in (None, 0):
+            raise UserError(f"--distributed-rank {launch.distributed_rank} needs "
                             "--distributed-world-size larger than it")
-        _check_devices(device_type, args.device_id, 1, cuda_count)
-        return Topology(1, 0, 1, None, None, device_type, args.device_id, 1, "command line")
-    first, nprocs = _ranks_of_this_node(args, world, init, device_type, cuda_count)
-    _check_devices(device_type, args.device_id, nprocs, cuda_count)
+        _check_devices(device_type, launch.device_id, 1, cuda_count)
+        return Topology(1, 0, 1, None, None, device_type, launch.device_id, 1, "command line")
+    first, nprocs = _ranks_of_this_node(launch, world, init, device_type, cuda_count)
+    _check_devices(device_type, launch.device_id, nprocs, cuda_count)
     return Topology(world, first, nprocs, init,
-                    choose_backend(args.distributed_backend, device_type), device_type,
-                    args.device_id, nprocs, "command line")
+                    choose_backend(backend, device_type), device_type,
+                    launch.device_id, nprocs, "command line")
 
 
-def _ranks_of_this_node(args, world, init, device_type, cuda_count):
-    first = args.distributed_rank or 0
-    if args.distributed_no_spawn:
+def _ranks_of_this_node(launch, world, init, device_type, cuda_count):
+    first = launch.distributed_rank or 0
+    if launch.distributed_no_spawn:
         nprocs = 1
         if init is None:
             raise UserError("--distributed-no-spawn with a world size of "
                             f"{world} needs --distributed-init-method so the processes can meet")
     elif init is None:
         # No address to meet at: every rank must run here, as child processes.
-        nprocs = args.distributed_gpus or world
+        nprocs = launch.distributed_gpus or world
         if first != 0 or nprocs != world:
             raise UserError(
                 f"without --distributed-init-method all {world} processes run on this node, "
                 f"but --distributed-rank {first} / --distributed-gpus {nprocs} say otherwise; "
                 "for several nodes pass --distributed-init-method tcp://HOST:PORT on each")
     else:
-        nprocs = args.distributed_gpus or (cuda_count if device_type == "cuda" else 1)
+        nprocs = launch.distributed_gpus or (cuda_count if device_type == "cuda" else 1)
     if nprocs < 1:
         raise UserError(f"--distributed-gpus {nprocs}: expected 1 or more processes on this node")
     if not 0 <= first < world:

@@ -9,18 +9,19 @@ from hetseq.registry import Registry
 
 
 class OptimizerFactory:
-    """Base for registry entries: ``add_args`` for flags, ``build`` for the optimizer."""
+    """Base for registry entries: ``add_args`` for flags, ``build`` for the
+    optimizer from the job's OptimizerConfig (config.py; its fields are the flags)."""
 
     @classmethod
     def add_args(cls, group):
         pass
 
     @classmethod
-    def build(cls, args, params):
+    def build(cls, cfg, params):
         raise NotImplementedError
 
     @classmethod
-    def state_slots(cls, args):
+    def state_slots(cls, cfg):
         """Tensors of a parameter's size the optimizer keeps per parameter (for
         memory planning before its state exists); 2 unless a factory says."""
         return 2
@@ -51,12 +52,12 @@ class AdamW(OptimizerFactory):
                            help="epsilon for Adam (default: %(default)s)")
 
     @classmethod
-    def build(cls, args, params):
-        betas = parse_float_tuple(args.adam_betas)
+    def build(cls, cfg, params):
+        betas = parse_float_tuple(cfg.adam_betas)
         if len(betas) != 2:
-            raise UserError(f"--adam-betas {args.adam_betas}: expected two numbers, e.g. '(0.9, 0.999)'")
-        return torch.optim.AdamW(params, lr=args.lr[0], betas=betas, eps=args.adam_eps,
-                                 weight_decay=args.weight_decay)
+            raise UserError(f"--adam-betas {cfg.adam_betas}: expected two numbers, e.g. '(0.9, 0.999)'")
+        return torch.optim.AdamW(params, lr=cfg.lr[0], betas=betas, eps=cfg.adam_eps,
+                                 weight_decay=cfg.weight_decay)
 
 
 @register_optimizer("adadelta")
@@ -69,16 +70,16 @@ class Adadelta(OptimizerFactory):
                            help="Adadelta epsilon (default: %(default)s)")
 
     @classmethod
-    def build(cls, args, params):
-        return torch.optim.Adadelta(params, lr=args.lr[0], rho=args.adadelta_rho,
-                                    eps=args.adadelta_eps, weight_decay=args.weight_decay)
+    def build(cls, cfg, params):
+        return torch.optim.Adadelta(params, lr=cfg.lr[0], rho=cfg.adadelta_rho,
+                                    eps=cfg.adadelta_eps, weight_decay=cfg.weight_decay)
 
 
 @register_optimizer("sgd")
 class SGD(OptimizerFactory):
     @classmethod
-    def state_slots(cls, args):
-        return 1 if args.momentum > 0 else 0
+    def state_slots(cls, cfg):
+        return 1 if cfg.momentum > 0 else 0
 
     @classmethod
     def add_args(cls, group):
@@ -86,11 +87,11 @@ class SGD(OptimizerFactory):
         group.add_argument("--nesterov", action="store_true", help="Nesterov momentum for SGD")
 
     @classmethod
-    def build(cls, args, params):
-        if args.nesterov and args.momentum <= 0:
+    def build(cls, cfg, params):
+        if cfg.nesterov and cfg.momentum <= 0:
             raise UserError("--nesterov needs --momentum > 0")
-        return torch.optim.SGD(params, lr=args.lr[0], momentum=args.momentum,
-                               nesterov=args.nesterov, weight_decay=args.weight_decay)
+        return torch.optim.SGD(params, lr=cfg.lr[0], momentum=cfg.momentum,
+                               nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
 
 
 def add_optimization_args(parser):
@@ -111,12 +112,15 @@ def add_optimization_args(parser):
         scheduler.add_args(group)
 
 
-def build_optimizer(args, params):
-    return OPTIMIZERS.get(args.optimizer).build(args, params)
+def build_optimizer(cfg, params):
+    """The optimizer of OptimizerConfig ``cfg`` over ``params``."""
+    return OPTIMIZERS.get(cfg.optimizer).build(cfg, params)
 
 
-def build_lr_scheduler(args, optimizer):
-    return SCHEDULERS.get(args.lr_scheduler)(args, optimizer)
+def build_lr_scheduler(cfg, optimizer, max_update=0):
+    """The schedule of ScheduleConfig ``cfg``; ``max_update``: the run's
+    --max-update, its horizon until the run tells it more (``set_horizon``)."""
+    return SCHEDULERS.get(cfg.lr_scheduler)(cfg, optimizer, max_update)
 
 
 __all__ = ["OPTIMIZERS", "SCHEDULERS", "OptimizerFactory", "LRScheduler", "register_optimizer",

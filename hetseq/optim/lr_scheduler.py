@@ -37,25 +37,25 @@ class LRScheduler:
     def add_args(cls, group):
         """Flags of this schedule only (the shared ones: ``add_shared_args``)."""
 
-    def __init__(self, args, optimizer):
-        self.args = args
+    def __init__(self, cfg, optimizer, max_update=0):
+        self.cfg = cfg            # ScheduleConfig (config.py)
         self.optimizer = optimizer
-        self.peak_lr = args.lr[0]
-        if args.warmup_updates is not None and args.warmup_updates < 0:
-            raise UserError(f"--warmup-updates {args.warmup_updates}: expected a number >= 0")
-        if args.warmup_ratio is not None and not 0 <= args.warmup_ratio < 1:
-            raise UserError(f"--warmup-ratio {args.warmup_ratio}: expected a fraction in [0, 1)")
+        self.peak_lr = cfg.lr[0]
+        if cfg.warmup_updates is not None and cfg.warmup_updates < 0:
+            raise UserError(f"--warmup-updates {cfg.warmup_updates}: expected a number >= 0")
+        if cfg.warmup_ratio is not None and not 0 <= cfg.warmup_ratio < 1:
+            raise UserError(f"--warmup-ratio {cfg.warmup_ratio}: expected a fraction in [0, 1)")
         self.epoch = 1
-        self.set_horizon(args.total_num_update or args.max_update or DEFAULT_TOTAL)
+        self.set_horizon(cfg.total_num_update or max_update or DEFAULT_TOTAL)
 
     def set_horizon(self, planned):
         """The number of updates the run plans: the decay's end, when
         --total-num-update is not given, and the base of --warmup-ratio."""
         # An explicit --warmup-updates wins over a ratio (which may be a task's default).
-        updates, ratio = self.args.warmup_updates, self.args.warmup_ratio
+        updates, ratio = self.cfg.warmup_updates, self.cfg.warmup_ratio
         self.warmup = updates if updates is not None else round((ratio or 0.0) * planned)
         # One past the last update: its LR is not yet the end value (as HF's linear decay).
-        self.total = self.args.total_num_update or planned + 1
+        self.total = self.cfg.total_num_update or planned + 1
 
     def lr_at(self, update):
         raise NotImplementedError
@@ -80,16 +80,17 @@ class LRScheduler:
         self.epoch = state["epoch"]
 
 
-def planned_updates(args, steps_per_epoch):
-    """Updates the run will make: --max-update, else --max-epoch epochs of
-    ``steps_per_epoch`` global batches (with --update-freq), else None."""
-    if args.max_update:
-        return args.max_update
-    if not args.max_epoch:
+def planned_updates(training, steps_per_epoch):
+    """Updates the run will make (``training``: its TrainingConfig):
+    --max-update, else --max-epoch epochs of ``steps_per_epoch`` global
+    batches (with --update-freq), else None."""
+    if training.max_update:
+        return training.max_update
+    if not training.max_epoch:
         return None
-    freqs = args.update_freq
+    freqs = training.update_freq
     return sum(math.ceil(steps_per_epoch / freqs[min(epoch, len(freqs)) - 1])
-               for epoch in range(1, args.max_epoch + 1))
+               for epoch in range(1, training.max_epoch + 1))
 
 
 SCHEDULERS = Registry("LR scheduler", base=LRScheduler)
@@ -99,9 +100,9 @@ register_lr_scheduler = SCHEDULERS.register
 class _DecayToEnd(LRScheduler):
     """Warm up, then decay from the peak to --end-learning-rate at --total-num-update."""
 
-    def __init__(self, args, optimizer):
-        self.end_lr = args.end_learning_rate
-        super().__init__(args, optimizer)
+    def __init__(self, cfg, optimizer, max_update=0):
+        self.end_lr = cfg.end_learning_rate
+        super().__init__(cfg, optimizer, max_update)
 
     def set_horizon(self, planned):
         super().set_horizon(planned)
@@ -129,7 +130,7 @@ class PolynomialDecay(_DecayToEnd):
                            help="exponent of polynomial_decay (default: 1, linear)")
 
     def decay(self, remaining):
-        return remaining ** self.args.power
+        return remaining ** self.cfg.power
 
 
 @register_lr_scheduler("cosine")
@@ -147,7 +148,7 @@ class InverseSqrt(LRScheduler):
 
     def lr_at(self, update):
         if update <= self.warmup:
-            return self.warmup_lr(update, start=self.args.warmup_init_lr)
+            return self.warmup_lr(update, start=self.cfg.warmup_init_lr)
         return self.peak_lr * math.sqrt(max(self.warmup, 1) / update)
 
 
@@ -164,9 +165,9 @@ class Fixed(LRScheduler):
                            help="fixed: LR factor per epoch after --force-anneal (default: 0.1)")
 
     def lr_at(self, update):
-        lrs, anneal = self.args.lr, self.args.force_anneal
+        lrs, anneal = self.cfg.lr, self.cfg.force_anneal
         if anneal is not None and self.epoch > anneal:
-            lr = lrs[-1] * self.args.lr_shrink ** (self.epoch - anneal)
+            lr = lrs[-1] * self.cfg.lr_shrink ** (self.epoch - anneal)
         else:
             lr = lrs[min(self.epoch, len(lrs)) - 1]
         if update <= self.warmup:

@@ -1,0 +1,64 @@
+"""What a run shows people: progress (a tqdm bar or log lines), running
+averages, TensorBoard scalars and ``balance.jsonl``. All of it is this
+node's choice (its LogConfig and SaveConfig) and none of it communicates:
+what it shows was computed by every rank anyway."""
+
+import logging
+
+from hetseq.logging.balance import BalanceLog
+from hetseq.logging.meters import Meters, RateMeter
+from hetseq.logging.progress import Progress
+from hetseq.logging.tensorboard import TensorBoard
+
+logger = logging.getLogger("hetseq.train")
+
+
+class Reporter:
+    def __init__(self, log, save, ctx, task):
+        self.cfg, self.ctx, self.task = log, ctx, task
+        self.meters = Meters()      # a checkpoint component (--reset-meters)
+        self.tensorboard = TensorBoard(log.tensorboard_logdir, ctx.is_main)
+        self.balance_log = BalanceLog(save.save_dir, ctx.is_main and not save.no_save)
+        self.progress, self.rate = None, RateMeter()
+
+    def start_epoch(self, epoch, updates):
+        self.progress = Progress(updates, f"epoch {epoch:03d}", self.ctx.is_main,
+                                 not self.cfg.no_progress_bar, self.cfg.log_interval)
+        self.meters.reset()
+        self.rate = RateMeter()
+
+    def _shown(self, update):
+        return self.tensorboard.logdir is not None or update % max(1, self.cfg.log_interval) == 0
+
+    def update(self, result, update, wall_time, batch_sizes):
+        """One update's figures (``result``: the Controller's StepResult)."""
+        n = result.sample_size
+        self.balance_log.record(update, batch_sizes, n, wall_time, result.rank_times,
+                                result.rank_samples)
+        metrics = {**self.task.reduce_metrics(result.totals), "sample_size": n, "lr": result.lr}
+        norm = result.grad_norm if self._shown(update) else None
+        if norm is not None:
+            metrics["grad_norm"] = norm
+        self.meters.update({k: v for k, v in metrics.items() if k not in ("lr", "sample_size")},
+                           weight=n)
+        stats = {**metrics, "samples_per_s": n / wall_time if wall_time > 0 else 0.0}
+        rank_rates = {f"rank{r}_samples_per_s": s / t for r, (s, t)
+                      in enumerate(zip(result.rank_samples, result.rank_times)) if t > 0}
+        self.tensorboard.log("train", {**stats, **rank_rates}, update)
+        self.rate.update(n)
+        self.progress.log(stats, update)
+
+    def end_epoch(self, epoch, updates):
+        self.progress.summary({"epoch": epoch, "updates": updates,
+                               **{f"avg_{k}": v for k, v in self.meters.averages().items()},
+                               "samples_per_s": self.rate.rate})
+
+    def valid(self, split, epoch, metrics, update):
+        if self.ctx.is_main:
+            logger.info("valid on '%s' | epoch %03d | %s", split, epoch,
+                        " | ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        self.tensorboard.log(f"valid_{split}", metrics, update)
+
+    def close(self):
+        self.tensorboard.close()
+        self.balance_log.close()
