@@ -1,3 +1,4 @@
+import io
 import os
 import socket
 import subprocess
@@ -44,9 +45,54 @@ def run_train(*args, env=None, timeout=180):
 def run_nodes(commands, envs=None, timeout=180):
     """Start one train.py per entry of ``commands`` at once (each a 'node'); wait for all."""
     envs = envs or [None] * len(commands)
-    procs = [subprocess.Popen(train_cmd(*cmd), cwd=ROOT, env=child_env(env),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd, env in zip(commands, envs)]
+    procs = [start_nodes([cmd], env=env)[0] for cmd, env in zip(commands, envs)]
+    return finish(procs, timeout)
+
+
+def assert_ok(results):
+    """Every (exit code, output) of ``results`` is a success."""
+    for code, out in results:
+        assert code == 0, out[-3000:]
+
+
+def node_commands(common, nodes, url=None):
+    """One train.py argument list per node of one job: ``common``, then the
+    node's own flags (``nodes``: per node a list of flags, or (processes,
+    flags)), then the world size, the node's first rank and its process count,
+    and the job's meeting point (``url``: tcp:// or file://; default: a free
+    local port)."""
+    layout = [node if isinstance(node, tuple) else (1, node) for node in nodes]
+    world, first, commands = sum(procs for procs, _ in layout), 0, []
+    url = url or f"tcp://127.0.0.1:{free_port()}"
+    for procs, flags in layout:
+        commands.append([*common, *flags, "--distributed-world-size", world,
+                         "--distributed-rank", first, "--distributed-gpus", procs,
+                         "--distributed-init-method", url])
+        first += procs
+    return commands
+
+
+def run_job(common, nodes, url=None, envs=None, timeout=180):
+    """Start every node of a job at once (``node_commands``); wait for all.
+    Returns [(exit code, output)] per node."""
+    return run_nodes(node_commands(common, nodes, url), envs, timeout)
+
+
+def start_nodes(commands, cluster=None, on=None, env=None):
+    """Start ``commands`` (train.py argument lists) without waiting. With a
+    namespace ``cluster`` (hetseq/testing/cluster.py), command i runs on its
+    host ``on[i]`` (default: host i)."""
+    procs = []
+    for index, command in enumerate(commands):
+        argv, options = train_cmd(*command), dict(cwd=ROOT, env=child_env(env), text=True,
+                                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        procs.append(subprocess.Popen(argv, **options) if cluster is None else
+                     cluster.popen(on[index] if on else index, argv, **options))
+    return procs
+
+
+def finish(procs, timeout=180):
+    """[(exit code, output)] of started processes, killing any left."""
     results = []
     try:
         for proc in procs:
@@ -57,11 +103,6 @@ def run_nodes(commands, envs=None, timeout=180):
             if proc.poll() is None:
                 proc.kill()
     return results
-
-
-def assert_ok(results):
-    for code, out in results:
-        assert code == 0, out[-3000:]
 
 
 def final_params(save_dir):
@@ -80,6 +121,28 @@ def leave_process_group():
     dist.destroy_process_group()
 
 
+def build_controller(argv, ctx):
+    """(Controller, task) of the flags ``argv``, in this process, for ``ctx``."""
+    from hetseq import cli
+    from hetseq.controller import Controller
+    from hetseq.tasks import TASKS
+    args, job, _ = cli.parse([str(a) for a in argv])
+    task = TASKS.get(args.task)(args)
+    return Controller(job, task, task.build_model(), ctx), task
+
+
+def portable(obj):
+    """``obj`` as bytes a spawned worker can put on a queue and exit: tensors
+    sent as they are would live in the worker's shared memory, gone with it."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def unpack(data):
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
@@ -87,3 +150,39 @@ def max_diff(a, b):
 @pytest.fixture
 def tmp(tmp_path):
     return tmp_path
+
+
+MNIST = ["--task", "mnist", "--user-dir", ROOT / "examples" / "mnist"]
+
+
+@pytest.fixture(scope="session")
+def mnist_data(tmp_path_factory):
+    """IDX files of the MNIST example's demo data (examples/mnist), made once."""
+    sys.path.insert(0, str(ROOT / "examples" / "mnist"))
+    import make_demo_data
+    data = tmp_path_factory.mktemp("mnist")
+    make_demo_data.main(["--out", str(data), "--train", "768", "--test", "256"])
+    return data
+
+
+def _cluster():
+    from hetseq.testing import cluster as netns
+    available, why = netns.available()
+    if not available:
+        pytest.skip(f"namespace hosts: {why}")
+    netns.remove_stale()
+    return netns.VirtualCluster(2, rate="1gbit")
+
+
+@pytest.fixture
+def hosts():
+    """Two namespace hosts on a 1 Gbit/s switch, for one test (links may be cut)."""
+    with _cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def shared_hosts():
+    """Two namespace hosts shared by a module's tests that leave them intact."""
+    with _cluster() as cluster:
+        yield cluster

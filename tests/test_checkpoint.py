@@ -344,17 +344,20 @@ class Counter:
 def test_checkpointer_takes_named_components_not_the_run(tmp_path):
     from hetseq import cli
     from hetseq.distributed import DistContext
-    args = cli.parse_args([*TOY, "--save-dir", str(tmp_path)])
+    _, job, node = cli.parse([*TOY, "--save-dir", str(tmp_path)])
     ctx = DistContext(0, 1, 0, torch.device("cpu"))
-    saver = checkpoint.Checkpointer(args, ctx, {"model": Counter(7), "data": Counter(3)})
+
+    def checkpointer(components, skip=()):
+        return checkpoint.Checkpointer(job.checkpoint, node.save, ctx, components, skip)
+    saver = checkpointer({"model": Counter(7), "data": Counter(3)})
     saver.save(updates=5, data_epoch=1, epoch=1, metric=0.5)
     state = checkpoint.load(str(tmp_path / "checkpoint_last.pt"))
     assert state["model"] == {"value": 7} and state["data"] == {"value": 3}
     assert state["best"] == 0.5 and (tmp_path / "checkpoint1.pt").exists()
     model, data = Counter(), Counter()
-    resumer = checkpoint.Checkpointer(args, ctx, {"model": model, "data": data}, skip={"data"})
+    resumer = checkpointer({"model": model, "data": data}, skip={"data"})
     assert resumer.restore() == str(tmp_path / "checkpoint_last.pt")
     assert (model.value, data.value, resumer.best) == (7, 0, 0.5)   # "data" skipped (a reset)
-    other = checkpoint.Checkpointer(args, ctx, {"model": Counter(), "optimizer": Counter()})
+    other = checkpointer({"model": Counter(), "optimizer": Counter()})
     with pytest.raises(UserError, match="does not fit this run"):
         other.restore()

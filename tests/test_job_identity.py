@@ -1,13 +1,11 @@
 """Nodes must agree on the job: a node whose flags differ is refused before it
 claims a rank, with the flags named; the job that was there first goes on."""
 
-import argparse
 import subprocess
 import time
 
-from hetseq import cli
+from hetseq import cli, config
 from hetseq.distributed import identity
-from hetseq.tasks import TASKS
 
 from conftest import ROOT, TOY, child_env, free_port, run_nodes, train_cmd
 
@@ -20,8 +18,8 @@ def node(url, rank, *extra):
 
 
 def toy_identity(*argv):
-    args = cli.parse_args([*map(str, TOY), *map(str, argv)])
-    return identity.job_identity(args, TASKS.get("toy").per_node_flags)
+    _, job, _ = cli.parse([*map(str, TOY), *map(str, argv)])
+    return job.identity()
 
 
 def test_per_node_flags_are_left_out():
@@ -37,19 +35,19 @@ def test_per_node_flags_are_left_out():
 
 def test_files_compare_by_content_and_folders_are_left_out(tmp_path):
     # Each node may keep its copy of a config or vocab elsewhere.
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    for folder, hidden in (("a", 4), ("b", 4)):
-        (tmp_path / folder / "config.json").write_text(f'{{"hidden": {hidden}}}')
-    ids = [identity.job_identity(argparse.Namespace(
-        config_file=str(tmp_path / f / "config.json"), data=str(tmp_path / f), seed=1))
-        for f in ("a", "b")]
-    assert ids[0] == ids[1] and "data" not in ids[0]
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text('{"hidden": 4}')
+
+    def bert_identity(folder):
+        return toy_identity("--task", "bert", "--config_file", tmp_path / folder / "config.json",
+                            "--load-hf-weights", tmp_path / folder)
+    ids = [bert_identity(f) for f in ("a", "b")]
+    assert ids[0] == ids[1] and ids[0]["config_file"].startswith("sha256:")
+    assert "load_hf_weights" not in ids[0]       # a folder: each node's own
     (tmp_path / "b" / "config.json").write_text('{"hidden": 8}')
-    identity._file_digest.cache_clear()
-    changed = identity.job_identity(argparse.Namespace(
-        config_file=str(tmp_path / "b" / "config.json"), seed=1))
-    assert changed["config_file"] != ids[0]["config_file"]
+    config._DIGESTS.clear()
+    assert bert_identity("b")["config_file"] != ids[0]["config_file"]
 
 
 def test_node_with_other_seed_and_epochs_is_refused_naming_both():

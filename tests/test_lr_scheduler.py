@@ -11,9 +11,9 @@ from conftest import TOY
 
 
 def scheduler(*flags):
-    args = cli.parse_args([*TOY, *map(str, flags)])
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.lr[0])
-    return build_lr_scheduler(args, opt), opt
+    _, job, _ = cli.parse([*TOY, *map(str, flags)])
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=job.schedule.lr[0])
+    return build_lr_scheduler(job.schedule, opt, job.training.max_update), opt
 
 
 def test_polynomial_decay_warmup_then_linear_to_end():
@@ -62,8 +62,8 @@ def test_decay_ends_with_the_planned_run_and_warmup_ratio_follows_it():
     assert s.warmup == 10 and s.lr_at(10) == pytest.approx(1.0)
     assert s.lr_at(100) > 0 and s.lr_at(101) == 0.0   # the last update still learns
     # --max-epoch: the Run tells the schedule the run's length once the data is known.
-    args = cli.parse_args([*TOY, "--max-epoch", "3", "--update-freq", "2,1"])
-    assert planned_updates(args, steps_per_epoch=9) == 5 + 9 + 9
+    _, job, _ = cli.parse([*TOY, "--max-epoch", "3", "--update-freq", "2,1"])
+    assert planned_updates(job.training, steps_per_epoch=9) == 5 + 9 + 9
     s, _ = scheduler("--lr", 1.0, "--max-epoch", 3, "--warmup-ratio", 0.1, "--total-num-update", 0)
     s.set_horizon(200)
     assert (s.warmup, s.total) == (20, 201)

@@ -157,8 +157,12 @@ def test_task_defaults_must_name_real_options():
 
 
 def test_best_metric_direction_follows_the_metric():
-    assert cli.parse_args([*TOY, "--best-checkpoint-metric", "f1"]).maximize_best_checkpoint_metric
-    assert not cli.parse_args(TOY).maximize_best_checkpoint_metric   # loss: smaller is better
+    def maximize(*flags):
+        return cli.parse([*TOY, *flags])[1].checkpoint.maximize_best_checkpoint_metric
+    assert maximize("--best-checkpoint-metric", "f1")
+    assert not maximize()                                 # loss: smaller is better
+    assert not maximize("--best-checkpoint-metric", "f1", "--maximize-best-checkpoint-metric") \
+        is False
 
 
 def test_a_task_with_the_old_one_argument_constructor_still_runs(tmp_path):

@@ -6,7 +6,8 @@ import re
 import pytest
 import torch
 
-from conftest import TOY, assert_ok, free_port, leave_process_group, max_diff, run_nodes, run_train
+from conftest import (TOY, assert_ok, build_controller, free_port, leave_process_group, max_diff,
+                      portable, run_nodes, run_train, unpack)
 
 BASE = [*TOY, "--optimizer", "adamw", "--lr", "0.05", "--weight-decay", "0.01",
         "--lr-scheduler", "fixed", "--clip-norm", "0.5", "--disable-validation",
@@ -16,18 +17,19 @@ BASE = [*TOY, "--optimizer", "adamw", "--lr", "0.05", "--weight-decay", "0.01",
 _STRAIGHT = {}
 
 
-def straight_run(tmp_path, updates):
+def straight_run(tmp_path, updates, base=BASE):
     """One process, batch 32, never interrupted (once per session per length)."""
-    if updates not in _STRAIGHT:
-        _STRAIGHT[updates] = train(tmp_path / "straight", updates, [32])
-    return _STRAIGHT[updates]
+    key = (updates, tuple(map(str, base)))
+    if key not in _STRAIGHT:
+        _STRAIGHT[key] = train(tmp_path / "straight", updates, [32], base=base)
+    return _STRAIGHT[key]
 
 
-def train(save_dir, updates, layout, *extra):
+def train(save_dir, updates, layout, *extra, base=BASE):
     """``layout``: per-rank batches (one process per node); the global batch is
     their sum. Returns checkpoint_last.pt."""
     url, world = f"tcp://127.0.0.1:{free_port()}", len(layout)
-    commands = [[*BASE, "--max-update", updates, "--save-dir", save_dir, "--max-sentences",
+    commands = [[*base, "--max-update", updates, "--save-dir", save_dir, "--max-sentences",
                  batch, *extra, *(["--distributed-world-size", world, "--distributed-rank", rank,
                                    "--distributed-gpus", 1, "--distributed-init-method", url]
                                   if world > 1 else [])]
@@ -54,6 +56,73 @@ def test_resume_under_another_mode_and_world_equals_an_uninterrupted_run(tmp_pat
     # The checkpoint keeps the plain format: full weights and an index-keyed optimizer.
     assert sorted(resumed["controller"]["optimizer"]["state"]) == [0, 1, 2, 3]
     assert resumed["controller"]["model"]["0.weight"].shape == (16, 8)
+
+
+# SGD without momentum keeps no optimizer state at all (the plain update also
+# shows a wrong gradient scale, which Adam would hide).
+SGD = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--clip-norm", "0",
+       "--disable-validation", "--toy-size", "100"]
+STATELESS_RESUMES = {
+    "1 plain process, then zero2 on 2 ranks": ([32], [], [24, 8], ["--zero", 2]),
+    "zero1 on 2 ranks, then zero3 on 2 ranks": ([16, 16], ["--zero", 1], [20, 12], ["--zero", 3]),
+    "zero3 on 2 ranks, then zero1 on 1 process": ([24, 8], ["--zero", 3], [32], ["--zero", 1]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATELESS_RESUMES))
+def test_resume_of_a_stateless_optimizer_under_another_mode_and_world(tmp_path, name):
+    first, first_flags, second, second_flags = STATELESS_RESUMES[name]
+    straight = straight_run(tmp_path, 6, SGD)
+    train(tmp_path / "resumed", 3, first, *first_flags, base=SGD)
+    resumed = train(tmp_path / "resumed", 6, second, *second_flags, base=SGD)
+    assert resumed["controller"]["optimizer"]["state"] == {}
+    # float64 toy model: only the order of summation differs.
+    assert max_diff(straight["controller"]["model"], resumed["controller"]["model"]) < 1e-10
+
+
+def _load_fresh_state(rank, world, init, zero, state, out):
+    """Rank ``rank``: load ``state`` (an optimizer that never stepped) under
+    --zero ``zero``, then three updates of a 3 + 1 split."""
+    import torch.distributed as dist
+    from hetseq.distributed import DistContext
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
+    controller, task = build_controller([*ADADELTA, "--zero", zero], ctx)
+    controller.load_state_dict(state)
+    data = task.load_dataset("train")
+    for step in range(3):
+        rows = list(range(4 * step, 4 * step + 3)) if rank == 0 else [4 * step + 3]
+        batch = {"x": data.x[rows], "y": data.y[rows]}
+        controller.train_step([batch], batch)
+    weights = controller.sharding.model_state(controller.model)
+    if rank == 0:
+        out.put(portable(weights))
+    del controller
+    leave_process_group()
+
+
+ADADELTA = [*TOY, "--optimizer", "adadelta", "--lr", "1.0", "--lr-scheduler", "fixed",
+            "--clip-norm", "0"]
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_an_optimizer_saved_before_its_first_step_resumes_in_every_mode(tmp_path, zero):
+    """Adadelta holds no state until it steps: a checkpoint made then loads
+    under --zero 1/2/3 on 2 ranks and trains as one process would."""
+    import torch.multiprocessing as mp
+    from hetseq.distributed import DistContext
+    alone, task = build_controller(ADADELTA, DistContext(0, 1, 0, torch.device("cpu")))
+    state = unpack(portable(alone.state_dict()))     # a copy, as a checkpoint file holds
+    assert state["optimizer"]["state"] == {}
+    data = task.load_dataset("train")
+    for step in range(3):
+        batch = {"x": data.x[4 * step:4 * step + 4], "y": data.y[4 * step:4 * step + 4]}
+        alone.train_step([batch], batch)
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_load_fresh_state, args=(2, f"file://{tmp_path / 'meet'}", zero, state,
+                                                queue), nprocs=2, start_method="spawn")
+    assert max_diff(alone.model.state_dict(), unpack(queue.get())) < 1e-10
 
 
 @pytest.mark.parametrize("zero", ["1", "3"])
@@ -129,17 +198,11 @@ WIDE = ["--toy-width", 65536]     # 655k float64 parameters: 5.2 MB, 21 MB with 
 
 def _state_bytes(rank, world, init, zero, out):
     import torch.distributed as dist
-    from hetseq import cli
-    from hetseq.controller import Controller
     from hetseq.distributed import DistContext
-    from hetseq.tasks import TASKS, import_user_dir
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    import_user_dir(TOY[3])
-    args = cli.parse_args([str(a) for a in (*BASE, *WIDE, "--zero", zero)])
-    task = TASKS.get("toy")(args)
     ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
-    controller = Controller(args, task, task.build_model(), ctx)
+    controller, task = build_controller([*BASE, *WIDE, "--zero", zero], ctx)
     before = controller.state_bytes()              # estimated: no optimizer state yet
     batch = task.load_dataset("train")[list(range(4))]
     controller.train_step([batch], batch)

@@ -9,12 +9,9 @@ from hetseq.errors import UserError
 from conftest import TOY
 
 
-def parse(*flags):
-    return cli.parse_args([*TOY, *map(str, flags)])
-
-
 def topo(*flags, env=None, cuda=0):
-    return resolve_topology(parse(*flags), env or {}, cuda)
+    _, job, node = cli.parse([*TOY, *map(str, flags)])
+    return resolve_topology(node.launch, env or {}, cuda, job.distributed_backend)
 
 
 def test_single_process_by_default():
