@@ -20,7 +20,6 @@ import logging
 import math
 
 from hetseq.errors import UserError
-from hetseq.stats import measure_rate
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +225,8 @@ def available_memory_bytes():
 
 # ---- making the plan at start-up ----
 
+RATE_PROBES = 3      # timed forward+backward passes for a rank's speed
+
 def _shares_manual(cfg, peers):
     return [peer["max_sentences"] for peer in peers]
 
@@ -282,9 +283,11 @@ def _memory_budget(shares, ctx, controller, local_world_size):
 
 
 def _measure(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size):
-    """This rank's (samples/s, micro-batch cap) on the real model and task."""
+    """This rank's (samples/s, micro-batch cap) on the real model and task:
+    forward and backward passes that make no update (``Controller.probe``,
+    which returns their compute seconds)."""
     def run(size):
-        controller.probe(collate_fn([dataset[i % len(dataset)] for i in range(size)]))
+        return controller.probe(collate_fn([dataset[i % len(dataset)] for i in range(size)]))
     # Profile at about the share this rank will get: per-step overheads make
     # a tiny probe batch under-estimate the rate.
     even_share = (cfg.global_batch_size or 8 * ctx.world_size) // ctx.world_size
@@ -301,7 +304,8 @@ def _measure(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size
     if shares.micro_batch_cap:
         cap = min(cap, shares.micro_batch_cap) if cap else shares.micro_batch_cap
     micro = min(probe, cap) if cap else probe
-    return measure_rate(run, micro, waited=controller.sharding.waited), cap
+    run(micro)                                                 # a warm-up
+    return RATE_PROBES * micro / sum(run(micro) for _ in range(RATE_PROBES)), cap
 
 
 def make_plan(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size=1):

@@ -126,9 +126,9 @@ def add_training_args(parser):
                        help="peak learning rate; the fixed schedule reads one per epoch "
                             "(default: %(default)s)")
     group.add_argument("--clip-norm", type=float, default=25.0, metavar="NORM",
-                       help="clip the gradient norm to this (0: off, and the norm is then "
-                            "measured only for updates that are logged or go to TensorBoard; "
-                            "default: %(default)s)")
+                       help="clip the gradient norm to this (0: off; the norm is then "
+                            "measured after the update, for updates that are logged or go to "
+                            "TensorBoard; default: %(default)s)")
     group.add_argument("--max-nan-updates", type=int, default=10, metavar="N",
                        help="stop after N updates in a row with a non-finite loss or gradient "
                             "(each is skipped; default: 10)")

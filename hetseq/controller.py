@@ -146,13 +146,13 @@ class Controller:
                                                job.training.max_update)
         self.autocast = precision.autocast(job.precision, ctx.device)
         # fairseq's default window: 2**14 updates of one rank's batch.
-        self.scaler = LossScaler(job.precision, 2 ** 14 / ctx.world_size / self.cfg.update_freq[0]) \
-            if job.precision.fp16 else None
+        window = 2 ** 14 / ctx.world_size / self.cfg.update_freq[0]
+        self.scaler = LossScaler(job.precision, window) if job.precision.fp16 else None
         self._grad_divisor = ctx.world_size if ctx.distributed else 1  # every mode averages
         self.num_updates = 0
         self.lr = self.lr_scheduler.step_update(1)
         self._previous = (0.0, 0.0)   # this rank's compute seconds and samples, last update
-        self._steps = 0               # train_step calls: a StepResult's norm is valid until the next
+        self._steps = 0               # train_step calls (a StepResult's norm: until the next)
         self.failed_updates = 0       # non-finite updates in a row
         self.wrapped.train()
 
@@ -278,15 +278,18 @@ class Controller:
     # ---- measuring and validating ----
 
     def probe(self, sample):
-        """Forward and backward of ``sample`` with no update (capacity.py
-        measures speed and memory with it). Under FSDP its forward
-        communicates: every rank must probe the same number of times."""
+        """Forward and backward of ``sample`` with no update; returns this
+        rank's compute seconds (capacity.py measures speed and memory with it).
+        Under FSDP its forward communicates: every rank must probe as often."""
+        clock = ComputeClock(self.sharding.waited)
         self._mode(True)
         with self.autocast:
             self.task.train_step(self.model, move_to(sample, self.ctx.device))
-        self.optimizer.zero_grad(set_to_none=True)
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
+        seconds = clock.seconds()
+        self.optimizer.zero_grad(set_to_none=True)
+        return seconds
 
     def valid_step(self, sample, stats, weight=1.0):
         """Add one validation batch's stats to ``stats`` (a StatsExchange);

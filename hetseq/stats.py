@@ -28,8 +28,8 @@ from every micro-batch and rank (one all-gather after the sum), for metrics
 that no sum carries, such as a rank correlation over the whole dev set.
 
 The per-rank compute times in the vector are measured here too (the one home
-of time measurement: ``ComputeClock``, ``measure_rate`` for capacity's
-probes, and the waits inside FSDP that they subtract).
+of time measurement: ``ComputeClock``, which the Controller's updates and
+capacity probes use, and the waits inside FSDP that it subtracts).
 """
 
 import functools
@@ -212,16 +212,6 @@ class ComputeClock:
     def seconds(self):
         end = self.end or (time.perf_counter(), self.waited())
         return (end[0] - self.start[0]) - (end[1] - self.start[1])
-
-
-def measure_rate(run_batch, micro, steps=3, waited=lambda: 0.0):
-    """Samples/s of ``run_batch(micro)`` (forward and backward, no update);
-    the first call is a warm-up."""
-    run_batch(micro)
-    clock = ComputeClock(waited)
-    for _ in range(steps):
-        run_batch(micro)
-    return steps * micro / clock.seconds()
 
 
 # Under FSDP every unit's forward and backward starts by waiting for its

@@ -8,7 +8,7 @@ import torch
 
 from hetseq.agreement import checksum, disagreeing
 
-from conftest import TOY, assert_ok, final_params, free_port, max_diff, run_nodes
+from conftest import TOY, assert_ok, final_params, max_diff, run_job
 from test_parity import COMMON, reference
 
 
@@ -36,12 +36,9 @@ def test_a_rank_that_rounds_differently_is_kept_equal_to_rank_0(tmp):
     checksums differ, finds rank 1 within the tolerance, and copies rank 0's
     parameters and Adam state to it: the run finishes, the ranks agree to
     within one interval's drift, and the result is one process's."""
-    out, url = tmp / "drift", f"tcp://127.0.0.1:{free_port()}"
-    results = run_nodes([[*COMMON, *ADAMW, "--max-sentences", 16, "--save-dir", out,
-                          "--distributed-world-size", 2, "--distributed-rank", r,
-                          "--distributed-gpus", 1, "--distributed-init-method", url,
-                          "--toy-dump-params", tmp / "params", "--toy-drift-rank", 1]
-                         for r in (0, 1)])
+    out = tmp / "drift"
+    results = run_job([*COMMON, *ADAMW, "--max-sentences", 16, "--save-dir", out,
+                       "--toy-dump-params", tmp / "params", "--toy-drift-rank", 1], [[], []])
     assert_ok(results)
     log = results[0][1]
     resyncs = re.findall(r"ranks drifted apart by rounding \(relative distance to rank 0: "
@@ -57,13 +54,9 @@ def test_a_real_divergence_still_stops_the_run(tmp, tolerance):
     # --toy-perturb-after adds 1.0 to one weight on rank 1 (a rank running
     # different code): far beyond rounding. Tolerance 0 stops on any difference.
     perturb = ["--toy-perturb-after", 2] if tolerance == "1e-4" else ["--toy-drift-rank", 1]
-    url = f"tcp://127.0.0.1:{free_port()}"
     common = [*TOY, "--max-sentences", 8, "--max-update", 5, "--no-save", "--disable-validation",
-              "--distributed-world-size", 2, "--distributed-gpus", 1,
-              "--distributed-init-method", url, "--divergence-check-interval", 1,
-              "--divergence-tolerance", tolerance]
-    results = run_nodes([[*common, "--distributed-rank", 0],
-                         [*common, "--distributed-rank", 1, *perturb]])
+              "--divergence-check-interval", 1, "--divergence-tolerance", tolerance]
+    results = run_job(common, [[], perturb])
     for code, out in results:
         assert code == 4, out[-3000:]
     assert re.search(r"parameters differ between ranks before update \d: relative distance "

@@ -12,31 +12,20 @@ import torch
 from hetseq import checkpoint
 from hetseq.errors import UserError
 
-from conftest import (ROOT, TOY, assert_ok, child_env, final_params, free_port, run_nodes,
-                      run_train, train_cmd)
-from test_mnist_example import MNIST, make_demo_data
-
-
-@pytest.fixture(scope="module")
-def mnist_data(tmp_path_factory):
-    data = tmp_path_factory.mktemp("mnist")
-    make_demo_data.main(["--out", str(data), "--train", "256", "--test", "64"])
-    return data
+from conftest import (MNIST, ROOT, TOY, UPDATE_LINE, Watched, assert_ok, child_env, final_params,
+                      node_commands, run_job, run_train, start_nodes, train_cmd)
 
 
 def mnist_nodes(data, save_dir, updates, *extra):
     """2 ranks with different batches (16 + 8), dropout on: RNG state matters."""
-    url = f"tcp://127.0.0.1:{free_port()}"
     common = [*MNIST, "--data", data, "--optimizer", "adam", "--lr", 0.001, "--max-update",
-              updates, "--save-dir", save_dir, "--disable-validation", "--distributed-world-size",
-              2, "--distributed-gpus", 1, "--distributed-init-method", url, *extra]
-    assert_ok(run_nodes([[*common, "--distributed-rank", 0, "--max-sentences", 16],
-                         [*common, "--distributed-rank", 1, "--max-sentences", 8]]))
+              updates, "--save-dir", save_dir, "--disable-validation", *extra]
+    assert_ok(run_job(common, [["--max-sentences", 16], ["--max-sentences", 8]]))
     return torch.load(save_dir / "checkpoint_last.pt", weights_only=True)
 
 
 def test_resume_mid_epoch_is_bit_exact(mnist_data, tmp_path):
-    # 256 samples / 24 per update: 11 updates an epoch, so update 5 is mid-epoch.
+    # 768 samples / 24 per update: 32 updates an epoch, so update 5 is mid-epoch.
     straight = mnist_nodes(mnist_data, tmp_path / "straight", 9)
     mnist_nodes(mnist_data, tmp_path / "resumed", 5)
     resumed = mnist_nodes(mnist_data, tmp_path / "resumed", 9)   # same command, resumes
@@ -99,37 +88,33 @@ def test_reset_flags_keep_the_model_only(tmp_path):
 
 
 def endless_pair(timeout):
-    """Two ranks training 'forever' (rank 0 a little slow), as separate nodes."""
-    url = f"tcp://127.0.0.1:{free_port()}"
+    """Two ranks training 'forever' (rank 0 a little slow), as separate nodes,
+    once 10 updates are done (rank 0 logged them)."""
     common = [*TOY, "--max-sentences", 8, "--max-update", 100000, "--no-save",
               "--disable-validation", "--toy-slow-rank", 0, "--toy-slow-ms", 2,
-              "--distributed-world-size", 2, "--distributed-gpus", 1,
-              "--distributed-init-method", url, "--distributed-timeout", timeout]
-    procs = [subprocess.Popen(train_cmd(*common, "--distributed-rank", r), cwd=ROOT,
-                              env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in (0, 1)]
-    time.sleep(8)                                   # well into training
-    return procs
+              "--distributed-timeout", timeout]
+    nodes = [Watched(proc) for proc in start_nodes(node_commands(common, [[], []]))]
+    nodes[0].wait_for(UPDATE_LINE, count=10)
+    return nodes
 
 
 def test_sigkill_of_one_rank_names_it(tmp_path):
-    procs = endless_pair(timeout=20)
-    procs[1].send_signal(signal.SIGKILL)
+    # A killed peer resets its connections: the survivor's next collective
+    # fails at once, well inside --distributed-timeout (20 s).
+    nodes = endless_pair(timeout=20)
+    nodes[1].proc.send_signal(signal.SIGKILL)
     start = time.time()
-    out, _ = procs[0].communicate(timeout=60)
-    procs[1].wait()
-    assert procs[0].returncode == 3, out[-3000:]
+    code, out = nodes[0].finish(timeout=60)
+    nodes[1].finish()
+    assert code == 3, out[-3000:]
     assert time.time() - start < 20
     assert "lost rank 1 (" in out and "heartbeat stopped" in out, out[-3000:]
 
 
 def test_ranks_with_different_parameters_are_detected(tmp_path):
-    url = f"tcp://127.0.0.1:{free_port()}"
     common = [*TOY, "--max-sentences", 8, "--max-update", 5, "--no-save", "--disable-validation",
-              "--distributed-world-size", 2, "--distributed-gpus", 1,
-              "--distributed-init-method", url, "--divergence-check-interval", 1]
-    results = run_nodes([[*common, "--distributed-rank", 0],
-                         [*common, "--distributed-rank", 1, "--toy-perturb-after", 2]])
+              "--divergence-check-interval", 1]
+    results = run_job(common, [[], ["--toy-perturb-after", 2]])
     for code, out in results:
         assert code == 4, out[-3000:]
     assert "parameters differ between ranks" in results[0][1]
@@ -173,33 +158,33 @@ def test_non_finite_losses_skip_then_stop(tmp_path):
 
 
 def test_frozen_rank_is_named_after_the_timeout(tmp_path):
-    procs = endless_pair(timeout=6)
+    nodes = endless_pair(timeout=6)
     try:
-        procs[1].send_signal(signal.SIGSTOP)            # hung, not dead
+        nodes[1].proc.send_signal(signal.SIGSTOP)       # hung, not dead
         start = time.time()
-        out, _ = procs[0].communicate(timeout=60)
-        assert procs[0].returncode == 3, out[-3000:]
+        code, out = nodes[0].finish(timeout=60)
+        assert code == 3, out[-3000:]
         assert time.time() - start < 6 + 10            # the timeout, then a short watch
         assert "lost rank 1 (" in out, out[-3000:]
     finally:
-        procs[1].kill()
-        procs[1].wait()
+        nodes[1].proc.kill()
+        nodes[1].finish()
 
 
 def test_frozen_rank_zero_is_named_by_the_others(tmp_path):
     # Rank 0 serves the store: when it hangs, the watch that names the lost
     # rank must not block on the store (TCPStore.add has no deadline).
-    procs = endless_pair(timeout=6)
+    nodes = endless_pair(timeout=6)
     try:
-        procs[0].send_signal(signal.SIGSTOP)
+        nodes[0].proc.send_signal(signal.SIGSTOP)
         start = time.time()
-        out, _ = procs[1].communicate(timeout=60)
-        assert procs[1].returncode == 3, out[-3000:]
+        code, out = nodes[1].finish(timeout=60)
+        assert code == 3, out[-3000:]
         assert time.time() - start < 6 + 10
         assert "lost rank 0 (" in out and "rendezvous store" in out, out[-3000:]
     finally:
-        procs[0].kill()
-        procs[0].wait()
+        nodes[0].proc.kill()
+        nodes[0].finish()
 
 
 def trained_indices(prefix):
@@ -209,12 +194,9 @@ def trained_indices(prefix):
 
 def toy_nodes(layout, save_dir, log, *extra):
     """One command per rank; ``layout`` lists each rank's batch."""
-    url = f"tcp://127.0.0.1:{free_port()}"
     common = [*TOY, "--save-dir", save_dir, "--disable-validation", "--toy-log-indices", log,
-              "--distributed-world-size", len(layout), "--distributed-gpus", 1,
-              "--distributed-init-method", url, *extra]
-    results = run_nodes([[*common, "--distributed-rank", rank, "--max-sentences", batch]
-                         for rank, batch in enumerate(layout)])
+              *extra]
+    results = run_job(common, [["--max-sentences", batch] for batch in layout])
     assert_ok(results)
     return results
 
@@ -275,30 +257,25 @@ def test_full_disk_is_named_and_keeps_the_previous_checkpoint(small_disk):
 
 def test_rank_killed_by_a_signal_gives_exit_3_not_the_signal_number():
     # One command spawning both ranks; the OOM killer takes one child.
-    proc = subprocess.Popen(train_cmd(*TOY, "--max-sentences", 8, "--max-update", 100000,
-                                      "--no-save", "--disable-validation",
-                                      "--distributed-world-size", 2, "--log-interval", 1000),
-                            cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        time.sleep(8)                                   # well into training
-        children = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"],
-                                  capture_output=True, text=True).stdout.split()
-        assert len(children) == 2, children
-        os.kill(int(children[1]), signal.SIGKILL)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 3, out[-3000:]
+    node = Watched(start_nodes([[*TOY, "--max-sentences", 8, "--max-update", 100000,
+                                 "--no-save", "--disable-validation",
+                                 "--distributed-world-size", 2]])[0])
+    node.wait_for(UPDATE_LINE, count=10)                # both ranks are training
+    children = subprocess.run(["pgrep", "-P", str(node.proc.pid), "-f", "spawn_main"],
+                              capture_output=True, text=True).stdout.split()
+    assert len(children) == 2, children
+    os.kill(int(children[1]), signal.SIGKILL)
+    code, out = node.finish(timeout=60)
+    assert code == 3, out[-3000:]
     assert "was killed by signal SIGKILL" in out, out[-3000:]
 
 
 def test_killed_rank_zero_is_named_without_a_cpp_stack_dump():
-    procs = endless_pair(timeout=20)
-    procs[0].send_signal(signal.SIGKILL)
-    out, _ = procs[1].communicate(timeout=60)
-    procs[0].wait()
-    assert procs[1].returncode == 3, out[-3000:]
+    nodes = endless_pair(timeout=20)
+    nodes[0].proc.send_signal(signal.SIGKILL)
+    code, out = nodes[1].finish(timeout=60)
+    nodes[0].finish()
+    assert code == 3, out[-3000:]
     assert "lost rank 0 (" in out, out[-3000:]
     assert "frame #" not in out and "Exception raised from" not in out, out[-3000:]
 
@@ -306,14 +283,10 @@ def test_killed_rank_zero_is_named_without_a_cpp_stack_dump():
 def test_node_that_stops_on_its_own_error_ends_the_job_at_once():
     # Node 1 stops with a user error (exit 2) mid-run; node 0 must not wait
     # for --distributed-timeout (60 s here) to notice.
-    url = f"tcp://127.0.0.1:{free_port()}"
     common = [*TOY, "--max-sentences", 8, "--max-update", 100000, "--no-save",
-              "--disable-validation", "--distributed-world-size", 2, "--distributed-gpus", 1,
-              "--distributed-init-method", url, "--distributed-timeout", 60]
+              "--disable-validation", "--distributed-timeout", 60]
     start = time.time()
-    (code0, out0), (code1, out1) = run_nodes([[*common, "--distributed-rank", 0],
-                                               [*common, "--distributed-rank", 1,
-                                                "--toy-fail-after", 20]])
+    (code0, out0), (code1, out1) = run_job(common, [[], ["--toy-fail-after", 20]])
     assert code1 == 2 and "this node's data ends" in out1, out1[-3000:]
     assert code0 == 3 and "lost rank 1 (" in out0, out0[-3000:]
     assert time.time() - start < 40, (out0 + out1)[-3000:]

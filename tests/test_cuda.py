@@ -71,10 +71,7 @@ def test_zero3_cpu_offload_on_one_gpu(tmp_path):
 
 def test_zero3_on_a_gpu_and_a_cpu_rank(tmp_path):
     """A GPU rank and a CPU rank in one job (gloo), uneven batches, --zero 3."""
-    from conftest import free_port, run_nodes, assert_ok
-    url = f"tcp://127.0.0.1:{free_port()}"
+    from conftest import run_job, assert_ok
     common = [*TOY, "--max-update", 3, "--save-dir", tmp_path, "--zero", 3,
-              "--distributed-world-size", 2, "--distributed-gpus", 1,
-              "--distributed-backend", "gloo", "--distributed-init-method", url]
-    assert_ok(run_nodes([[*common, "--distributed-rank", 0, "--max-sentences", 24],
-                         [*common, "--distributed-rank", 1, "--max-sentences", 8, "--cpu"]]))
+              "--distributed-backend", "gloo"]
+    assert_ok(run_job(common, [["--max-sentences", 24], ["--max-sentences", 8, "--cpu"]]))

@@ -14,7 +14,7 @@ from hetseq.bert.pretrained import StartingPoint
 from hetseq.bert.tokenizer import WordPiece
 from hetseq.errors import UserError
 
-from conftest import assert_ok, free_port, run_nodes, run_train
+from conftest import assert_ok, run_job, run_train
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = ("the of and to in is was for on that with as by at from his her an were are which "
@@ -203,11 +203,8 @@ def fine_tune(folder, task, metric, save_dir, tiny_hf, nodes, lr=1e-3):
         result = run_train(*common, "--max-sentences", train, "--max-sentences-valid", valid)
         assert result.returncode == 0, result.stderr[-3000:]
         return
-    url = f"tcp://127.0.0.1:{free_port()}"
-    assert_ok(run_nodes([[*common, "--max-sentences", train, "--max-sentences-valid", valid,
-                          "--distributed-world-size", len(nodes), "--distributed-rank", rank,
-                          "--distributed-gpus", 1, "--distributed-init-method", url]
-                         for rank, (train, valid) in enumerate(nodes)]))
+    assert_ok(run_job(common, [["--max-sentences", train, "--max-sentences-valid", valid]
+                               for train, valid in nodes]))
 
 
 def predictions(state, folder, task, tiny_hf):

@@ -1,20 +1,19 @@
 """Nodes must agree on the job: a node whose flags differ is refused before it
 claims a rank, with the flags named; the job that was there first goes on."""
 
-import subprocess
 import time
 
 from hetseq import cli, config
 from hetseq.distributed import identity
 
-from conftest import ROOT, TOY, child_env, free_port, run_nodes, train_cmd
+from conftest import TOY, node_commands, run_job, start_nodes
 
 RUN = [*TOY, "--max-update", 3, "--max-sentences", 8, "--disable-validation", "--no-save"]
 
 
 def node(url, rank, *extra):
-    return [*RUN, "--distributed-world-size", 2, "--distributed-rank", rank,
-            "--distributed-gpus", 1, "--distributed-init-method", url, *extra]
+    """Node ``rank`` of a two-node job meeting at ``url``."""
+    return node_commands([*RUN, *extra], [[], []], url)[rank]
 
 
 def toy_identity(*argv):
@@ -51,9 +50,8 @@ def test_files_compare_by_content_and_folders_are_left_out(tmp_path):
 
 
 def test_node_with_other_seed_and_epochs_is_refused_naming_both():
-    url = f"tcp://127.0.0.1:{free_port()}"
-    results = run_nodes([node(url, 0, "--distributed-timeout", 6),
-                         node(url, 1, "--seed", 7, "--max-epoch", 2, "--distributed-timeout", 6)])
+    results = run_job(RUN, [["--distributed-timeout", 6],
+                            ["--seed", 7, "--max-epoch", 2, "--distributed-timeout", 6]])
     (code0, out0), (code1, out1) = results
     assert code1 == 2, out1[-3000:]
     assert "refused by the job" in out1 and "--seed 7 here, 19940802 in the job" in out1 \
@@ -62,27 +60,21 @@ def test_node_with_other_seed_and_epochs_is_refused_naming_both():
     assert code0 == 2 and "waiting at" in out0 and "for ranks [1]" in out0, out0[-3000:]
 
 
-def _start(cmd):
-    return subprocess.Popen(train_cmd(*cmd), cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
 def test_two_jobs_on_one_file_path_do_not_merge(tmp_path):
     # Per-node commands started in the order A0, B1, A1, B0 on one path: B's
     # nodes are refused and A's job trains as if B had never come.
     path = tmp_path / "meet"
     url = f"file://{path}"
     job_a, job_b = ["--seed", 1], ["--seed", 2, "--max-sentences", 16]
-    a0 = _start(node(url, 0, *job_a))
+    a0 = start_nodes([node(url, 0, *job_a)])[0]
     deadline = time.time() + 60
-    while not path.exists():                  # A's rank 0 has opened the meeting point
+    # A's rank 0 has defined the job: its identity is in the store's file.
+    while not (path.exists() and b"hetseq/job" in path.read_bytes()):
         assert time.time() < deadline and a0.poll() is None
         time.sleep(0.05)
-    time.sleep(1.0)
-    b1 = _start(node(url, 1, *job_b))
+    b1 = start_nodes([node(url, 1, *job_b)])[0]
     out_b1 = b1.communicate(timeout=60)[0]
-    a1 = _start(node(url, 1, *job_a))
-    b0 = _start(node(url, 0, *job_b))
+    a1, b0 = start_nodes([node(url, 1, *job_a), node(url, 0, *job_b)])
     outs = [proc.communicate(timeout=120)[0] for proc in (a0, a1, b0)]
     assert b1.returncode == 2 and "--seed 2 here, 1 in the job" in out_b1, out_b1[-3000:]
     assert b0.returncode == 2 and "refused by the job" in outs[2], outs[2][-3000:]

@@ -13,7 +13,7 @@ import pytest
 
 from hetseq.testing import cluster as netns
 
-from conftest import ROOT, child_env, final_params, free_port, max_diff, run_train
+from conftest import ROOT, assert_ok, child_env, final_params, finish, free_port, max_diff, run_train
 from test_parity import COMMON, reference
 
 LAUNCH = ROOT / "examples" / "launch"
@@ -30,24 +30,17 @@ def hetseq_args(out, *extra):
     return " ".join(map(str, [QUIET, *COMMON, "--save-dir", out, *extra]))
 
 
-@pytest.fixture
-def hosts():
-    with netns.VirtualCluster(2, rate="1gbit") as cluster:
-        yield cluster
-
-
 def recipe_env(**values):
     return child_env({"PYTHON": sys.executable, **{k: str(v) for k, v in values.items()}})
 
 
 def run_on_hosts(cluster, commands, timeout=180):
-    """(host, argv, env) each; returns [(output, exit code)]."""
+    """(host, argv, env) each; returns [(output, exit code)] once all succeeded."""
     procs = [cluster.popen(host, argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True) for host, argv, env in commands]
-    results = [(proc.communicate(timeout=timeout)[0], proc.returncode) for proc in procs]
-    for out, code in results:
-        assert code == 0, out[-3000:]
-    return results
+    results = finish(procs, timeout)
+    assert_ok(results)
+    return [(out, code) for code, out in results]
 
 
 @needs_hosts

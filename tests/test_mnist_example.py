@@ -6,13 +6,11 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_train
+from conftest import MNIST, ROOT, run_train
 
 sys.path.insert(0, str(ROOT / "examples" / "mnist"))
 import make_demo_data  # noqa: E402
 from idx import read_idx, write_idx  # noqa: E402
-
-MNIST = ["--task", "mnist", "--user-dir", ROOT / "examples" / "mnist"]
 
 
 def test_idx_round_trip_plain_and_gzip(tmp_path):
@@ -28,10 +26,8 @@ def test_idx_rejects_foreign_files(tmp_path):
         read_idx(tmp_path / "bad")
 
 
-def test_two_processes_learn(tmp_path):
-    data = tmp_path / "data"
-    make_demo_data.main(["--out", str(data), "--train", "768", "--test", "256"])
-    result = run_train(*MNIST, "--data", data, "--optimizer", "adadelta", "--lr", 1.0,
+def test_two_processes_learn(mnist_data, tmp_path):
+    result = run_train(*MNIST, "--data", mnist_data, "--optimizer", "adadelta", "--lr", 1.0,
                        "--max-sentences", 32, "--max-epoch", 3, "--distributed-world-size", 2,
                        "--save-dir", tmp_path / "ckpt", "--tensorboard-logdir", tmp_path / "tb")
     assert result.returncode == 0, result.stderr[-3000:]

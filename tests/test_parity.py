@@ -2,8 +2,8 @@
 
 import pytest
 
-from conftest import (TOY, assert_ok, build_controller, final_params, free_port,
-                      leave_process_group, max_diff, run_nodes)
+from conftest import (TOY, assert_ok, build_controller, final_params, leave_process_group,
+                      max_diff, run_job, run_nodes)
 
 COMMON = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--clip-norm",
           "0", "--max-update", "7", "--disable-validation", "--toy-size", "100"]
@@ -25,14 +25,9 @@ def reference(tmp, *extra):
 
 def nodes(tmp, name, layout, *extra):
     """One command per node; ``layout`` lists (processes, batch per process)."""
-    out, world = tmp / name, sum(procs for procs, _ in layout)
-    url, first, commands = f"tcp://127.0.0.1:{free_port()}", 0, []
-    for procs, batch in layout:
-        commands.append([*COMMON, *extra, "--max-sentences", batch, "--save-dir", out,
-                         "--distributed-world-size", world, "--distributed-rank", first,
-                         "--distributed-gpus", procs, "--distributed-init-method", url])
-        first += procs
-    assert_ok(run_nodes(commands))
+    out = tmp / name
+    assert_ok(run_job([*COMMON, *extra, "--save-dir", out],
+                      [(procs, ["--max-sentences", batch]) for procs, batch in layout]))
     return final_params(out)
 
 

@@ -19,7 +19,7 @@ import torch
 
 from hetseq import cli, config
 
-from conftest import TOY, assert_ok, free_port, leave_process_group, run_nodes
+from conftest import TOY, assert_ok, leave_process_group, run_job
 
 # Rank 0's and rank 1's value of each per-node flag the Run sees (None: not
 # given; True/False: a switch). The launch flags decide which process is
@@ -191,16 +191,12 @@ def test_every_rank_takes_the_same_update_path(tmp, zero):
     parameters. (The toy model is float64; scaling by a float64 factor on one
     rank and a float32 one on the other drifted apart; under --zero 3 the
     rank that showed the norm made one more all-reduce.)"""
-    url = f"tcp://127.0.0.1:{free_port()}"
     common = [*TOY, "--max-update", 6, "--clip-norm", 0, "--lr", 0.1, "--zero", zero,
               "--optimizer", "sgd", "--disable-validation", "--no-save",
-              "--distributed-world-size", 2, "--distributed-gpus", 1,
-              "--distributed-init-method", url, "--toy-dump-params", tmp / "params"]
+              "--toy-dump-params", tmp / "params"]
     # 8 + 5 samples: the factor 2/13 is not exact in float32.
-    assert_ok(run_nodes([[*common, "--distributed-rank", 0, "--max-sentences", 8,
-                          "--tensorboard-logdir", tmp / "tb"],
-                         [*common, "--distributed-rank", 1, "--max-sentences", 5,
-                          "--log-interval", 1000]], timeout=120))
+    assert_ok(run_job(common, [["--max-sentences", 8, "--tensorboard-logdir", tmp / "tb"],
+                               ["--max-sentences", 5, "--log-interval", 1000]], timeout=120))
     rank0, rank1 = (torch.load(f"{tmp / 'params'}.{r}") for r in (0, 1))
     if zero == 0:
         assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), \

@@ -6,8 +6,7 @@ import re
 import pytest
 import torch
 
-from conftest import TOY, assert_ok, free_port, max_diff, run_nodes, run_train
-from test_mnist_example import MNIST, make_demo_data
+from conftest import MNIST, TOY, assert_ok, max_diff, run_job, run_train
 
 FP16_ON_CPU = {"HETSEQ_TEST_FP16_ON_CPU": "1"}
 TOY_RUN = [*TOY, "--optimizer", "adamw", "--lr", "0.05", "--lr-scheduler", "fixed",
@@ -15,19 +14,9 @@ TOY_RUN = [*TOY, "--optimizer", "adamw", "--lr", "0.05", "--lr-scheduler", "fixe
 
 
 def two_ranks(save_dir, updates, *extra, env=None, batches=(24, 8)):
-    url = f"tcp://127.0.0.1:{free_port()}"
-    common = [*TOY_RUN, "--max-update", updates, "--save-dir", save_dir,
-              "--distributed-world-size", 2, "--distributed-gpus", 1,
-              "--distributed-init-method", url, "--log-all-ranks", "--no-progress-bar", *extra]
-    return run_nodes([[*common, "--distributed-rank", rank, "--max-sentences", batch]
-                      for rank, batch in enumerate(batches)], envs=[env, env])
-
-
-@pytest.fixture(scope="module")
-def mnist(tmp_path_factory):
-    data = tmp_path_factory.mktemp("mnist")
-    make_demo_data.main(["--out", str(data), "--train", "512", "--test", "64"])
-    return data
+    common = [*TOY_RUN, "--max-update", updates, "--save-dir", save_dir, "--log-all-ranks",
+              "--no-progress-bar", *extra]
+    return run_job(common, [["--max-sentences", batch] for batch in batches], envs=[env, env])
 
 
 def mnist_losses(data, save_dir, *extra):
@@ -39,10 +28,10 @@ def mnist_losses(data, save_dir, *extra):
     return [float(x) for x in re.findall(r"\| loss=([\d.]+)", result.stderr)]
 
 
-def test_bf16_trains_close_to_fp32_with_fp32_master_weights(mnist, tmp_path):
-    fp32 = mnist_losses(mnist, tmp_path / "fp32")
+def test_bf16_trains_close_to_fp32_with_fp32_master_weights(mnist_data, tmp_path):
+    fp32 = mnist_losses(mnist_data, tmp_path / "fp32")
     for zero in ("0", "3"):
-        bf16 = mnist_losses(mnist, tmp_path / f"bf16-{zero}", "--bf16", "--zero", zero)
+        bf16 = mnist_losses(mnist_data, tmp_path / f"bf16-{zero}", "--bf16", "--zero", zero)
         assert len(fp32) == len(bf16) == 12
         assert fp32 != bf16                       # autocast did run in bfloat16
         assert all(abs(a - b) < 0.05 * a for a, b in zip(fp32, bf16)), (zero, fp32, bf16)

@@ -6,8 +6,8 @@ import re
 import pytest
 import torch
 
-from conftest import (TOY, assert_ok, build_controller, free_port, leave_process_group, max_diff,
-                      portable, run_nodes, run_train, unpack)
+from conftest import (TOY, assert_ok, build_controller, leave_process_group, max_diff, portable,
+                      run_job, run_nodes, run_train, unpack)
 
 BASE = [*TOY, "--optimizer", "adamw", "--lr", "0.05", "--weight-decay", "0.01",
         "--lr-scheduler", "fixed", "--clip-norm", "0.5", "--disable-validation",
@@ -28,13 +28,9 @@ def straight_run(tmp_path, updates, base=BASE):
 def train(save_dir, updates, layout, *extra, base=BASE):
     """``layout``: per-rank batches (one process per node); the global batch is
     their sum. Returns checkpoint_last.pt."""
-    url, world = f"tcp://127.0.0.1:{free_port()}", len(layout)
-    commands = [[*base, "--max-update", updates, "--save-dir", save_dir, "--max-sentences",
-                 batch, *extra, *(["--distributed-world-size", world, "--distributed-rank", rank,
-                                   "--distributed-gpus", 1, "--distributed-init-method", url]
-                                  if world > 1 else [])]
-                for rank, batch in enumerate(layout)]
-    assert_ok(run_nodes(commands))
+    common = [*base, "--max-update", updates, "--save-dir", save_dir, *extra]
+    nodes = [["--max-sentences", batch] for batch in layout]
+    assert_ok(run_job(common, nodes) if len(layout) > 1 else run_nodes([common + nodes[0]]))
     return torch.load(save_dir / "checkpoint_last.pt", weights_only=True)
 
 
@@ -142,15 +138,11 @@ def test_micro_batch_caps_differing_between_ranks_are_padded_under_zero3(tmp_pat
     FSDP every forward communicates, so rank 1 pads with zero-weight ones.
     Validation (uneven too) runs the same way; the update still matches."""
     straight = straight_run(tmp_path, 5)
-    url = f"tcp://127.0.0.1:{free_port()}"
-    common = [*BASE, "--max-update", 5, "--save-dir", tmp_path / "capped", "--zero", 3,
-              "--distributed-world-size", 2, "--distributed-gpus", 1,
-              "--distributed-init-method", url]
+    common = [*BASE, "--max-update", 5, "--save-dir", tmp_path / "capped", "--zero", 3]
     common.remove("--disable-validation")
-    assert_ok(run_nodes([[*common, "--distributed-rank", 0, "--max-sentences", 24,
-                          "--micro-batch-cap", 8, "--max-sentences-valid", 7],
-                         [*common, "--distributed-rank", 1, "--max-sentences", 8,
-                          "--max-sentences-valid", 2]]))
+    assert_ok(run_job(common, [["--max-sentences", 24, "--micro-batch-cap", 8,
+                                "--max-sentences-valid", 7],
+                               ["--max-sentences", 8, "--max-sentences-valid", 2]]))
     capped = torch.load(tmp_path / "capped" / "checkpoint_last.pt", weights_only=True)
     assert max_diff(straight["controller"]["model"], capped["controller"]["model"]) < 1e-5
 
@@ -182,11 +174,9 @@ def test_checkpoint_of_another_shape_is_named_under_zero3(tmp_path):
     state = torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=True)
     state["controller"]["model"]["0.weight"] = torch.zeros(4, 8, dtype=torch.float64)
     torch.save(state, tmp_path / "run" / "checkpoint_last.pt")
-    url = f"tcp://127.0.0.1:{free_port()}"
     common = [*BASE, "--max-update", 2, "--save-dir", tmp_path / "run", "--zero", 3,
-              "--distributed-world-size", 2, "--distributed-gpus", 1,
-              "--distributed-init-method", url, "--max-sentences", 8]
-    results = run_nodes([[*common, "--distributed-rank", 0], [*common, "--distributed-rank", 1]])
+              "--max-sentences", 8]
+    results = run_job(common, [[], []])
     assert results[0][0] == 2, results[0][1][-2000:]
     assert "parameter 0.weight has shape (16, 8) but the checkpoint holds (4, 8)" in results[0][1]
 
@@ -236,12 +226,9 @@ def test_a_small_memory_budget_fits_under_zero3_and_is_named_under_zero0(tmp_pat
     activations (a clear error), the 10.5 MB under --zero 3 leave room for a
     few samples per micro-batch."""
     def run(zero):
-        url = f"tcp://127.0.0.1:{free_port()}"
-        common = [*BASE, *WIDE, "--max-update", 2, "--no-save", "--capacity", "auto",
-                  "--global-batch-size", 32, "--max-memory-gb", 0.015, "--zero", zero,
-                  "--distributed-world-size", 2, "--distributed-gpus", 1,
-                  "--distributed-init-method", url]
-        return run_nodes([[*common, "--distributed-rank", rank] for rank in (0, 1)])
+        return run_job([*BASE, *WIDE, "--max-update", 2, "--no-save", "--capacity", "auto",
+                        "--global-batch-size", 32, "--max-memory-gb", 0.015, "--zero", zero],
+                       [[], []])
     refused = run(0)
     assert refused[0][0] == 2 and "no memory left for activations" in refused[0][1], \
         refused[0][1][-2000:]

@@ -7,15 +7,15 @@ import time
 
 import pytest
 
-from conftest import ROOT, TOY, assert_ok, child_env, free_port, run_nodes, run_train, train_cmd
+from conftest import (ROOT, TOY, assert_ok, child_env, free_port, node_commands, run_nodes,
+                      run_train, train_cmd)
 
 # A short run of the toy task; each command is one "node" with one process.
 RUN = [*TOY, "--max-update", 3, "--max-sentences", 8, "--disable-validation", "--no-save"]
 
 
 def two_nodes(url):
-    return [[*RUN, "--distributed-world-size", 2, "--distributed-rank", r,
-             "--distributed-gpus", 1, "--distributed-init-method", url] for r in (0, 1)]
+    return node_commands(RUN, [[], []], url)
 
 
 def test_tcp_init_two_commands():

@@ -40,9 +40,11 @@ def _times(rank, world, init, zero, out):
          "--toy-slow-ms", SLEEP_MS], ctx)
     data = task.load_dataset("train")
     batch = {"x": data.x[:3], "y": data.y[:3]}
-    results = [controller.train_step([batch], batch) for _ in range(3)]
+    results = [controller.train_step([batch], batch) for _ in range(5)]
     if rank == 0:
-        out.put([result.rank_times for result in results[1:]])   # the previous update's
+        # A result holds the previous update's times. DDP rebuilds its buckets
+        # in the second update's forward (a broadcast rank 0 waits in): from 3 on.
+        out.put([result.rank_times for result in results[3:]])
     del controller
     leave_process_group()
 
