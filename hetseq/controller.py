@@ -40,9 +40,19 @@ from hetseq import precision, sharding
 from hetseq.errors import TrainingFailed, UserError
 from hetseq.optim import OPTIMIZERS, build_lr_scheduler, build_optimizer
 from hetseq.stats import Backward, ComputeClock, StatsExchange
-from hetseq.utils import move_to
 
 logger = logging.getLogger(__name__)
+
+
+def move_to(sample, device):
+    """Move every tensor in a (nested) dict/list/tuple to ``device``."""
+    if torch.is_tensor(sample):
+        return sample.to(device, non_blocking=True)
+    if isinstance(sample, dict):
+        return {key: move_to(value, device) for key, value in sample.items()}
+    if isinstance(sample, (list, tuple)):
+        return type(sample)(move_to(value, device) for value in sample)
+    return sample
 
 
 def _scale_and_check(grads, scale, device):
