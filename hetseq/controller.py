@@ -58,12 +58,19 @@ def move_to(sample, device):
 def _scale_and_check(grads, scale, device):
     """Multiply every gradient by ``scale``; returns a 1-element tensor, nonzero
     if any was NaN or inf. One fused pass: the kernel GradScaler unscales with.
-    It takes the factor in float32, a relative rounding of at most 6e-8,
-    exact for powers of two."""
+    It takes the factor as a float32 tensor, which is exact for gradients of
+    float32 and narrower (their products are float32 roundings anyway); a
+    float64 gradient would be scaled 6e-8 off whenever W/N is no binary
+    fraction (3/36), so those are scaled in float64 first and only checked."""
     found = torch.zeros(1, device=grads[0].device if grads else device)
-    if grads:
-        torch._amp_foreach_non_finite_check_and_unscale_(
-            grads, found, torch.full((1,), scale, device=found.device))
+    wide = [g for g in grads if g.dtype == torch.float64]
+    narrow = [g for g in grads if g.dtype != torch.float64]
+    if wide:
+        torch._foreach_mul_(wide, scale)
+    for group, factor in ((narrow, scale), (wide, 1.0)):
+        if group:
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                group, found, torch.full((1,), factor, device=found.device))
     return found
 
 

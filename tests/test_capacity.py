@@ -12,7 +12,7 @@ from hetseq.rebalance import Rebalancer
 from hetseq.errors import UserError
 
 from conftest import assert_ok, final_params, max_diff, run_job
-from test_parity import COMMON, reference
+from test_parity import COMMON, EXACT, reference
 
 
 def test_proportional_split_sums_exactly():
@@ -171,7 +171,7 @@ def test_slowed_rank_gets_a_smaller_share_after_profiling(tmp, zero):
 @pytest.mark.parametrize("ranks, extra", [(2, []), (3, ["--micro-batch-cap", 5]),
                                           (2, ["--zero", 3])])
 def test_parity_holds_while_the_split_changes(tmp, ranks, extra):
-    ref = reference(tmp, "--max-update", 32)
+    ref = reference("--max-update", 32)
     # Rank 1 turns slow after a few updates (start-up profiling makes 6 calls):
     # the plan must change mid-run, and the result must not.
     params, log = auto_nodes(tmp, "auto", ranks, "--toy-slow-rank", 1, "--toy-slow-ms", 4,
@@ -193,7 +193,7 @@ def test_weights_split_the_global_batch(tmp, per_rank):
     results = run_job([*COMMON, "--global-batch-size", 32, "--save-dir", out], per_rank)
     assert_ok(results)
     assert plan_batches(results[0][1], 0) == [24] and plan_batches(results[0][1], 1) == [8]
-    assert max_diff(reference(tmp), final_params(out)) < 1e-5
+    assert max_diff(reference(), final_params(out)) < EXACT
 
 
 def test_half_the_memory_gives_half_the_micro_batch_and_the_same_update(tmp):
@@ -212,4 +212,4 @@ def test_half_the_memory_gives_half_the_micro_batch_and_the_same_update(tmp):
     micro = [int(m) for m in re.findall(r"in (\d+) micro-batch", results[0][1])]
     assert len(caps) == 2 and 0.4 <= caps[1] / caps[0] <= 0.6, results[0][1][-2000:]
     assert micro[1] > 1, results[0][1][-2000:]     # rank 1 accumulates its share
-    assert max_diff(reference(tmp, *width), final_params(out)) < 1e-5
+    assert max_diff(reference(*width), final_params(out)) < EXACT

@@ -14,7 +14,7 @@ import pytest
 from hetseq.testing import cluster as netns
 
 from conftest import ROOT, assert_ok, child_env, final_params, finish, free_port, max_diff, run_train
-from test_parity import COMMON, reference
+from test_parity import COMMON, EXACT, reference
 
 LAUNCH = ROOT / "examples" / "launch"
 STAND_INS = ROOT / "tests" / "stand_ins"     # srun, scontrol, an ssh for namespace hosts
@@ -51,7 +51,7 @@ def test_torchrun_recipe_two_hosts_different_process_counts(hosts, tmp):
                                    (1, script, recipe_env(NPROC=1, BATCH=16, **common))])
     text = "\n".join(out for out, _ in results)
     assert "ranks from torchrun" in text and "global batch 32" in text, text[-3000:]
-    assert max_diff(reference(tmp), final_params(out)) < 1e-5
+    assert max_diff(reference(), final_params(out)) < EXACT
 
 
 @needs_mpirun
@@ -65,7 +65,7 @@ def test_mpirun_recipe_one_host_two_ranks(tmp):
                             capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "ranks from mpirun (Open MPI)" in result.stderr, result.stderr[-3000:]
-    assert max_diff(reference(tmp), final_params(out)) < 1e-5
+    assert max_diff(reference(), final_params(out)) < EXACT
 
 
 @needs_hosts
@@ -81,7 +81,7 @@ def test_mpirun_hostfile_recipe_across_two_hosts(hosts, tmp):
                      **MPI_AS_ROOT)
     (log, _), = run_on_hosts(hosts, [(0, ["bash", LAUNCH / "mpirun_hostfile.sh"], env)])
     assert "hostA 10.213.0.1 (eth0): rank 0; hostB 10.213.0.2 (eth0): rank 1" in log, log[-3000:]
-    assert max_diff(reference(tmp), final_params(out)) < 1e-5
+    assert max_diff(reference(), final_params(out)) < EXACT
 
 
 def sbatch(cluster, script, groups, **values):
@@ -107,7 +107,7 @@ def test_slurm_recipe_one_task_per_device(hosts, tmp):
     log = sbatch(hosts, "slurm.sbatch", [{"nodes": ["hostA", "hostB"], "tasks_per_node": 1}],
                  BATCH=16, HETSEQ_ARGS=hetseq_args(out))
     assert "ranks from SLURM" in log, log[-3000:]
-    assert max_diff(reference(tmp), final_params(out)) < 1e-5
+    assert max_diff(reference(), final_params(out)) < EXACT
 
 
 @needs_hosts
@@ -119,7 +119,7 @@ def test_slurm_heterogeneous_job_recipe(hosts, tmp):
                  NODES0=1, GPUS0=1, BATCH0=16, NODES1=1, GPUS1=2, BATCH1=8,
                  HETSEQ_ARGS=hetseq_args(out))
     assert "hostB 10.213.0.2 (eth0): ranks 1-2" in log, log[-3000:]
-    assert max_diff(reference(tmp), final_params(out)) < 1e-5
+    assert max_diff(reference(), final_params(out)) < EXACT
 
 
 RUN = [*COMMON, "--no-save", "--max-sentences", 8, "--distributed-world-size", 2]

@@ -6,7 +6,7 @@ import time
 
 from conftest import (TOY, UPDATE_LINE, Watched, assert_ok, final_params, finish, max_diff,
                       node_commands, start_nodes)
-from test_parity import COMMON, reference
+from test_parity import COMMON, EXACT, reference
 
 _ports = iter(range(29500, 29600))
 
@@ -37,7 +37,7 @@ def test_tcp_by_hostname_two_plus_one_processes_match_one_process(shared_hosts, 
     assert_ok(results)
     assert "network: hostA 10.213.0.1 (eth0): ranks 0-1; hostB 10.213.0.2 (eth0): rank 2" \
         in results[0][1], results[0][1][-3000:]
-    assert max_diff(reference(tmp), final_params(out)) < 1e-5
+    assert max_diff(reference(), final_params(out)) < EXACT
 
 
 def test_file_rendezvous_one_plus_two_processes_match_one_process(shared_hosts, tmp):
@@ -46,7 +46,7 @@ def test_file_rendezvous_one_plus_two_processes_match_one_process(shared_hosts, 
                            *COMMON, "--save-dir", out))
     assert_ok(results)
     assert "hostB 10.213.0.2 (eth0): ranks 1-2" in results[0][1], results[0][1][-3000:]
-    assert max_diff(reference(tmp), final_params(out)) < 1e-5
+    assert max_diff(reference(), final_params(out)) < EXACT
 
 
 def test_cut_link_both_sides_name_the_lost_rank_and_its_host(hosts):

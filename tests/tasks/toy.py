@@ -15,11 +15,12 @@ from hetseq.tasks import Task, register_task
 
 
 class ToyData(Dataset):
-    def __init__(self, size, seed):
+    def __init__(self, size, seed, dtype=torch.float64):
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(size, 8, generator=g, dtype=torch.float64)
         w = torch.randn(8, 1, generator=g, dtype=torch.float64)
         self.y = torch.tanh(self.x @ w) + 0.1 * torch.randn(size, 1, generator=g, dtype=torch.float64)
+        self.x, self.y = self.x.to(dtype), self.y.to(dtype)
 
     def __len__(self):
         return len(self.x)
@@ -39,6 +40,9 @@ class ToyTask(Task):
     def add_args(cls, parser):
         parser.add_argument("--toy-size", type=int, default=100, help="samples in the train split")
         parser.add_argument("--toy-width", type=int, default=16, help="hidden units")
+        parser.add_argument("--toy-dtype", choices=["float64", "float32"], default="float64",
+                            help="float64: only the order of summation differs between runs "
+                                 "(exact comparisons); float32: what autocast acts on")
         parser.add_argument("--toy-mean-loss", action="store_true",
                             help="return the per-rank MEAN loss with sample_size 1: the "
                                  "controller then averages ranks with equal weights (plain DDP)")
@@ -73,12 +77,14 @@ class ToyTask(Task):
                             help="override train_step and call backward(loss) without stats")
 
     def load_dataset(self, split):
-        return ToyData(self.args.toy_size if split == "train" else 30, seed=1 if split == "train" else 2)
+        return ToyData(self.args.toy_size if split == "train" else 30,
+                       seed=1 if split == "train" else 2, dtype=getattr(torch, self.args.toy_dtype))
 
     def build_model(self):
         torch.manual_seed(0)
         width = self.args.toy_width
-        model = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1)).double()
+        model = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1)).to(
+            getattr(torch, self.args.toy_dtype))
         if self.args.toy_nan_bias_grad_after:
             model[2].register_forward_hook(self._nan_bias_grad)
         return model

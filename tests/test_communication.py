@@ -1,0 +1,90 @@
+"""What each update sends, counted: every collective a rank issues is recorded
+(hetseq/testing/recording.py) and pinned here against the README's promises.
+
+- The stats (loss, counts, logs, per-rank slots) travel in ONE float64
+  all-reduce per update.
+- Gradients are exchanged once per update, whatever --update-freq and
+  however many micro-batches a rank accumulates locally: DDP all-reduces the
+  whole gradient (--zero 0/1); FSDP reduce-scatters it (--zero 2/3), and the
+  norm and overflow flag of the sharded gradient add one all-reduce of two
+  numbers.
+- FSDP gathers the parameters for every forward (and, --zero 3, again for
+  every backward): that is the price of sharding them, counted per
+  micro-batch.
+- --zero 1 broadcasts each updated parameter from the rank that owns its
+  optimizer state.
+"""
+
+import collections
+
+import pytest
+
+from hetseq.testing.jobs import run_jobs
+
+from conftest import TOY
+
+BASE = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--clip-norm", 0,
+        "--max-update", 3, "--disable-validation", "--no-save", "--toy-size", 100]
+PARAMS = 8 * 16 + 16 + 16 + 1                # the toy model: Linear(8, 16), Linear(16, 1)
+STATS = 3 + 3 * 2                            # loss, sample_size, seen; 3 slots x 2 ranks
+VARIANTS = {"plain": [], "update-freq 3": ["--update-freq", 3],
+            "micro-batches of 4": ["--micro-batch-cap", 4]}
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    jobs = [(f"zero{zero} {name}", [[*BASE, "--zero", zero, *flags, "--max-sentences", batch]
+                                    for batch in (16, 8)])
+            for zero in (0, 1, 2, 3) for name, flags in VARIANTS.items()]
+    return run_jobs(2, jobs, tmp_path_factory.mktemp("communication"))
+
+
+def micro_batches(variant, update):
+    """Micro-batches each rank runs in ``update`` (100 samples, global batch
+    24: updates of 24 samples, or of 72 + 28 with --update-freq 3; rank 0's
+    16 in 4 micro-batches of 4 with --micro-batch-cap 4, and everyone pads to
+    that when forwards communicate)."""
+    if variant == "update-freq 3":
+        return 3 if update != 2 else 2
+    return 4 if variant == "micro-batches of 4" else 1
+
+
+def ops(calls):
+    return collections.Counter((call.op, call.tensors) for call in calls)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("zero", [0, 1])
+def test_replicas_exchange_the_gradient_once_per_update(recorded, zero, variant):
+    result = recorded[f"zero{zero} {variant}"]
+    assert result.calls[0] == result.calls[1]
+    for label, calls in result.updates().items():
+        counts = ops(calls)
+        assert counts.pop(("allreduce", (("float64", STATS),))) == 1, (label, calls)
+        assert counts.pop(("allreduce", (("float64", PARAMS),))) == 1, (label, calls)
+        if label == "update 2":      # DDP settles its buckets once, from rank 0's order
+            assert counts.pop(("broadcast", (("int32", 5),))) == 1
+            assert counts.pop(("broadcast", (("int32", 1),))) == 1
+        if zero == 1:                # each updated parameter, from its owner
+            sent = [call.tensors for call in calls if call.op == "broadcast"
+                    and call.tensors[0][0] == "float64"]
+            assert sum(numel for (_, numel), in sent) == PARAMS
+            counts -= collections.Counter(("broadcast", tensors) for tensors in sent)
+        assert not counts, (label, counts)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("zero", [2, 3])
+def test_sharded_gradients_are_reduce_scattered_once_per_update(recorded, zero, variant):
+    result = recorded[f"zero{zero} {variant}"]
+    assert result.calls[0] == result.calls[1]
+    padded = 2 * -(-PARAMS // 2)                        # FSDP pads to a multiple of W
+    shard = (("float64", padded // 2), ("float64", padded))
+    for label, calls in result.updates().items():
+        counts = ops(calls)
+        assert counts.pop(("allreduce", (("float64", STATS),))) == 1, (label, calls)
+        assert counts.pop(("reduce_scatter_single", shard)) == 1, (label, calls)
+        assert counts.pop(("allreduce", (("float64", 2),))) == 1, (label, calls)   # norm, flag
+        gathers = micro_batches(variant, int(label.split()[1])) * (1 if zero == 2 else 2)
+        assert counts.pop(("all_gather_single", tuple(reversed(shard)))) == gathers, label
+        assert not counts, (label, counts)
