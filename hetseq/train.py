@@ -150,7 +150,8 @@ class Run:
         data.batches.shuffle = epoch > training.curriculum
         controller.set_epoch(epoch)
         update_freq = training.update_freq_at(epoch)
-        self.report.start_epoch(epoch, -(-data.remaining_steps // update_freq))
+        self.report.start_epoch(epoch, -(-data.remaining_steps // update_freq),
+                                resumed=data.samples_in_epoch > 0)
         dummy = data.dummy_batch()
         for chunk in _chunks(data.next_epoch_itr(), update_freq):
             start = time.perf_counter()

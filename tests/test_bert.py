@@ -206,19 +206,35 @@ def test_loss_decreases_on_a_tiny_corpus(shards):
     assert np.mean(losses[-8:]) < 0.8 * np.mean(losses[:4])   # deterministic: 5.41 -> 4.09
 
 
-def test_two_ranks_with_different_batches_train_bert(shards, tmp_path):
+def test_two_ranks_with_different_batches_train_bert_and_export_under_zero3(shards, tmp_path):
+    """Sharded parameters (--zero 3) are gathered for the export: the folder
+    loads back here and in transformers, with the trained model's logits."""
     common = ["--task", "bert", "--data", shards["dir"], "--config_file", shards["config"],
-              "--dict", shards["vocab"], "--max-update", 3, "--lr", 0.001,
+              "--dict", shards["vocab"], "--max-update", 3, "--lr", 0.001, "--zero", 3,
               "--save-dir", tmp_path, "--export-hf", tmp_path / "hf"]   # rank 0 writes it
     results = run_job(common, [["--max-sentences", 6], ["--max-sentences", 2]])
     assert_ok(results)
     assert "global batch 8" in results[0][1]
     # --export-hf: a Hugging Face BertForPreTraining folder our loader reads back.
-    exported = BertForPreTraining(BertConfig.from_json(str(tmp_path / "hf" / "config.json")))
+    config = BertConfig.from_json(str(tmp_path / "hf" / "config.json"))
+    exported = BertForPreTraining(config)
     missing, unexpected = load_hf_weights(exported, str(tmp_path / "hf"))
     assert missing == [] and unexpected == []
-    trained = torch.load(tmp_path / "checkpoint_last.pt", weights_only=False)["controller"]["model"]
+    trained = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)["controller"]["model"]
     assert all(torch.equal(v, trained[k]) for k, v in exported.state_dict().items())
+    transformers = pytest.importorskip("transformers")
+    hf_model = transformers.BertForPreTraining.from_pretrained(str(tmp_path / "hf")).eval()
+    sample = BertH5Dataset(find_shards(str(shards["dir"]), "train"), 5).collater(list(range(4)))
+    with torch.no_grad():
+        mlm, nsp = exported.eval()(sample["input_ids"], sample["segment_ids"],
+                                   sample["input_mask"], sample["masked_lm_positions"])
+        out = hf_model(input_ids=sample["input_ids"], token_type_ids=sample["segment_ids"],
+                       attention_mask=sample["input_mask"])
+    positions = sample["masked_lm_positions"][..., None].expand(-1, -1, config.vocab_size)
+    # Float rounding only (our fused qkv GEMM).
+    assert torch.allclose(torch.gather(out.prediction_logits, 1, positions), mlm, rtol=1e-5,
+                          atol=1e-4)
+    assert torch.allclose(out.seq_relationship_logits, nsp, rtol=1e-5, atol=1e-4)
     assert (tmp_path / "hf" / "vocab.txt").read_text() == open(shards["vocab"]).read()
     assert "rank 0 cpu" in results[0][1] and "batch 6 in 1 micro-batch" in results[0][1]
     assert "batch 2 in 1 micro-batch" in results[0][1]

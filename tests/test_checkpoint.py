@@ -2,6 +2,7 @@
 
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import time
@@ -69,22 +70,38 @@ def test_interval_checkpoints_retention_and_best(tmp_path):
     # 7 updates an epoch: updates 6 and 8 are the last two interval saves.
     assert [n for n in names if n.count("_") == 2] == ["checkpoint_1_6.pt", "checkpoint_2_8.pt"]
     assert "checkpoint1.pt" in names and "checkpoint_best.pt" in names
+    # Validated at the end of epoch 1 (update 7) and at the stop (update 9):
+    # the best is the lower loss, and its checkpoint holds that moment.
+    losses = [float(x) for x in re.findall(r"valid on 'valid' \| epoch \d+ \| loss=([\d.]+)",
+                                           result.stderr)]
+    assert len(losses) == 2, result.stderr[-3000:]
     best = torch.load(tmp_path / "checkpoint_best.pt", weights_only=True)
-    assert best["best"] is not None and best["args"]["max_update"] == 9
+    assert best["best"] == pytest.approx(min(losses), rel=1e-3) and best["args"]["max_update"] == 9
+    assert best["controller"]["num_updates"] == (7, 9)[losses.index(min(losses))]
 
 
-def test_reset_flags_keep_the_model_only(tmp_path):
-    assert run_train(*TOY, "--max-sentences", 16, "--max-update", 3, "--optimizer", "adam",
-                     "--save-dir", tmp_path).returncode == 0
+@pytest.mark.parametrize("reset", [True, False])
+def test_reset_flags_keep_the_model_only(tmp_path, reset):
+    """3 updates of 16, then 1 more: with the --reset-* flags the optimizer
+    starts afresh (Adam has stepped once), the data from the epoch's start
+    (16 samples in), the running averages from nothing (16 samples in them);
+    without them all three go on (4 steps, 64 samples)."""
+    run = [*TOY, "--max-sentences", 16, "--optimizer", "adam", "--save-dir", tmp_path,
+           "--disable-validation"]
+    assert run_train(*run, "--max-update", 3).returncode == 0
     before = final_params(tmp_path)
-    result = run_train(*TOY, "--max-sentences", 16, "--max-update", 4, "--optimizer", "adam",
-                       "--save-dir", tmp_path, "--reset-dataloader", "--reset-optimizer",
-                       "--reset-meters", "--disable-validation")
+    resets = ["--reset-dataloader", "--reset-optimizer", "--reset-meters"] if reset else []
+    result = run_train(*run, "--max-update", 4, *resets)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stderr
     after = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
-    assert after["train_iterator"]["epoch"] == 1 and after["controller"]["num_updates"] == 4
+    assert after["controller"]["num_updates"] == 4
     assert any(not torch.equal(before[k], after["controller"]["model"][k]) for k in before)
+    steps = {float(state["step"]) for state in after["controller"]["optimizer"]["state"].values()}
+    samples = 16 if reset else 64
+    assert steps == {1.0 if reset else 4.0}
+    assert after["train_iterator"]["samples_in_epoch"] == samples
+    assert after["meters"]["loss"]["count"] == samples
 
 
 def endless_pair(timeout):

@@ -240,7 +240,7 @@ def test_metrics_of_two_uneven_ranks_equal_one_process(tmp_path, tiny_hf, task, 
     for name in ("one", "two"):
         # The metric each run reduced across its ranks equals the one computed
         # here, in one process, from that run's model on the whole dev set.
-        state = torch.load(tmp_path / name / "checkpoint_best.pt", weights_only=False)
+        state = torch.load(tmp_path / name / "checkpoint_best.pt", weights_only=True)
         predicted, labels = predictions(state["controller"]["model"], folder, task, tiny_hf)
         expected = reference(metric, predicted, labels)
         assert 0 < abs(expected) < 1   # a metric that says something
@@ -280,7 +280,7 @@ def test_fine_tuned_export_loads_back_here_and_in_transformers(tmp_path, tiny_hf
                        "--save-dir", tmp_path / "ckpt", "--export-hf", out)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "exporting the best checkpoint (accuracy" in result.stderr
-    best = torch.load(tmp_path / "ckpt" / "checkpoint_best.pt", weights_only=False)
+    best = torch.load(tmp_path / "ckpt" / "checkpoint_best.pt", weights_only=True)
     ours = BertForSequenceClassification(StartingPoint(hf_folder=tiny_hf).bert_config(), 2)
     ours.load_state_dict(best["controller"]["model"])
     again = BertForSequenceClassification(StartingPoint(hf_folder=str(out)).bert_config(), 2)

@@ -1,6 +1,7 @@
 """--zero modes and mixed precision: checkpoints across modes and world sizes,
 padding of micro-batches under FSDP, validation and export, bad input."""
 
+import math
 import re
 
 import pytest
@@ -147,8 +148,9 @@ def test_micro_batch_caps_differing_between_ranks_are_padded_under_zero3(tmp_pat
     assert max_diff(straight["controller"]["model"], capped["controller"]["model"]) < 1e-5
 
 
-def test_export_under_zero3_holds_the_full_weights(tmp_path):
-    """Exports and checkpoint_last.pt of a sharded run hold full tensors."""
+def test_checkpoint_of_a_sharded_run_holds_the_full_weights(tmp_path):
+    """checkpoint_last.pt of a --zero 3 run holds full tensors (the export
+    under --zero 3: tests/test_bert.py)."""
     state = train(tmp_path / "run", 2, [16, 8], "--zero", 3)
     for name, shape in (("0.weight", (16, 8)), ("0.bias", (16,)), ("2.weight", (1, 16))):
         assert tuple(state["controller"]["model"][name].shape) == shape
@@ -186,39 +188,52 @@ def test_checkpoint_of_another_shape_is_named_under_zero3(tmp_path):
 WIDE = ["--toy-width", 65536]     # 655k float64 parameters: 5.2 MB, 21 MB with grads and Adam
 
 
-def _state_bytes(rank, world, init, zero, out):
+def _state_bytes(rank, world, init, out):
+    """Rank ``rank``: the state its Controller holds under each mode, estimated
+    before the first step (no optimizer state yet) and counted after it."""
     import torch.distributed as dist
     from hetseq.distributed import DistContext
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
-    controller, task = build_controller([*BASE, *WIDE, "--zero", zero], ctx)
-    before = controller.state_bytes()              # estimated: no optimizer state yet
-    batch = task.load_dataset("train")[list(range(4))]
-    controller.train_step([batch], batch)
-    out.put((rank, zero, before, controller.state_bytes()))   # counted from the tensors
-    del controller
+    held = {}
+    for zero in ("0", "1", "2", "3"):
+        controller, task = build_controller([*BASE, *WIDE, "--zero", zero], ctx)
+        before = controller.state_bytes()
+        batch = task.load_dataset("train")[list(range(4))]
+        controller.train_step([batch], batch)
+        held[zero] = (before, controller.state_bytes())
+        del controller
+    out.put((rank, held))
     leave_process_group()
 
 
-def test_each_mode_holds_its_share_of_the_model_state(tmp_path):
+def test_each_mode_holds_exactly_its_share_of_the_model_state(tmp_path):
+    """Counted from the tensors each rank holds (float64: 8 bytes), after one
+    AdamW update: parameters, gradients and two moments. The estimate made
+    before the first step (capacity planning uses it) is exact too."""
     import torch.multiprocessing as mp
-    full = 4 * 8 * (8 * 65536 + 65536 + 65536 + 1)   # params, grads, 2 Adam moments
-    held = {}
-    for zero in ("0", "1", "3"):
-        queue = mp.get_context("spawn").SimpleQueue()
-        mp.start_processes(_state_bytes, args=(2, f"file://{tmp_path / zero}", zero, queue),
-                           nprocs=2, start_method="spawn")
-        for _ in range(2):
-            rank, _, estimated, counted = queue.get()
-            assert estimated == counted, (zero, rank)   # the estimate before a step is exact
-            held[zero, rank] = counted
-    assert held["0", 0] == held["0", 1] == full
-    # ZeRO-1: the optimizer's half of the state is split (whole parameters per rank).
-    assert held["1", 0] + held["1", 1] == 2 * full // 2 + full // 2
-    # ZeRO-3: everything is split, 1/N each (+ padding of the uneven shards).
-    for rank in (0, 1):
-        assert held["3", rank] <= full / 2 * 1.05
+    shapes = {"0.weight": (65536, 8), "0.bias": (65536,), "2.weight": (1, 65536), "2.bias": (1,)}
+    sizes = {name: math.prod(shape) for name, shape in shapes.items()}
+    params = sum(sizes.values())
+    # --zero 1: ZeroRedundancyOptimizer gives each parameter, largest first, to
+    # the rank holding the least so far: 0.weight to rank 0, the rest to rank 1.
+    owned = [sizes["0.weight"], params - sizes["0.weight"]]
+    # --zero 2/3: FSDP splits each parameter along a dimension the world
+    # divides (2.weight along its 65536 columns); 2.bias (one number) stays whole
+    # on rank 0.
+    shards = [params // 2 + 1, params // 2]
+    expected = {"0": [4 * 8 * params] * 2,
+                "1": [8 * (2 * params + 2 * owned[rank]) for rank in (0, 1)],
+                "2": [4 * 8 * shard for shard in shards],
+                "3": [4 * 8 * shard for shard in shards]}
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_state_bytes, args=(2, f"file://{tmp_path / 'meet'}", queue), nprocs=2,
+                       start_method="spawn")
+    for _ in range(2):
+        rank, held = queue.get()
+        for zero, (estimated, counted) in held.items():
+            assert estimated == counted == expected[zero][rank], (zero, rank, held)
 
 
 def test_a_small_memory_budget_fits_under_zero3_and_is_named_under_zero0(tmp_path):

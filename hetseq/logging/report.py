@@ -21,10 +21,13 @@ class Reporter:
         self.balance_log = BalanceLog(save.save_dir, ctx.is_main and not save.no_save)
         self.progress, self.rate = None, RateMeter()
 
-    def start_epoch(self, epoch, updates):
+    def start_epoch(self, epoch, updates, resumed=False):
+        """``resumed``: the epoch goes on from a checkpoint, and so do its
+        running averages (unless --reset-meters left them out)."""
         self.progress = Progress(updates, f"epoch {epoch:03d}", self.ctx.is_main,
                                  not self.cfg.no_progress_bar, self.cfg.log_interval)
-        self.meters.reset()
+        if not resumed:
+            self.meters.reset()
         self.rate = RateMeter()
 
     def _shown(self, update):
