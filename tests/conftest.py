@@ -1,3 +1,4 @@
+import importlib
 import io
 import os
 import re
@@ -15,6 +16,28 @@ ROOT = Path(__file__).resolve().parents[1]
 TOY = ["--task", "toy", "--user-dir", str(ROOT / "tests" / "tasks")]
 # Fast, quiet defaults for every test run of train.py.
 QUIET = ["--cpu", "--no-progress-bar", "--distributed-timeout", "60"]
+# Set by .ci/run: a test whose needs (root, namespaces, Open MPI, a tmpfs, the
+# [test] packages) are missing fails instead of skipping, so that a CI machine
+# without them cannot pass with those promises untested.
+STRICT = os.environ.get("HETSEQ_TEST_STRICT") == "1"
+
+
+def require(ok, why):
+    """Skip, saying ``why``, when what a test needs is missing here; fail
+    instead under HETSEQ_TEST_STRICT=1 (CI). CUDA tests skip on their own."""
+    if not ok:
+        if STRICT:
+            pytest.fail(f"{why} (HETSEQ_TEST_STRICT=1: this machine must have it)",
+                        pytrace=False)
+        pytest.skip(why)
+
+
+def require_module(name):
+    """The module ``name`` (a [test] extra), or ``require``'s skip/failure."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        require(False, f"needs the Python package {name} ({err}); pip install -e '.[test]'")
 
 
 def free_port():
@@ -219,8 +242,7 @@ def mnist_data(tmp_path_factory):
 def _cluster():
     from hetseq.testing import cluster as netns
     available, why = netns.available()
-    if not available:
-        pytest.skip(f"namespace hosts: {why}")
+    require(available, f"namespace hosts: {why}")
     netns.remove_stale()
     return netns.VirtualCluster(2, rate="1gbit")
 

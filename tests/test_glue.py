@@ -14,7 +14,7 @@ from hetseq.bert.pretrained import StartingPoint
 from hetseq.bert.tokenizer import WordPiece
 from hetseq.errors import UserError
 
-from conftest import assert_ok, run_job, run_train
+from conftest import assert_ok, require_module, run_job, run_train
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = ("the of and to in is was for on that with as by at from his her an were are which "
@@ -291,7 +291,7 @@ def test_fine_tuned_export_loads_back_here_and_in_transformers(tmp_path, tiny_hf
     assert config["id2label"] == {"0": "entailment", "1": "not_entailment"}
     assert config["architectures"] == ["BertForSequenceClassification"]
 
-    transformers = pytest.importorskip("transformers")
+    transformers = require_module("transformers")
     hf_model = transformers.AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
     pair = ("The one was new.", "Their time is over, it has been.")
@@ -307,7 +307,7 @@ def test_fine_tuned_export_loads_back_here_and_in_transformers(tmp_path, tiny_hf
 
 
 def test_pretraining_export_gives_the_same_logits_in_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = require_module("transformers")
     torch.manual_seed(1)
     config = BertConfig(vocab_size=len(SPECIAL) + len(WORDS) + 2, **TINY)
     ours = BertForPreTraining(config).eval()

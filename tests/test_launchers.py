@@ -11,18 +11,19 @@ import sys
 
 import pytest
 
-from hetseq.testing import cluster as netns
-
-from conftest import ROOT, assert_ok, child_env, final_params, finish, free_port, max_diff, run_train
+from conftest import (ROOT, assert_ok, child_env, final_params, finish, free_port, max_diff,
+                      require, run_train)
 from test_parity import COMMON, EXACT, reference
 
 LAUNCH = ROOT / "examples" / "launch"
 STAND_INS = ROOT / "tests" / "stand_ins"     # srun, scontrol, an ssh for namespace hosts
-HOSTS_OK, HOSTS_WHY = netns.available()
-needs_hosts = pytest.mark.skipif(not HOSTS_OK, reason=f"namespace hosts: {HOSTS_WHY}")
 MPI_AS_ROOT = dict(OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)  # CI is root
-needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None,
-                                  reason="needs Open MPI's mpirun (apt-get install openmpi-bin)")
+
+
+@pytest.fixture
+def mpirun():
+    require(shutil.which("mpirun") is not None,
+            "needs Open MPI's mpirun (apt-get install openmpi-bin)")
 QUIET = "--cpu --no-progress-bar --distributed-timeout 60"
 
 
@@ -43,7 +44,6 @@ def run_on_hosts(cluster, commands, timeout=180):
     return [(out, code) for code, out in results]
 
 
-@needs_hosts
 def test_torchrun_recipe_two_hosts_different_process_counts(hosts, tmp):
     out, script = tmp / "torchrun", ["bash", LAUNCH / "torchrun.sh"]
     common = dict(RDZV="hostA:29400", NNODES=2, HETSEQ_ARGS=hetseq_args(out))
@@ -54,8 +54,7 @@ def test_torchrun_recipe_two_hosts_different_process_counts(hosts, tmp):
     assert max_diff(reference(), final_params(out)) < EXACT
 
 
-@needs_mpirun
-def test_mpirun_recipe_one_host_two_ranks(tmp):
+def test_mpirun_recipe_one_host_two_ranks(mpirun, tmp):
     out = tmp / "mpi"
     hostfile = tmp / "hostfile"
     hostfile.write_text("localhost slots=2\n")
@@ -68,9 +67,7 @@ def test_mpirun_recipe_one_host_two_ranks(tmp):
     assert max_diff(reference(), final_params(out)) < EXACT
 
 
-@needs_hosts
-@needs_mpirun
-def test_mpirun_hostfile_recipe_across_two_hosts(hosts, tmp):
+def test_mpirun_hostfile_recipe_across_two_hosts(hosts, mpirun, tmp):
     # mpirun runs on hostA and starts hostB's rank through an ssh stand-in
     # that enters hostB's namespace (Open MPI's plm_rsh_agent).
     out, hostfile = tmp / "mpi", tmp / "hostfile"
@@ -101,7 +98,6 @@ def sbatch(cluster, script, groups, **values):
     return result.stderr
 
 
-@needs_hosts
 def test_slurm_recipe_one_task_per_device(hosts, tmp):
     out = tmp / "slurm"
     log = sbatch(hosts, "slurm.sbatch", [{"nodes": ["hostA", "hostB"], "tasks_per_node": 1}],
@@ -110,7 +106,6 @@ def test_slurm_recipe_one_task_per_device(hosts, tmp):
     assert max_diff(reference(), final_params(out)) < EXACT
 
 
-@needs_hosts
 def test_slurm_heterogeneous_job_recipe(hosts, tmp):
     # Component 0: hostA, 1 process of 16; component 1: hostB, 2 processes of 8.
     out = tmp / "hetjob"
