@@ -117,14 +117,15 @@ def endless_pair(timeout):
 
 def test_sigkill_of_one_rank_names_it(tmp_path):
     # A killed peer resets its connections: the survivor's next collective
-    # fails at once, well inside --distributed-timeout (20 s).
-    nodes = endless_pair(timeout=20)
+    # fails at once (about a second here), not after --distributed-timeout.
+    timeout = 60
+    nodes = endless_pair(timeout)
     nodes[1].proc.send_signal(signal.SIGKILL)
     start = time.time()
-    code, out = nodes[0].finish(timeout=60)
+    code, out = nodes[0].finish(timeout=2 * timeout)
     nodes[1].finish()
     assert code == 3, out[-3000:]
-    assert time.time() - start < 20
+    assert time.time() - start < timeout / 3
     assert "lost rank 1 (" in out and "heartbeat stopped" in out, out[-3000:]
 
 
@@ -174,14 +175,20 @@ def test_non_finite_losses_skip_then_stop(tmp_path):
     assert "4 updates in a row had a non-finite loss" in result.stderr
 
 
+# A frozen rank is seen only when --distributed-timeout passes. It also bounds
+# the start-up of both nodes: 10 s leaves room for a slow start.
+FROZEN_TIMEOUT = 10
+
+
 def test_frozen_rank_is_named_after_the_timeout(tmp_path):
-    nodes = endless_pair(timeout=6)
+    nodes = endless_pair(FROZEN_TIMEOUT)
     try:
         nodes[1].proc.send_signal(signal.SIGSTOP)       # hung, not dead
         start = time.time()
         code, out = nodes[0].finish(timeout=60)
         assert code == 3, out[-3000:]
-        assert time.time() - start < 6 + 10            # the timeout, then a short watch
+        # The timeout, then the watch that names the rank (a few seconds).
+        assert time.time() - start < FROZEN_TIMEOUT + 10
         assert "lost rank 1 (" in out, out[-3000:]
     finally:
         nodes[1].proc.kill()
@@ -191,13 +198,13 @@ def test_frozen_rank_is_named_after_the_timeout(tmp_path):
 def test_frozen_rank_zero_is_named_by_the_others(tmp_path):
     # Rank 0 serves the store: when it hangs, the watch that names the lost
     # rank must not block on the store (TCPStore.add has no deadline).
-    nodes = endless_pair(timeout=6)
+    nodes = endless_pair(FROZEN_TIMEOUT)
     try:
         nodes[0].proc.send_signal(signal.SIGSTOP)
         start = time.time()
         code, out = nodes[1].finish(timeout=60)
         assert code == 3, out[-3000:]
-        assert time.time() - start < 6 + 10
+        assert time.time() - start < FROZEN_TIMEOUT + 10
         assert "lost rank 0 (" in out and "rendezvous store" in out, out[-3000:]
     finally:
         nodes[0].proc.kill()
@@ -288,7 +295,7 @@ def test_rank_killed_by_a_signal_gives_exit_3_not_the_signal_number():
 
 
 def test_killed_rank_zero_is_named_without_a_cpp_stack_dump():
-    nodes = endless_pair(timeout=20)
+    nodes = endless_pair(60)
     nodes[0].proc.send_signal(signal.SIGKILL)
     code, out = nodes[1].finish(timeout=60)
     nodes[0].finish()
@@ -306,7 +313,7 @@ def test_node_that_stops_on_its_own_error_ends_the_job_at_once():
     (code0, out0), (code1, out1) = run_job(common, [[], ["--toy-fail-after", 20]])
     assert code1 == 2 and "this node's data ends" in out1, out1[-3000:]
     assert code0 == 3 and "lost rank 1 (" in out0, out0[-3000:]
-    assert time.time() - start < 40, (out0 + out1)[-3000:]
+    assert time.time() - start < 60 / 2, (out0 + out1)[-3000:]   # not the 60 s timeout
 
 
 def test_resume_with_the_same_plan_does_not_log_a_change(tmp_path):
