@@ -1,0 +1,185 @@
+#!/usr/bin/env python
+"""Proof that the tests bite: break each promise of the README on purpose,
+one at a time, and run the tests that pin it; every one must fail.
+
+Each mutation replaces one piece of text in a copy of the repository (the
+committed tree, in a temporary folder) and runs the named tests there.
+Prints JSON: for each mutation, the promise, the tests run and whether they
+failed (``caught``). docs/promises.md lists the same promises.
+
+    python bench/mutations.py [--only NAME ...] [--out FILE]
+
+About 10 minutes for all on 2 cores.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from output import emit  # noqa: E402
+
+# name: (promise, file, text, replacement, tests)
+MUTATIONS = {
+    "scale-without-world-size": (
+        "gradients are multiplied by W/N: the large-batch gradient",
+        "hetseq/controller.py",
+        "self._grad_divisor = ctx.world_size if ctx.distributed else 1",
+        "self._grad_divisor = 1",
+        ["tests/test_parity.py::test_two_uneven_ranks_match_one_process"]),
+    "scale-rounded-to-float32": (
+        "the scale is applied in the gradients' precision (W/N = 3/36 is no binary fraction)",
+        "hetseq/controller.py",
+        "wide = [g for g in grads if g.dtype == torch.float64]",
+        "wide = []",
+        ["tests/test_parity.py::test_three_uneven_ranks_with_accumulation_match_one_process"]),
+    "padding-batch-counts": (
+        "a rank whose slice is empty takes part with zero weight",
+        "hetseq/controller.py",
+        "weight=0.0 if sample is None else 1.0",
+        "weight=1.0",
+        ["tests/test_parity.py::test_three_uneven_ranks_with_accumulation_match_one_process"]),
+    "sync-every-micro-batch": (
+        "local accumulation (micro-batches, --update-freq) adds no communication",
+        "hetseq/sharding.py",
+        "return wrapped.no_sync()",
+        "return contextlib.nullcontext()",
+        ["tests/test_communication.py"]),
+    "update-freq-ignored": (
+        "--update-freq K accumulates K global batches per update",
+        "hetseq/train.py",
+        "for chunk in _chunks(data.next_epoch_itr(), update_freq):",
+        "for chunk in _chunks(data.next_epoch_itr(), 1):",
+        ["tests/test_parity.py::test_three_uneven_ranks_with_accumulation_match_one_process",
+         "tests/test_communication.py"]),
+    "stats-after-backward": (
+        "the stats all-reduce starts before the last backward and runs during it",
+        "hetseq/stats.py",
+        "            if self.announced:\n                self.stats.start()\n",
+        "",
+        ["tests/test_parity.py::test_stats_travel_in_one_all_reduce_started_before_backward"]),
+    "norm-only-when-shown": (
+        "a node's own flags never change the collectives (the sharded norm always rides "
+        "with the overflow flag)",
+        "hetseq/controller.py",
+        "        if self.sharding.shards_grads:\n            norm, finite = "
+        "self._sharded_norm_and_scale(grads, scale, clip)",
+        "        if self.sharding.shards_grads and clip == 0:\n"
+        "            finite = not self.sharding.reduce(_scale_and_check(grads, scale, "
+        "self.ctx.device)).item()\n"
+        "            norm = lambda: math.sqrt(self.sharding.reduce(_squares(grads, "
+        "self.ctx.device)).item())\n"
+        "        elif self.sharding.shards_grads:\n            norm, finite = "
+        "self._sharded_norm_and_scale(grads, scale, clip)",
+        ["tests/test_per_node_flags.py::test_every_rank_takes_the_same_update_path"]),
+    "zero1-not-sharded": (
+        "--zero 1 splits the optimizer state",
+        "hetseq/sharding.py",
+        "        if not self.ctx.distributed:\n            return optimizer\n"
+        "        from torch.distributed.optim import ZeroRedundancyOptimizer",
+        "        return optimizer\n        from torch.distributed.optim import "
+        "ZeroRedundancyOptimizer",
+        ["tests/test_sharding.py::test_each_mode_holds_exactly_its_share_of_the_model_state"]),
+    "loss-scale-not-divided-out": (
+        "the fp16 loss scale is divided out exactly",
+        "hetseq/controller.py",
+        "scale = self._grad_divisor / (sample_size * (self.scaler.scale if self.scaler else 1.0))",
+        "scale = self._grad_divisor / sample_size",
+        ["tests/test_precision.py::test_fp16_loss_scaling_is_exact"]),
+    "overflow-flag-not-summed": (
+        "an overflow in any shard skips the update on every rank",
+        "hetseq/controller.py",
+        "return norm, math.isfinite(norm) and not summed[1]",
+        "return norm, not found.item()",
+        ["tests/test_checkpoint.py::test_overflow_in_one_shard_skips_on_every_rank"]),
+    "reduce-dtype-ignored": (
+        "--reduce-dtype bfloat16 sums gradients in 16 bits",
+        "hetseq/precision.py",
+        "    if cfg.reduce_dtype == \"float32\":\n        return None\n    dtype = DTYPES",
+        "    return None\n    dtype = DTYPES",
+        ["tests/test_precision.py::test_gradients_summed_in_bfloat16_when_asked"]),
+    "rng-not-restored": (
+        "a resumed run is bit-identical (every rank's RNG state is restored)",
+        "hetseq/checkpoint.py",
+        "            set_rng_state(rng[self.ctx.rank])",
+        "            pass",
+        ["tests/test_checkpoint.py::test_resume_mid_epoch_is_bit_exact"]),
+    "data-position-lost": (
+        "the data position is kept in samples: the epoch goes on from the saved sample",
+        "hetseq/data/iterators.py",
+        "        self.samples_in_epoch = state.get(\"samples_in_epoch\")",
+        "        self.samples_in_epoch = 0",
+        ["tests/test_checkpoint.py::test_resume_with_another_global_batch_uses_every_sample_once"]),
+    "reset-flags-ignored": (
+        "--reset-optimizer/-dataloader/-meters leave that state out of a resume",
+        "hetseq/train.py",
+        "    skip = set()\n",
+        "    skip = set()\n    return skip\n",
+        ["tests/test_checkpoint.py::test_reset_flags_keep_the_model_only"]),
+    "meters-reset-on-resume": (
+        "a resumed epoch's running averages go on",
+        "hetseq/logging/report.py",
+        "        if not resumed:\n            self.meters.reset()",
+        "        self.meters.reset()",
+        ["tests/test_checkpoint.py::test_reset_flags_keep_the_model_only"]),
+    "write-in-place": (
+        "a crash while saving keeps the previous checkpoint (atomic rename)",
+        "hetseq/checkpoint.py",
+        "    fd, tmp = tempfile.mkstemp(prefix=\".tmp-\", suffix=\".pt\", dir=folder)",
+        "    fd, tmp = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), dst",
+        ["tests/test_checkpoint.py::test_kill_while_saving_keeps_the_previous_checkpoint"]),
+    "no-agreement-check": (
+        "ranks that drift apart are brought back, ranks that diverge stop the run",
+        "hetseq/agreement.py",
+        "        if disagreeing(checksums):\n",
+        "        if False:\n",
+        ["tests/test_agreement.py"]),
+    "stateless-optimizer-state": (
+        "a stateless optimizer's checkpoint resumes under --zero 2/3",
+        "hetseq/sharding.py",
+        "        if not state[\"state\"]:\n",
+        "        if False:\n",
+        ["tests/test_sharding.py::test_resume_of_a_stateless_optimizer_under_another_mode_and_world"]),
+}
+
+
+def run(name, promise, path, text, replacement, tests):
+    with tempfile.TemporaryDirectory() as copy:
+        archive = subprocess.run(["git", "-C", ROOT, "archive", "HEAD"], capture_output=True,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", copy], input=archive, check=True)
+        target = os.path.join(copy, path)
+        with open(target) as f:
+            source = f.read()
+        if source.count(text) != 1:
+            return {"name": name, "promise": promise, "error": f"text not found once in {path}"}
+        with open(target, "w") as f:
+            f.write(source.replace(text, replacement))
+        start = time.time()
+        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                               *tests], cwd=copy, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": copy}, timeout=1800)
+        summary = (done.stdout.strip().splitlines() or [""])[-1]
+        return {"name": name, "promise": promise, "file": path, "tests": tests,
+                "caught": done.returncode != 0, "pytest": summary,
+                "seconds": round(time.time() - start, 1)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="mutation names (default: all)")
+    parser.add_argument("--out")
+    opts = parser.parse_args()
+    names = opts.only or list(MUTATIONS)
+    results = [run(name, *MUTATIONS[name]) for name in names]
+    emit({"mutations": results, "caught": sum(bool(r.get("caught")) for r in results),
+          "of": len(results)}, opts.out)
+
+
+if __name__ == "__main__":
+    main()
