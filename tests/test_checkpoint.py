@@ -46,15 +46,20 @@ def _save_forever(path):
 def test_kill_while_saving_keeps_the_previous_checkpoint(tmp_path):
     path = tmp_path / "checkpoint_last.pt"
     checkpoint.save(str(path), {"format": checkpoint.FORMAT, "value": torch.arange(5)})
-    writer = multiprocessing.get_context("spawn").Process(target=_save_forever, args=(str(path),))
+    # daemon, and killed whatever happens: a writer left running would keep
+    # pytest from exiting when the wait below fails.
+    writer = multiprocessing.get_context("spawn").Process(target=_save_forever, args=(str(path),),
+                                                          daemon=True)
     writer.start()
-    deadline = time.time() + 60
-    while not any(p.name.startswith(".tmp-") and p.stat().st_size > 1 << 20
-                  for p in tmp_path.iterdir()):
-        assert time.time() < deadline
-        time.sleep(0.01)
-    os.kill(writer.pid, signal.SIGKILL)                        # mid-write
-    writer.join()
+    try:
+        deadline = time.time() + 60
+        while not any(p.name.startswith(".tmp-") and p.stat().st_size > 1 << 20
+                      for p in tmp_path.iterdir()):
+            assert time.time() < deadline, "no temporary file of over 1 MB appeared in 60 s"
+            time.sleep(0.01)
+    finally:
+        os.kill(writer.pid, signal.SIGKILL)                    # mid-write
+        writer.join()
     assert torch.equal(checkpoint.load(str(path))["value"], torch.arange(5))
     assert any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
     checkpoint.remove_stale_temporaries(str(tmp_path))        # what the next run does
