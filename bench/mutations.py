@@ -5,7 +5,7 @@ one at a time, and run the tests that pin it; every one must fail.
 Each mutation replaces one piece of text in a copy of the repository (the
 committed tree, in a temporary folder) and runs the named tests there.
 Prints JSON: for each mutation, the promise, the tests run and whether they
-failed (``caught``). docs/promises.md lists the same promises.
+failed (``caught``). docs/testing.md lists the same promises.
 
     python bench/mutations.py [--only NAME ...] [--out FILE]
 
@@ -146,6 +146,36 @@ MUTATIONS = {
         "        if not state[\"state\"]:\n",
         "        if False:\n",
         ["tests/test_sharding.py::test_resume_of_a_stateless_optimizer_under_another_mode_and_world"]),
+    "slices-overlap": (
+        "rank i takes a contiguous slice of each global batch; every sample once per epoch",
+        "hetseq/data/iterators.py",
+        "        start = sum(sizes[:rank])\n",
+        "        start = 0\n",
+        ["tests/test_global_batches.py::test_every_index_once_per_epoch_with_uneven_splits"]),
+    "non-finite-applied": (
+        "a NaN/inf loss or gradient skips the update on every rank",
+        "hetseq/controller.py",
+        "        if not finite:\n            if self.scaler is None:",
+        "        if False:\n            if self.scaler is None:",
+        ["tests/test_checkpoint.py::test_non_finite_gradient_on_one_rank_skips_on_all"]),
+    "identity-not-compared": (
+        "a node whose job flags differ is refused before it claims a rank",
+        "hetseq/distributed/identity.py",
+        "        held = store.get(\"hetseq/job\").decode()\n        if held == mine:\n",
+        "        held = store.get(\"hetseq/job\").decode()\n        if True:\n",
+        ["tests/test_job_identity.py::test_node_with_other_seed_and_epochs_is_refused_naming_both"]),
+    "lost-rank-unnamed": (
+        "the survivors of a lost rank stop with code 3 naming it and its host",
+        "hetseq/distributed/health.py",
+        "        lost = [r for r in silent if r != rank]\n",
+        "        lost = []\n",
+        ["tests/test_checkpoint.py::test_sigkill_of_one_rank_names_it"]),
+    "stale-file-joined": (
+        "a file:// meeting point left by a killed job is recognised and named",
+        "hetseq/distributed/rendezvous.py",
+        "    if not members:\n        return\n",
+        "    return\n",
+        ["tests/test_startup.py::test_file_left_by_a_killed_job_is_named"]),
 }
 
 
