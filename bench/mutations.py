@@ -198,9 +198,12 @@ def run(name, promise, path, text, replacement, tests):
         done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
                                *tests], cwd=copy, capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": copy}, timeout=1800)
-        summary = (done.stdout.strip().splitlines() or [""])[-1]
+        lines = done.stdout.strip().splitlines() or [""]
+        # pytest's "E   ..." lines: the assertion that caught it (it must be
+        # the promise's, not an import error the mutation made).
+        why = [line[1:].strip() for line in lines if line.startswith("E ")][:2]
         return {"name": name, "promise": promise, "file": path, "tests": tests,
-                "caught": done.returncode != 0, "pytest": summary,
+                "caught": done.returncode != 0, "pytest": lines[-1], "why": why,
                 "seconds": round(time.time() - start, 1)}
 
 
