@@ -95,6 +95,9 @@ def add_distributed_args(parser):
                        help="default: nccl on CUDA, gloo on CPU")
     group.add_argument("--distributed-timeout", type=float, default=600, metavar="SECONDS",
                        help="how long start-up and every collective may wait (default: 600)")
+    group.add_argument("--job-secret-file", metavar="PATH",
+                       help="a file, readable only by you, holding the job's secret (or set "
+                            "HETSEQ_JOB_SECRET): only nodes that know it may join (tcp:// only)")
     group.add_argument("--distributed-no-spawn", action="store_true",
                        help="this process is exactly one rank (--distributed-rank), spawn nothing")
     group.add_argument("--device-id", "--local_rank", "--local-rank", type=int, default=0,

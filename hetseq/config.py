@@ -226,6 +226,7 @@ class LaunchConfig(_Section):
     distributed_port: int
     distributed_timeout: float
     distributed_no_spawn: bool
+    job_secret_file: str | None   # the secret itself never enters a config
     device_id: int
     cpu: bool
 

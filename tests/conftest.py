@@ -57,7 +57,7 @@ def child_env(extra=None):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "OMPI_", "PMI_",
                                 "SLURM_", "TORCHELASTIC", "GLOO_SOCKET_IFNAME",
-                                "NCCL_SOCKET_IFNAME"))}
+                                "NCCL_SOCKET_IFNAME", "HETSEQ_JOB_SECRET"))}
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra or {})
     return env
@@ -239,18 +239,25 @@ def mnist_data(tmp_path_factory):
     return data
 
 
-def _cluster():
+def _cluster(size=2):
     from hetseq.testing import cluster as netns
     available, why = netns.available()
     require(available, f"namespace hosts: {why}")
     netns.remove_stale()
-    return netns.VirtualCluster(2, rate="1gbit")
+    return netns.VirtualCluster(size, rate="1gbit")
 
 
 @pytest.fixture
 def hosts():
     """Two namespace hosts on a 1 Gbit/s switch, for one test (links may be cut)."""
     with _cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def three_hosts():
+    """Three namespace hosts on a 1 Gbit/s switch, for one test."""
+    with _cluster(3) as cluster:
         yield cluster
 
 

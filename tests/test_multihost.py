@@ -37,6 +37,8 @@ def test_tcp_by_hostname_two_plus_one_processes_match_one_process(shared_hosts, 
     assert_ok(results)
     assert "network: hostA 10.213.0.1 (eth0): ranks 0-1; hostB 10.213.0.2 (eth0): rank 2" \
         in results[0][1], results[0][1][-3000:]
+    # The store cannot listen on 127.0.1.1 alone: host B would not reach it.
+    assert "hostA resolves to 127.0.1.1 on this host" in results[0][1], results[0][1][-3000:]
     assert max_diff(reference(), final_params(out)) < EXACT
 
 

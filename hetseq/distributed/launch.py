@@ -16,10 +16,9 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hetseq.distributed import health, rendezvous
+from hetseq.distributed import health, rendezvous, tunnel
 from hetseq.distributed.topology import resolve_topology
 from hetseq.errors import HetSeqError, PeerLost
 from hetseq.logging import setup_logging
@@ -60,6 +59,7 @@ def launch(node, backend, worker, *worker_args, identity=None):
 
     Returns the worker's result when it ran in this process (one local rank).
     """
+    tunnel.read_secret(node.launch.job_secret_file)   # a bad secret: exit 2 before spawning
     cuda_count = torch.cuda.device_count() if not node.launch.cpu else 0
     topology = resolve_topology(node.launch, os.environ, cuda_count, backend)
     if topology.nprocs == 1:
@@ -92,8 +92,7 @@ def _hosted_store(topology):
     if topology.init_method is not None:
         yield topology
         return
-    store = dist.TCPStore("127.0.0.1", 0, topology.world_size, True,
-                          datetime.timedelta(seconds=60), wait_for_workers=False)
+    store = rendezvous.loopback_store(topology.world_size, datetime.timedelta(seconds=60))
     yield dataclasses.replace(topology, init_method=f"tcp://127.0.0.1:{store.port}",
                               store_hosted=True)
     del store
@@ -125,8 +124,9 @@ def _run_rank(index, topology, node, identity, worker, worker_args):
                       topology.backend, topology.local_world_size)
     if not ctx.distributed:
         return worker(ctx, *worker_args)
-    store, peers = rendezvous.init_process_group(topology, rank, node.launch.distributed_timeout,
-                                                 node.launch.distributed_interface, identity)
+    store, peers = rendezvous.init_process_group(
+        topology, rank, node.launch.distributed_timeout, node.launch.distributed_interface,
+        identity, tunnel.read_secret(node.launch.job_secret_file))
     heartbeat = health.Heartbeat(store, rank)
     try:
         result = worker(ctx, *worker_args)

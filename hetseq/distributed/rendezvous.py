@@ -7,6 +7,7 @@ started, nodes that disagree on the world size. Each rank claims its number
 with an atomic ``add`` and then waits, with a deadline, until all are there.
 """
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -17,32 +18,116 @@ import urllib.parse
 
 import torch.distributed as dist
 
-from hetseq.distributed import health, identity, interfaces, network
+from hetseq.distributed import health, identity, interfaces, network, tunnel
 from hetseq.distributed.topology import ready_backend
 from hetseq.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 
-def _tcp_store(url, host, port, rank, world_size, timeout, hosted):
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """Who may reach the store this node serves or joins. ``secret``: the job
+    secret's key (None: no secret); ``interface``: --distributed-interface;
+    ``spans_hosts``: ranks of this job run on other hosts."""
+    secret: bytes | None = None
+    interface: str | None = None
+    spans_hosts: bool = True
+
+
+# Sockets handed to TCPStore as master_listen_fd must stay open while it serves.
+_LISTENERS = []
+
+
+def _tcp_store(url, host, port, rank, world_size, timeout, hosted, access):
     # Rank 0 serves the store unless the launcher process already does
     # (single-node runs, torchrun's agent store).
-    is_server = rank == 0 and not hosted
-    if not is_server:
-        network.wait_until_reachable(host, port, timeout.total_seconds(), lambda reason: (
-            f"rank {rank} could not reach the master at {_named(host)}:{port} ({url}) within "
-            f"{timeout.total_seconds():.0f} s: {reason}. Check that rank 0 runs, that HOST:PORT "
-            "is its address as seen from this host, and that no firewall blocks the port"))
+    if rank == 0 and not hosted:
+        return _serve(url, host, port, world_size, timeout, access)
+    if hosted and url.startswith("tcp://"):
+        access = dataclasses.replace(access, secret=None)   # our parent's loopback store
+    network.wait_until_reachable(host, port, timeout.total_seconds(), lambda reason: (
+        f"rank {rank} could not reach the master at {_named(host)}:{port} ({url}) within "
+        f"{timeout.total_seconds():.0f} s: {reason}. Check that rank 0 runs, that HOST:PORT "
+        "is its address as seen from this host, and that no firewall blocks the port"))
+    if access.secret is None:
+        if tunnel.asks_for_secret((host, port)):
+            raise UserError(f"the job at {url} has a job secret and this node none: set "
+                            "HETSEQ_JOB_SECRET or --job-secret-file as on the other nodes")
+    else:
+        # Every store call goes through the tunnel: an authenticated handshake,
+        # then authenticated frames (tunnel.py).
+        tunnel.check((host, port), access.secret, url)
+        host, port = "127.0.0.1", tunnel.ClientRelay((host, port), access.secret).port
     try:
-        return dist.TCPStore(host, port, world_size, is_server, timeout, wait_for_workers=False)
+        return dist.TCPStore(host, port, world_size, False, timeout)
     except (RuntimeError, ValueError) as err:
-        reason = str(err).splitlines()[0]
-        if is_server:
-            raise UserError(f"rank 0 could not serve {url}: {reason}. The port may be in use by "
-                            "another job (pick a free one) or HOST is not this machine's address")
         raise UserError(f"rank {rank} could not reach {url} within {timeout.total_seconds():.0f} s: "
-                        f"{reason}. Check that rank 0 runs, that HOST:PORT is its address and "
-                        "that no firewall blocks the port") from None
+                        f"{str(err).splitlines()[0]}. Check that rank 0 runs, that HOST:PORT is "
+                        "its address and that no firewall blocks the port") from None
+
+
+def _serve(url, host, port, world_size, timeout, access):
+    """Rank 0's store, listening only on the job's address (TCPStore alone
+    would listen on every address of the host). With a secret the store
+    itself listens on 127.0.0.1 and the job's address has the tunnel's gate."""
+    listener = _listen(url, _listen_address(url, host, access), port)
+    if access.secret is None:
+        return _store_on(listener, world_size, timeout)
+    local = _listen(url, "127.0.0.1", 0)
+    store = _store_on(local, world_size, timeout)
+    tunnel.Gate(listener, local.getsockname()[1], access.secret)
+    return store
+
+
+def loopback_store(world_size, timeout):
+    """A store served on 127.0.0.1 only, on a port the OS picks."""
+    return _store_on(_listen("tcp://127.0.0.1:0", "127.0.0.1", 0), world_size, timeout)
+
+
+def _store_on(listener, world_size, timeout):
+    _LISTENERS.append(listener)
+    address, port = listener.getsockname()[:2]
+    return dist.TCPStore(address, port, world_size, True, timeout, wait_for_workers=False,
+                         master_listen_fd=listener.fileno())
+
+
+def _listen_address(url, host, access):
+    """The address rank 0's store listens on: HOST of the URL as it resolves
+    here. This host's own name resolving to loopback while other hosts take
+    part (Debian maps it to 127.0.1.1) cannot be what they reach: then the
+    address of --distributed-interface, or every address with a warning."""
+    try:
+        address = interfaces.resolve(host)
+    except OSError as err:
+        raise UserError(f"rank 0 could not serve {url}: {host} does not resolve here "
+                        f"({err.strerror}); give this host's address") from None
+    own_name = host.lower() in {socket.gethostname().lower(), socket.getfqdn().lower()}
+    if not interfaces.is_loopback(address) or not access.spans_hosts or not own_name:
+        return address    # what every rank resolves HOST to (localhost: one host)
+    if access.interface:
+        chosen = interfaces.address_of(access.interface)
+        if chosen is None:
+            raise UserError(f"--distributed-interface {access.interface}: no such interface "
+                            "with an address on this host")
+        return chosen
+    logger.warning("%s resolves to %s on this host, which other hosts cannot reach: the store "
+                   "listens on every address of this host. Give this host's address in the URL "
+                   "or --distributed-interface to listen on that one only", host, address)
+    return "::" if socket.has_dualstack_ipv6() else "0.0.0.0"
+
+
+def _listen(url, address, port):
+    try:
+        if address == "::":
+            return socket.create_server((address, port), family=socket.AF_INET6,
+                                        dualstack_ipv6=True, backlog=128)
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        return socket.create_server((address, port), family=family, backlog=128)
+    except OSError as err:
+        raise UserError(f"rank 0 could not serve {url} on {address}: {err.strerror or err}. "
+                        "The port may be in use by another job (pick a free one) or HOST is not "
+                        "this machine's address") from None
 
 
 def _named(host):
@@ -61,24 +146,34 @@ def url_host_port(url):
     return host.strip("[]"), int(port) if port.isdigit() else None
 
 
-def _open_tcp(url, rank, world_size, timeout, hosted):
+def _open_tcp(url, rank, world_size, timeout, hosted, access):
     host, port = url_host_port(url)
     if not host or not port:
         raise UserError(f"--distributed-init-method {url}: expected tcp://HOST:PORT")
-    return _tcp_store(url, host, port, rank, world_size, timeout, hosted)
+    return _tcp_store(url, host, port, rank, world_size, timeout, hosted, access)
 
 
-def _open_env(url, rank, world_size, timeout, hosted):
+def _open_env(url, rank, world_size, timeout, hosted, access):
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port or not port.isdigit():
         raise UserError("env:// needs MASTER_ADDR and MASTER_PORT (an integer) in the environment, "
                         f"got MASTER_ADDR={addr!r} MASTER_PORT={port!r}")
     # torchrun's agent already serves a store at MASTER_ADDR:MASTER_PORT.
     hosted = hosted or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return _tcp_store(f"env:// ({addr}:{port})", addr, int(port), rank, world_size, timeout, hosted)
+    if hosted and access.secret is not None:
+        raise UserError("a job secret needs HetSeq's rank 0 to serve the meeting point, but "
+                        "torchrun's agent serves it here, with no authentication: start the "
+                        "nodes with --distributed-init-method tcp://HOST:PORT (or drop the secret)")
+    return _tcp_store(f"env:// ({addr}:{port})", addr, int(port), rank, world_size, timeout,
+                      hosted, access)
 
 
-def _open_file(url, rank, world_size, timeout, hosted):
+def _open_file(url, rank, world_size, timeout, hosted, access):
+    if access.secret is not None:
+        raise UserError(f"--distributed-init-method {url}: a job secret needs a tcp:// meeting "
+                        "point (a file:// store is guarded by the file's permissions, not by a "
+                        "handshake): use tcp://HOST:PORT, or drop HETSEQ_JOB_SECRET and "
+                        "--job-secret-file")
     path = file_path(url)
     folder = os.path.dirname(path) or "."
     if not os.path.isdir(folder):
@@ -96,12 +191,12 @@ def file_path(url):
     return urllib.parse.unquote(url[len("file://"):])
 
 
-def open_store(url, rank, world_size, timeout, hosted=False):
+def open_store(url, rank, world_size, timeout, hosted=False, access=Access()):
     scheme = url.split("://", 1)[0] if "://" in url else ""
     if scheme not in STORE_OPENERS:
         raise UserError(f"--distributed-init-method {url}: expected tcp://HOST:PORT, "
                         "file:///shared/path or env://")
-    return STORE_OPENERS[scheme](url, rank, world_size, timeout, hosted)
+    return STORE_OPENERS[scheme](url, rank, world_size, timeout, hosted, access)
 
 
 def master_host(url):
@@ -164,13 +259,15 @@ def _check_peer(rank, info, world_size):
                         "pass the same world size on every node")
 
 
-def init_process_group(topology, rank, timeout_s, interface=None, job=None):
+def init_process_group(topology, rank, timeout_s, interface=None, job=None, secret=None):
     """Meet the other ranks and start torch.distributed; returns the store and
     what every rank registered (host, pid, the address its collectives use).
-    ``job``: the flags every node must agree on (refused before claiming a rank)."""
+    ``job``: the flags every node must agree on (refused before claiming a rank).
+    ``secret``: the job secret's key (tunnel.py), or None."""
     timeout = datetime.timedelta(seconds=timeout_s)
     url, world = topology.init_method, topology.world_size
-    store = open_store(url, rank, world, timeout, topology.store_hosted)
+    access = Access(secret, interface, spans_hosts=world > topology.nprocs)
+    store = open_store(url, rank, world, timeout, topology.store_hosted, access)
     master = master_host(url)
     binding = network.choose(master, interface, topology.backend)
     try:

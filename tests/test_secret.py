@@ -1,0 +1,166 @@
+"""Only invited nodes: a job secret guards the meeting point (tunnel.py), and
+rank 0's store listens only on the job's address."""
+
+import datetime
+import os
+import socket
+import struct
+import threading
+
+import pytest
+
+from hetseq.distributed import rendezvous, tunnel
+from hetseq.errors import UserError
+
+from conftest import assert_ok, final_params, finish, max_diff, node_commands, start_nodes
+from test_parity import COMMON, EXACT, reference
+
+SECRET = "a8f3e1c97b2d4065a1e0c3b5d7f9e2a4"
+OTHER = "0000000000000000ffffffffffffffff"
+TIMEOUT = datetime.timedelta(seconds=10)
+
+
+def key(text):
+    return tunnel.read_secret(None, {tunnel.SECRET_VARIABLE: text})
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(secret):
+    url = f"tcp://127.0.0.1:{free_port()}"
+    store = rendezvous.open_store(url, 0, 2, TIMEOUT, access=rendezvous.Access(secret))
+    return url, store
+
+
+def join(url, secret):
+    return rendezvous.open_store(url, 1, 2, TIMEOUT, access=rendezvous.Access(secret))
+
+
+def handshake_pair(client_secret, server_secret):
+    """Both ends of one handshake over a socket pair: (client result, server result)."""
+    a, b = socket.socketpair()
+    results = {}
+
+    def server():
+        try:
+            results["server"] = tunnel.handshake_as_server(b, server_secret)
+        except tunnel.Refused as err:
+            results["server"] = err
+    thread = threading.Thread(target=server)
+    thread.start()
+    try:
+        results["client"] = tunnel.handshake_as_client(a, client_secret)
+    except tunnel.Refused as err:
+        results["client"] = err
+    thread.join()
+    return a, b, results["client"], results["server"]
+
+
+def test_the_handshake_proves_the_secret_both_ways_and_keys_each_direction():
+    a, b, client, server = handshake_pair(key(SECRET), key(SECRET))
+    # The client's send key is the server's receive key, and the other way round.
+    assert client == (server[1], server[0]) and client[0] != client[1]
+    _, _, client, server = handshake_pair(key(OTHER), key(SECRET))
+    assert isinstance(client, tunnel.Refused) and isinstance(server, tunnel.Refused)
+
+
+def test_a_forged_replayed_or_reordered_frame_is_refused():
+    a, b, (send, _), (_, receive) = handshake_pair(key(SECRET), key(SECRET))
+    tunnel._seal(a, send, 0, b"set key value")
+    assert tunnel._open(b, receive, 0) == b"set key value"
+    tunnel._seal(a, send, 0, b"replayed")                 # sequence number 0 again
+    with pytest.raises(tunnel.Refused):
+        tunnel._open(b, receive, 1)
+    frame = bytearray()
+    c, d = socket.socketpair()
+    tunnel._seal(c, send, 5, b"claim rank 1")
+    frame += d.recv(1024)
+    frame[-1] ^= 1                                          # one bit changed in transit
+    c.sendall(bytes(frame))
+    with pytest.raises(tunnel.Refused):
+        tunnel._open(d, receive, 5)
+    c.sendall(struct.pack(">I", 4) + bytes(32) + b"junk")  # injected without the key
+    with pytest.raises(tunnel.Refused):
+        tunnel._open(d, receive, 6)
+
+
+def test_store_through_the_tunnel_and_intruders_refused_without_disturbing_it(caplog):
+    url, server = serve(key(SECRET))
+    member = join(url, key(SECRET))
+    member.set("hetseq/who/1", "member")
+    for wrong, words in [(key(OTHER), "its secret differs"), (None, "has a job secret and this "
+                                                                    "node none")]:
+        with pytest.raises(UserError, match=words):
+            join(url, wrong)
+    assert "refused a connection to the job's store from 127.0.0.1" in caplog.text
+    # The member's connection and the store's keys are as before.
+    assert member.add("n", 2) == 2 and server.get("hetseq/who/1") == b"member"
+    assert member.clone().get("hetseq/who/1") == b"member"    # gloo clones the store
+    # A secret where the job has none: refused, not hung.
+    plain_url, _ = serve(None)
+    with pytest.raises(UserError, match="runs without a job secret"):
+        join(plain_url, key(SECRET))
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_the_store_listens_only_on_the_jobs_address(secret):
+    """127.0.0.2 is this host too (all of 127/8 is loopback): a store that
+    listened on every address would answer there."""
+    url, _ = serve(None if secret is None else key(secret))
+    port = int(url.rsplit(":", 1)[1])
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", port), timeout=5)
+
+
+def test_secrets_are_read_from_a_private_file_or_the_variable(tmp_path):
+    assert key(SECRET) == key(f"  {SECRET}\n") != key(OTHER)
+    assert tunnel.read_secret(None, {}) is None
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    path.chmod(0o600)
+    assert tunnel.read_secret(str(path), {}) == key(SECRET)
+    path.chmod(0o644)
+    with pytest.raises(UserError, match=f"chmod 600 {path}"):
+        tunnel.read_secret(str(path), {})
+    with pytest.raises(UserError, match="at least 16"):
+        key("short")
+    with pytest.raises(UserError, match="No such file"):
+        tunnel.read_secret(str(tmp_path / "missing"), {})
+
+
+def test_a_secret_needs_a_tcp_meeting_point(tmp_path):
+    with pytest.raises(UserError, match="needs a tcp:// meeting point"):
+        rendezvous.open_store(f"file://{tmp_path / 'meet'}", 0, 2, TIMEOUT,
+                              access=rendezvous.Access(key(SECRET)))
+
+
+def test_uninvited_nodes_are_refused_and_the_job_trains_on_exactly(three_hosts, tmp):
+    """Rank 0 on host A waits for rank 1; from host C a node with another
+    secret and one with none try to take rank 1 first: both are refused
+    (exit 2, one line) before they can claim it. Then host B's node joins
+    and the job ends with one process's weights."""
+    out = tmp / "job"
+    url = f"tcp://{three_hosts.addresses[0]}:29511"
+    commands = node_commands([*COMMON, "--save-dir", out, "--distributed-timeout", 60],
+                             [["--max-sentences", 20], ["--max-sentences", 12]], url)
+    invited = {"HETSEQ_JOB_SECRET": SECRET}
+    rank0 = start_nodes([commands[0]], three_hosts, on=[0], env=invited)
+    for env, words in [({"HETSEQ_JOB_SECRET": OTHER}, "its secret differs"),
+                       (None, "has a job secret and this node none")]:
+        code, text = finish(start_nodes([commands[1]], three_hosts, on=[2], env=env),
+                            timeout=60)[0]
+        assert code == 2 and words in text, text[-3000:]
+        assert "Traceback" not in text and len(text.strip().splitlines()) == 1, text[-3000:]
+    rank1 = start_nodes([commands[1]], three_hosts, on=[1], env=invited)
+    results = finish(rank0 + rank1)
+    assert_ok(results)
+    # The wrong secret is logged by the job; the node with none saw the
+    # greeting, knew it was not invited and left without a word.
+    assert results[0][1].count("refused a connection to the job's store from 10.213.0.3") == 1, \
+        results[0][1][-3000:]
+    assert max_diff(reference(), final_params(out)) < EXACT
