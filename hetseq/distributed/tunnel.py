@@ -164,21 +164,26 @@ def _relay(plain, sealed, send_key, receive_key, where):
         threading.Thread(target=target, args=args, daemon=True).start()
 
 
+def _serve_forever(listener, handle, name):
+    """Accept connections on ``listener`` and hand each to ``handle(sock, peer)``
+    in a thread of its own, until the listener is closed."""
+    def accept():
+        while True:
+            try:
+                sock, peer = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(sock, peer), daemon=True).start()
+    threading.Thread(target=accept, daemon=True, name=name).start()
+
+
 class Gate:
     """Rank 0's listener on the job's address: authenticates each connection,
     then relays it to the store on 127.0.0.1:``store_port``."""
 
     def __init__(self, listener, store_port, secret):
         self.listener, self.store_port, self.secret = listener, store_port, secret
-        threading.Thread(target=self._accept, daemon=True, name="hetseq-gate").start()
-
-    def _accept(self):
-        while True:
-            try:
-                sock, peer = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._admit, args=(sock, peer), daemon=True).start()
+        _serve_forever(listener, self._admit, "hetseq-gate")
 
     def _admit(self, sock, peer):
         where = f"{peer[0]}:{peer[1]}"
@@ -209,21 +214,13 @@ class ClientRelay:
         self.address, self.secret = address, secret
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True, name="hetseq-relay").start()
+        _serve_forever(self.listener, self._carry, "hetseq-relay")
 
-    def _accept(self):
-        while True:
-            try:
-                sock, peer = self.listener.accept()
-            except OSError:
-                return
-            if not same_user(peer, self.port):
-                logger.warning("refused a local connection from port %d: another user", peer[1])
-                sock.close()
-                continue
-            threading.Thread(target=self._carry, args=(sock,), daemon=True).start()
-
-    def _carry(self, sock):
+    def _carry(self, sock, peer):
+        if not same_user(peer, self.port):
+            logger.warning("refused a local connection from port %d: another user", peer[1])
+            sock.close()
+            return
         try:
             remote = socket.create_connection(self.address, timeout=HANDSHAKE_S)
             send_key, receive_key = handshake_as_client(remote, self.secret)
