@@ -201,9 +201,6 @@ class Gate:
         store = socket.create_connection(("127.0.0.1", self.store_port))
         _relay(store, sock, send_key, receive_key, where)
 
-    def close(self):
-        _close(self.listener)
-
 
 class ClientRelay:
     """A listener on 127.0.0.1 for this process's TCPStore client: each
@@ -230,9 +227,6 @@ class ClientRelay:
             sock.close()
             return
         _relay(sock, remote, send_key, receive_key, "%s:%d" % self.address)
-
-    def close(self):
-        _close(self.listener)
 
 
 def same_user(peer, local_port):
