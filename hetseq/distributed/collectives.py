@@ -1,31 +1,77 @@
-"""Small collectives that also work (as no-ops) in a single-process run."""
+"""Small collectives of plain data that also work (as no-ops) in a single-process run.
 
+What travels is ``torch.save`` bytes in a uint8 tensor, read back with
+``torch.load(weights_only=True)``: PyTorch's restricted loader builds only
+tensors, numbers, strings and containers of them, so a peer (or anyone who
+got between the peers) cannot make this process run code, as unpickling
+``all_gather_object``'s payload could. Values are therefore plain data:
+dicts, lists, tuples, numbers, strings, None and tensors.
+"""
+
+import io
+
+import torch
 import torch.distributed as dist
 
 from hetseq.errors import UserError
 
 
+def _encode(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _decode(tensor):
+    return torch.load(io.BytesIO(tensor.cpu().numpy().tobytes()), map_location="cpu",
+                      weights_only=True)
+
+
+def _device(ctx):
+    # NCCL moves only CUDA tensors; gloo works on CPU tensors.
+    return ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+
+
 def all_gather_object(obj, ctx):
+    """[rank 0's obj, rank 1's obj, ...] on every rank."""
     if not ctx.distributed:
         return [obj]
-    out = [None] * ctx.world_size
-    dist.all_gather_object(out, obj)
-    return out
+    device = _device(ctx)
+    data = _encode(obj).to(device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ctx.world_size)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
+    longest = max(int(size) for size in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
+    dist.all_gather(out, padded)
+    return [_decode(chunk[:int(size)]) for chunk, size in zip(out, sizes)]
 
 
-def broadcast_from_main(make, ctx):
-    """``make()`` on rank 0, its result sent to every rank (pickled; small objects
-    or one-off states such as a checkpoint being resumed)."""
+def broadcast_from(source, make, ctx):
+    """``make()`` on rank ``source``, its result sent to every rank (small
+    objects, or one-off states such as a checkpoint being resumed). A
+    UserError raised by ``make`` reaches every rank, or the others would wait."""
     if not ctx.distributed:
         return make()
-    box = [None]
-    if ctx.is_main:
+    device = _device(ctx)
+    data = None
+    if ctx.rank == source:
         try:
-            box = [("ok", make())]
-        except UserError as err:   # every rank must learn of it, or they would wait
-            box = [("error", str(err))]
-    dist.broadcast_object_list(box, src=0)
-    status, value = box[0]
+            data = _encode(("ok", make()))
+        except UserError as err:
+            data = _encode(("error", str(err)))
+    size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=source)
+    data = data.to(device) if data is not None else \
+        torch.empty(int(size), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=source)
+    status, value = _decode(data)
     if status == "error":
         raise UserError(value)
     return value
+
+
+def broadcast_from_main(make, ctx):
+    """``broadcast_from(0, make, ctx)``."""
+    return broadcast_from(0, make, ctx)
