@@ -255,10 +255,12 @@ def _weights(cfg, peers):
     return parse_weights(cfg.capacity, len(peers))
 
 
-def _global_batch(cfg, peers):
+def _global_batch(cfg, peers, elastic=False):
     sizes = [peer["max_sentences"] for peer in peers]
     total = sum(sizes) if None not in sizes else None
     batch = cfg.global_batch_size or total
+    if elastic:
+        return batch
     if batch is None:
         raise UserError("set --global-batch-size, or --max-sentences on every node (the global "
                         "batch is then their sum)")
@@ -308,16 +310,21 @@ def _measure(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size
     return RATE_PROBES * micro / sum(run(micro) for _ in range(RATE_PROBES)), cap
 
 
-def make_plan(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size=1):
+def make_plan(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size=1,
+              elastic=False):
     """Every rank's share of the global batch, agreed by all ranks. ``cfg``:
-    the job's CapacityConfig; ``shares``: this node's ShareConfig."""
+    the job's CapacityConfig; ``shares``: this node's ShareConfig.
+    ``elastic``: the members change while B stays (--elastic), so each node's
+    --max-sentences is its weight and the most it takes per forward."""
     from hetseq.distributed import all_gather_object
     rate, cap = 0.0, shares.micro_batch_cap
+    if elastic and cfg.capacity == "manual" and shares.max_sentences:
+        cap = min(cap, shares.max_sentences) if cap else shares.max_sentences
     if cfg.capacity == "auto":
         rate, cap = _measure(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size)
     peers = all_gather_object({"max_sentences": shares.max_sentences,
                                "weight": shares.capacity_weight, "rate": rate, "cap": cap,
                                "device": device_name(ctx.device)}, ctx)
-    plan = proportional(_global_batch(cfg, peers), _weights(cfg, peers),
+    plan = proportional(_global_batch(cfg, peers, elastic), _weights(cfg, peers),
                         [peer["cap"] for peer in peers], [peer["rate"] for peer in peers])
     return plan, [peer["device"] for peer in peers]

@@ -235,12 +235,16 @@ class Checkpointer:
             check_save_dir(save.save_dir)
             remove_stale_temporaries(save.save_dir)
 
-    def restore(self):
-        """Load the checkpoint to resume from into the components; its path,
-        or None when there is none (a fresh start)."""
-        from hetseq.distributed import broadcast_from_main
+    def restore(self, source=None):
+        """Load the state to resume from into the components; where it came
+        from, or None when there is none (a fresh start). ``source``: (rank,
+        make) when ``make()`` on that rank gives the state (an elastic
+        member's memory); by default rank 0 reads --restore-file."""
+        from hetseq.distributed.collectives import broadcast_from
         path = restore_path(self.where)
-        state = broadcast_from_main(lambda: load(path) if os.path.exists(path) else None, self.ctx)
+        rank, make = source or (0, lambda: load(path) if os.path.exists(path) else None)
+        where = path if source is None else f"the state of rank {rank}"
+        state = broadcast_from(rank, make, self.ctx)
         if state is None:
             return None
         try:
@@ -248,14 +252,14 @@ class Checkpointer:
                 if name not in self.skip:
                     component.load_state_dict(self._kept(name, state[name]))
         except (RuntimeError, KeyError, ValueError) as err:
-            raise UserError(f"checkpoint {path} does not fit this run ({type(err).__name__}: "
+            raise UserError(f"checkpoint {where} does not fit this run ({type(err).__name__}: "
                             f"{str(err).splitlines()[0][:300]}); it was made for another model "
                             "or task: pass another --restore-file or --save-dir") from None
         rng = state.get("rng") or []
         if len(rng) == self.ctx.world_size and "rng" not in self.skip:
             set_rng_state(rng[self.ctx.rank])
         self.best = state.get("best")
-        return path
+        return where
 
     def _kept(self, name, state):
         """A component's state without the parts ``skip`` leaves out."""
@@ -276,8 +280,7 @@ class Checkpointer:
         improved = metric is not None and self._improves(metric)
         if improved:
             self.best = metric
-        state = {"format": FORMAT, "args": self.flags, **components, "rng": rngs,
-                 "best": self.best}
+        state = self._state(components, rngs)
         folder, cfg = self.where.save_dir, self.cfg
         last = os.path.join(folder, "checkpoint_last.pt")
         save(last, state)
@@ -295,6 +298,18 @@ class Checkpointer:
         prune(folder, r"checkpoint(\d+)\.pt", cfg.keep_last_epochs)
         logger.info("saved %s (%d updates)%s", last, updates,
                     "".join(f", {name}" for name in copies))
+
+    def _state(self, components, rngs):
+        return {"format": FORMAT, "args": self.flags, **components, "rng": rngs,
+                "best": self.best}
+
+    def local_state(self, **given):
+        """This rank's state in the checkpoint format, with no collective (the
+        process group may be broken: an elastic member's snapshot, --zero 0).
+        ``given``: components whose state the caller supplies."""
+        components = {name: given[name] if name in given else component.state_dict()
+                      for name, component in self.components.items()}
+        return self._state(components, [rng_state()])
 
     def has_best(self):
         """Whether checkpoint_best.pt exists (as rank 0 sees it)."""

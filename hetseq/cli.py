@@ -98,6 +98,15 @@ def add_distributed_args(parser):
     group.add_argument("--job-secret-file", metavar="PATH",
                        help="a file, readable only by you, holding the job's secret (or set "
                             "HETSEQ_JOB_SECRET): only nodes that know it may join (tcp:// only)")
+    group.add_argument("--elastic", action="store_true",
+                       help="nodes may join and leave while the job trains (docs/elastic.md): "
+                            "ranks are given out at the meeting point; needs a job secret, "
+                            "--global-batch-size and a tcp:// meeting point")
+    group.add_argument("--min-nodes", type=int, default=1, metavar="N",
+                       help="--elastic: train only with at least N nodes; below, wait up to "
+                            "--distributed-timeout, then save and stop (default: 1)")
+    group.add_argument("--max-nodes", type=int, default=0, metavar="M",
+                       help="--elastic: at most M nodes take part (0: no limit)")
     group.add_argument("--distributed-no-spawn", action="store_true",
                        help="this process is exactly one rank (--distributed-rank), spawn nothing")
     group.add_argument("--device-id", "--local_rank", "--local-rank", type=int, default=0,
@@ -240,7 +249,36 @@ def check_args(args):
         raise UserError(f"--divergence-check-interval {args.divergence_check_interval} / "
                         f"--divergence-tolerance {args.divergence_tolerance}: expected an "
                         "interval >= 0 updates and a relative distance >= 0")
+    check_elastic(args)
     sharding.check_args(args)
     precision.check_args(args)
     OPTIMIZERS.get(args.optimizer)        # unknown names list the registered ones
     SCHEDULERS.get(args.lr_scheduler)
+
+
+def check_elastic(args):
+    """--elastic: the meeting point gives out ranks and the split follows the members."""
+    if not args.elastic:
+        if args.min_nodes != 1 or args.max_nodes:
+            raise UserError("--min-nodes and --max-nodes bound an --elastic job; add --elastic")
+        return
+    given = [flag for flag, value in (("--distributed-rank", args.distributed_rank),
+                                      ("--distributed-world-size", args.distributed_world_size))
+             if value is not None]
+    if given:
+        raise UserError(f"--elastic gives out ranks at the meeting point: drop {' and '.join(given)}")
+    if (args.distributed_gpus or 1) != 1 or args.distributed_no_spawn:
+        raise UserError(f"--elastic runs one rank per node (--distributed-gpus 1), got "
+                        f"--distributed-gpus {args.distributed_gpus}: start one node per device")
+    if not (args.distributed_init_method or "").startswith("tcp://"):
+        raise UserError(f"--elastic needs --distributed-init-method tcp://HOST:PORT (a node of "
+                        f"the job), got {args.distributed_init_method}")
+    if args.global_batch_size is None:
+        raise UserError("--elastic needs --global-batch-size: the global batch must not change "
+                        "when nodes come and go")
+    if args.zero:
+        raise UserError(f"--elastic supports --zero 0 only (got --zero {args.zero}): a sharded "
+                        "state is lost with the host that held a shard")
+    if args.min_nodes < 1 or (args.max_nodes and args.max_nodes < args.min_nodes):
+        raise UserError(f"--min-nodes {args.min_nodes} / --max-nodes {args.max_nodes}: expected "
+                        "1 <= min-nodes <= max-nodes (0: no maximum)")

@@ -157,6 +157,14 @@ class CapacityConfig(_Section):
 
 
 @section
+class ElasticConfig(_Section):
+    """Nodes that come and go (hetseq/elastic.py, distributed/elastic.py)."""
+    elastic: bool
+    min_nodes: int
+    max_nodes: int
+
+
+@section
 class CheckpointConfig(_Section):
     """When a run saves, what it keeps and what a resume loads (checkpoint.py)."""
     save_interval: int
@@ -194,6 +202,7 @@ class JobConfig(_Section):
     training: TrainingConfig
     capacity: CapacityConfig
     checkpoint: CheckpointConfig
+    elastic: ElasticConfig
     task_flags: tuple = ()        # (dest, value) of the task's own job-wide flags
 
     def identity(self):
@@ -288,7 +297,7 @@ JOB_SECTIONS = {"sharding": ShardingConfig, "precision": PrecisionConfig,
                 "optimizer": OptimizerConfig, "schedule": ScheduleConfig,
                 "update": UpdateConfig, "agreement": AgreementConfig,
                 "training": TrainingConfig, "capacity": CapacityConfig,
-                "checkpoint": CheckpointConfig}
+                "checkpoint": CheckpointConfig, "elastic": ElasticConfig}
 NODE_SECTIONS = {"launch": LaunchConfig, "shares": ShareConfig, "save": SaveConfig,
                  "log": LogConfig}
 

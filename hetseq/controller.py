@@ -86,12 +86,13 @@ def _squares(grads, device):
 class StepResult:
     """What one update leaves for the run. ``totals``: the task's logs, loss
     and sample_size, summed over micro-batches and ranks; per rank, the
-    compute seconds and samples of the PREVIOUS update and the checksum each
-    sent (stats.py); ``lr``: the rate of the next update."""
+    compute seconds and samples of the PREVIOUS update, the checksum and the
+    membership signal each sent (stats.py); ``lr``: the rate of the next update."""
     totals: dict
     rank_times: list
     rank_samples: list
     checksums: list
+    signals: list
     lr: float
     updated: bool
     _norm: object = None        # the norm, or a function that measures it locally
@@ -197,16 +198,17 @@ class Controller:
 
     # ---- training ----
 
-    def train_step(self, samples, dummy, checksum=0.0):
+    def train_step(self, samples, dummy, checksum=0.0, signal=0.0):
         """One update from this rank's micro-batches ``samples`` (None: no data
         this step; ``dummy`` is run with zero weight so collectives still match).
-        ``checksum``: this rank's for the agreement check (0: none this update).
+        ``checksum``: this rank's for the agreement check (0: none this update);
+        ``signal``: 1.0 when the members change after this update (--elastic).
         Returns a StepResult."""
         self._steps += 1
         clock = ComputeClock(self.sharding.waited)
         self._mode(True)
         self.optimizer.zero_grad(set_to_none=True)
-        stats = StatsExchange(self.ctx, (*self._previous, checksum))
+        stats = StatsExchange(self.ctx, (*self._previous, checksum, signal))
         loss_scale = self.scaler.scale if self.scaler else 1.0
         for i, sample in enumerate(samples):
             last = i == len(samples) - 1
@@ -223,9 +225,10 @@ class Controller:
             if not backward.announced:
                 stats.add(loss, n, logs, backward.weight)
         self._previous = (clock.seconds(), stats.totals["sample_size"])
-        totals, (rank_times, rank_samples, checksums) = stats.result()
+        totals, (rank_times, rank_samples, checksums, signals) = stats.result()
         updated, norm = self._apply_update(totals["sample_size"])
-        return StepResult(totals, rank_times, rank_samples, checksums, self.lr, updated, norm)
+        return StepResult(totals, rank_times, rank_samples, checksums, signals, self.lr, updated,
+                          norm)
 
     def _apply_update(self, sample_size):
         """Scale the gradients to the mean-loss gradient (math above), clip,

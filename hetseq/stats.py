@@ -1,10 +1,12 @@
 """Per-update statistics, summed over micro-batches and ranks in ONE all-reduce.
 
 The vector holds the summed values (loss, sample_size and the task's logs, by
-sorted key) followed by three world-size slots: each rank writes its compute
-time and sample count of the PREVIOUS update and an exact checksum of its
-replicated state (agreement.py) into its own slot, so after the SUM every rank
-knows every rank's speed (rebalancing reads it) and whether any rank drifted.
+sorted key) followed by four world-size slots: each rank writes its compute
+time and sample count of the PREVIOUS update, an exact checksum of its
+replicated state (agreement.py) and a membership signal (1: a node waits to
+join, --elastic) into its own slot, so after the SUM every rank knows every
+rank's speed (rebalancing reads it), whether any rank drifted, and whether
+the members change after this update.
 
 How the vector travels: in one asynchronous all-reduce of its own, in
 float64. When the task hands its stats to ``backward`` (the base
@@ -69,9 +71,9 @@ class Gathered:
 
 
 class StatsExchange:
-    SLOTS = 3   # per rank: compute seconds, samples, parameter checksum
+    SLOTS = 4   # per rank: compute seconds, samples, parameter checksum, membership signal
 
-    def __init__(self, ctx, previous=(0.0, 0.0, 0.0)):
+    def __init__(self, ctx, previous=(0.0, 0.0, 0.0, 0.0)):
         self.ctx = ctx
         self.previous = previous    # this rank's slot values
         self.totals = {}

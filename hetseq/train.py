@@ -18,6 +18,7 @@ from hetseq.controller import Controller
 from hetseq.data.splits import Splits
 from hetseq.distributed import WorkerFailed, broadcast_from_main, launch
 from hetseq.distributed.launch import exit_now
+from hetseq.elastic import Reconfigure, train_elastic
 from hetseq.errors import HetSeqError, UserError
 from hetseq.logging import setup_logging
 from hetseq.logging.report import Reporter
@@ -34,6 +35,10 @@ def main(argv=None):
     try:
         args, job, node = cli.parse(argv)
         inputs = TASKS.get(job.task).resolve_inputs(args)
+        if job.elastic.elastic:
+            train_elastic(lambda ctx, restore, membership: Run(
+                args, job, node, ctx, inputs, restore, membership), job, node)
+            return
         launch(node, job.distributed_backend, train_worker, args, job, node, inputs,
                identity=job.identity())
     except (HetSeqError, WorkerFailed) as err:
@@ -56,10 +61,13 @@ def build_task(args, inputs):
 
 class Run:
     """One rank's training run. ``args``: the flags (for the task); ``job``
-    and ``node``: the JobConfig and NodeConfig (config.py)."""
+    and ``node``: the JobConfig and NodeConfig (config.py). An elastic
+    member's run (hetseq/elastic.py) also gets ``restore`` = (rank, make):
+    where its state comes from, and its ``membership``."""
 
-    def __init__(self, args, job, node, ctx, inputs=None):
+    def __init__(self, args, job, node, ctx, inputs=None, restore=None, membership=None):
         self.job, self.node, self.ctx = job, node, ctx
+        self.membership = membership
         set_seed(job.training.seed)
         self.task = build_task(args, inputs)
         if job.checkpoint.export_hf and type(self.task).export_hf is Task.export_hf:
@@ -76,13 +84,19 @@ class Run:
             job.checkpoint, node.save, ctx, {"controller": self.controller,
                                              "train_iterator": self.train_data,
                                              "plan": self.balance, "meters": self.report.meters},
-            skip=_resets(job.checkpoint), flags=checkpoint.plain_args(args))
-        resumed = self.checkpointer.restore()
+            skip=_resets(job.checkpoint, elastic=membership is not None),
+            flags=checkpoint.plain_args(args))
+        resumed = self.checkpointer.restore(restore)
         if resumed:
             logger.info("resumed from %s: epoch %d, %d updates done", resumed,
                         self.train_data.epoch, self.controller.num_updates)
         self.agreement.due(self.controller.num_updates, now=True)
         self._plan_schedule()
+        # The data position of the last completed update (an elastic member's
+        # snapshot), and of the update under way once its batches are drawn.
+        self._completed = (self.controller.num_updates, self.train_data.state_dict())
+        self._drawn = None
+        self._reconfigure = False
 
     def _plan_training(self):
         """Every rank's share of the global batch (measured with --capacity
@@ -91,7 +105,7 @@ class Run:
         dataset = self.splits.load(job.training.train_subset)
         plan, devices = capacity.make_plan(job.capacity, self.node.shares, ctx, controller,
                                            dataset, self.task.collater(dataset),
-                                           ctx.local_world_size)
+                                           ctx.local_world_size, elastic=job.elastic.elastic)
         if ctx.is_main:
             logger.info("capacity plan (%s), global batch %d, %s, %s:\n%s", job.capacity.capacity,
                         plan.global_batch, controller.sharding.describe(),
@@ -155,20 +169,40 @@ class Run:
         dummy = data.dummy_batch()
         for chunk in _chunks(data.next_epoch_itr(), update_freq):
             start = time.perf_counter()
+            self._drawn = data.state_dict()
             result = controller.train_step([micro for step in chunk for micro in step], dummy,
-                                           checksum=self.agreement.pending)
+                                           checksum=self.agreement.pending,
+                                           signal=float(self._join_waiting()))
             self.after_update(result, time.perf_counter() - start)
+            self._completed = (controller.num_updates, self._drawn)
             if training.max_update and controller.num_updates >= training.max_update:
                 break
             every = self.job.checkpoint.save_interval_updates
             if every and controller.num_updates % every == 0:
                 self.checkpointer.save(controller.num_updates, data.epoch)
+            if self._reconfigure:
+                raise Reconfigure()
         self.report.end_epoch(epoch, controller.num_updates)
+
+    def _join_waiting(self):
+        return self.membership is not None and self.membership.join_waiting()
+
+    def snapshot(self):
+        """The state of the last update this rank completed, without a
+        collective (--elastic: the process group may be broken). The
+        optimizer steps only after the update's collectives, so the model is
+        either at the last completed update or one further, when this rank
+        finished an update the others did not."""
+        done, position = self._completed
+        if self.controller.num_updates != done:
+            position = self._drawn
+        return self.checkpointer.local_state(train_iterator=position)
 
     def after_update(self, result, wall_time):
         """Ranks kept equal, the split re-planned if a rank's speed changed,
         the update reported."""
         update = self.controller.num_updates
+        self._reconfigure = any(result.signals)
         self.agreement.check(result.checksums, update)
         self.agreement.due(update)
         plan = self.balance.plan      # the split this update ran with
@@ -202,9 +236,10 @@ class Run:
         self.task.export_hf(model, self.job.checkpoint.export_hf)
 
 
-def _resets(cfg):
-    """What a resume leaves out (Checkpointer ``skip``), from the --reset-* flags."""
-    skip = set()
+def _resets(cfg, elastic=False):
+    """What a resume leaves out (Checkpointer ``skip``), from the --reset-* flags.
+    An elastic member always re-plans: the saved split was for other members."""
+    skip = {"plan"} if elastic else set()
     if cfg.reset_optimizer:
         skip |= {"controller.optimizer", "controller.loss_scaler"}
     if cfg.reset_lr_scheduler:

@@ -74,15 +74,15 @@ def choose(master_host, flag, backend, env=os.environ):
             return _route_to(target, f"routes to the master {shown}")
         except OSError:
             pass   # opening the store already named an unreachable master
-    return _at(interfaces.primary_address(), "this host's primary address (no master address)")
+    return at(interfaces.primary_address(), "this host's primary address (no master address)")
 
 
-def _at(address, reason):
+def at(address, reason):
     return Binding(address, interfaces.interface_of(address), reason)
 
 
 def _route_to(target, reason):
-    return _at(interfaces.route_source(target), reason)
+    return at(interfaces.route_source(target), reason)
 
 
 def reconcile(binding, rank, peers, master_known):
@@ -102,7 +102,7 @@ def reconcile(binding, rank, peers, master_known):
             return _route_to(address, f"{why}; routes to the peer address {address}")
         except OSError:     # no route from here: the reachability check will say so
             continue
-    return _at(interfaces.primary_address(), f"{why} and no peer address routes from here; "
+    return at(interfaces.primary_address(), f"{why} and no peer address routes from here; "
                                              "this host's primary address")
 
 

@@ -50,21 +50,48 @@ def _tcp_store(url, host, port, rank, world_size, timeout, hosted, access):
         f"rank {rank} could not reach the master at {_named(host)}:{port} ({url}) within "
         f"{timeout.total_seconds():.0f} s: {reason}. Check that rank 0 runs, that HOST:PORT "
         "is its address as seen from this host, and that no firewall blocks the port"))
-    if access.secret is None:
+    return _client(url, host, port, world_size, timeout, access.secret)
+
+
+def _client(url, host, port, world_size, timeout, secret):
+    """A store client of HOST:PORT (reachable), through the tunnel with a secret."""
+    if secret is None:
         if tunnel.asks_for_secret((host, port)):
             raise UserError(f"the job at {url} has a job secret and this node none: set "
                             "HETSEQ_JOB_SECRET or --job-secret-file as on the other nodes")
     else:
         # Every store call goes through the tunnel: an authenticated handshake,
         # then authenticated frames (tunnel.py).
-        tunnel.check((host, port), access.secret, url)
-        host, port = "127.0.0.1", tunnel.ClientRelay((host, port), access.secret).port
+        tunnel.check((host, port), secret, url)
+        host, port = "127.0.0.1", tunnel.ClientRelay((host, port), secret).port
     try:
         return dist.TCPStore(host, port, world_size, False, timeout)
     except (RuntimeError, ValueError) as err:
-        raise UserError(f"rank {rank} could not reach {url} within {timeout.total_seconds():.0f} s: "
-                        f"{str(err).splitlines()[0]}. Check that rank 0 runs, that HOST:PORT is "
-                        "its address and that no firewall blocks the port") from None
+        raise UserError(f"could not reach {url} within {timeout.total_seconds():.0f} s: "
+                        f"{str(err).splitlines()[0]}. Check that its node runs, that HOST:PORT "
+                        "is its address and that no firewall blocks the port") from None
+
+
+def serve_meeting_point(url, address, port, secret, timeout_s):
+    """An elastic member's store (elastic.py) on ``address``: at ``port`` when
+    that is free here, else at a port the OS picks. Returns (store, port)."""
+    try:
+        listener = socket.create_server((address, port), backlog=128)
+    except OSError:
+        listener = _listen(url, address, 0)
+    _LISTENERS.append(listener)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    local = _listen(url, "127.0.0.1", 0)
+    store = _store_on(local, None, timeout)
+    tunnel.Gate(listener, local.getsockname()[1], secret)
+    return store, listener.getsockname()[1]
+
+
+def join_meeting_point(address, secret, timeout_s):
+    """A client of another elastic member's store."""
+    host, port = address
+    return _client(f"tcp://{host}:{port}", host, port, None,
+                   datetime.timedelta(seconds=timeout_s), secret)
 
 
 def _serve(url, host, port, world_size, timeout, access):
@@ -324,12 +351,17 @@ def shutdown(topology, rank, store):
     dist.barrier()                      # bounded by the process group's timeout
     dist.destroy_process_group()
     url = topology.init_method or ""
-    try:
-        _leave(store, rank, topology.world_size)
-    except (TimeoutError, dist.DistError) as err:   # the run itself is complete
-        logger.warning("rank %d could not leave the meeting point cleanly: %s", rank, err)
+    leave(store, rank, topology.world_size)
     if rank == 0 and url.startswith("file://"):
         _remove(url)
+
+
+def leave(store, rank, world_size):
+    """Let go of the store; rank 0, which serves it, waits for the others."""
+    try:
+        _leave(store, rank, world_size)
+    except (TimeoutError, dist.DistError) as err:   # the run itself is complete
+        logger.warning("rank %d could not leave the meeting point cleanly: %s", rank, err)
 
 
 def _leave(store, rank, world_size):

@@ -124,6 +124,10 @@ class VirtualCluster:
         """Unplug host ``index`` from the switch (its processes keep running)."""
         _sh("ip", "-n", self.switch, "link", "set", f"p{index}", "down")
 
+    def plug(self, index):
+        """Plug host ``index`` back into the switch."""
+        _sh("ip", "-n", self.switch, "link", "set", f"p{index}", "up")
+
     def add_dead_end_interface(self, index, name="side0"):
         """An interface on host ``index`` whose address no other host can reach
         (a VPN or container bridge of one machine); returns the address."""

@@ -4,6 +4,7 @@ Parity tests need a task whose result depends only on which samples form each
 global batch, never on how they were split across ranks.
 """
 
+import sys
 import time
 
 import torch
@@ -35,7 +36,8 @@ class ToyTask(Task):
     per_node_flags = frozenset({"toy_slow_rank", "toy_slow_ms", "toy_slow_after",
                                 "toy_perturb_after", "toy_nan_grad_after", "toy_log_indices",
                                 "toy_nan_bias_grad_after", "toy_drift_rank", "toy_drift",
-                                "toy_fail_after", "toy_dump_params"})
+                                "toy_fail_after", "toy_dump_params", "toy_step_ms",
+                                "toy_slow_state_ms"})
     @classmethod
     def add_args(cls, parser):
         parser.add_argument("--toy-size", type=int, default=100, help="samples in the train split")
@@ -49,6 +51,12 @@ class ToyTask(Task):
         parser.add_argument("--toy-slow-rank", type=int, default=-1,
                             help="this rank sleeps --toy-slow-ms per sample in training")
         parser.add_argument("--toy-slow-ms", type=float, default=4.0)
+        parser.add_argument("--toy-step-ms", type=float, default=0.0,
+                            help="every rank of this node sleeps this long per train_step call "
+                                 "(a slow device whatever its rank: elastic tests)")
+        parser.add_argument("--toy-slow-state-ms", type=float, default=0.0,
+                            help="the model's state_dict (a checkpoint save) prints 'toy: state "
+                                 "of N updates' and then takes this long (a slow disk)")
         parser.add_argument("--toy-slow-after", type=int, default=0,
                             help="start sleeping after this many train_step calls")
         parser.add_argument("--toy-perturb-after", type=int, default=0,
@@ -87,7 +95,14 @@ class ToyTask(Task):
             getattr(torch, self.args.toy_dtype))
         if self.args.toy_nan_bias_grad_after:
             model[2].register_forward_hook(self._nan_bias_grad)
+        if self.args.toy_slow_state_ms:
+            model._register_state_dict_hook(self._slow_state)
         return model
+
+    def _slow_state(self, module, state, prefix, local_metadata):
+        print(f"toy: state after {getattr(self, 'calls', 0)} train steps", file=sys.stderr,
+              flush=True)
+        time.sleep(self.args.toy_slow_state_ms / 1000)
 
     def _nan_bias_grad(self, module, inputs, output):
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -116,6 +131,8 @@ class ToyTask(Task):
     def train_step(self, model, sample, backward=None):
         self.calls = getattr(self, "calls", 0) + 1
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if self.args.toy_step_ms:
+            time.sleep(self.args.toy_step_ms / 1000)
         if rank == self.args.toy_slow_rank and self.calls > self.args.toy_slow_after:
             time.sleep(self.args.toy_slow_ms / 1000 * len(sample["x"]))   # a slower device
         if self.args.toy_fail_after and self.calls > self.args.toy_fail_after:
