@@ -176,6 +176,24 @@ MUTATIONS = {
         "    if not members:\n        return\n",
         "    return\n",
         ["tests/test_startup.py::test_file_left_by_a_killed_job_is_named"]),
+    "elastic-state-from-rank-0": (
+        "an elastic generation takes the state of the member with the most completed updates",
+        "hetseq/distributed/elastic.py",
+        'return max(range(self.world_size), key=lambda r: (self.members[r]["updates"], -r))',
+        "return 0",
+        ["tests/test_elastic.py::test_the_state_comes_from_the_member_with_the_most_updates"]),
+    "elastic-snapshot-skips-the-update-in-flight": (
+        "survivors drop the update in flight: its samples are trained in the next generation",
+        "hetseq/train.py",
+        "if self.controller.num_updates != done:",
+        "if True:",
+        ["tests/test_elastic.py::test_a_frozen_host_is_left_behind"]),
+    "elastic-join-signal-ignored": (
+        "a node started later joins the running job at an update boundary",
+        "hetseq/train.py",
+        "self._reconfigure = any(result.signals)",
+        "self._reconfigure = False",
+        ["tests/test_elastic.py::test_a_lost_host_an_intruder_and_a_late_joiner"]),
 }
 
 

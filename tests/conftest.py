@@ -1,16 +1,15 @@
 import importlib
 import io
 import os
-import re
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from hetseq.testing.watched import Watched  # noqa: F401  (tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ["--task", "toy", "--user-dir", str(ROOT / "tests" / "tasks")]
@@ -115,51 +114,6 @@ def start_nodes(commands, cluster=None, on=None, env=None):
         procs.append(subprocess.Popen(argv, **options) if cluster is None else
                      cluster.popen(on[index] if on else index, argv, **options))
     return procs
-
-
-class Watched:
-    """A started process whose output is read as it comes, so that a test can
-    wait for a line (a marker) instead of sleeping."""
-
-    def __init__(self, proc):
-        self.proc, self.lines, self.ended = proc, [], False
-        self._news = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            with self._news:
-                self.lines.append(line)
-                self._news.notify_all()
-        with self._news:
-            self.ended = True
-            self._news.notify_all()
-
-    def wait_for(self, pattern, count=1, timeout=120):
-        """Until ``pattern`` (a regex) has appeared in ``count`` lines."""
-        deadline = time.monotonic() + timeout
-        with self._news:
-            while sum(bool(re.search(pattern, line)) for line in self.lines) < count:
-                left = deadline - time.monotonic()
-                if self.ended or left <= 0:
-                    raise AssertionError(f"no {count} lines matching {pattern!r} "
-                                         f"({'process ended' if self.ended else 'timed out'}):"
-                                         f"\n{self.output()[-3000:]}")
-                self._news.wait(left)
-
-    def output(self):
-        return "".join(self.lines)
-
-    def finish(self, timeout=120):
-        """(exit code, all output) once the process ended."""
-        try:
-            self.proc.wait(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-        with self._news:
-            self._news.wait_for(lambda: self.ended, timeout=10)
-        return self.proc.returncode, self.output()
 
 
 UPDATE_LINE = r"\| epoch \d+ \| loss="     # rank 0's plain log line after an update

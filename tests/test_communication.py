@@ -26,7 +26,7 @@ from conftest import TOY
 BASE = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--clip-norm", 0,
         "--max-update", 3, "--disable-validation", "--no-save", "--toy-size", 100]
 PARAMS = 8 * 16 + 16 + 16 + 1                # the toy model: Linear(8, 16), Linear(16, 1)
-STATS = 3 + 3 * 2                            # loss, sample_size, seen; 3 slots x 2 ranks
+STATS = 3 + 4 * 2                            # loss, sample_size, seen; 4 slots x 2 ranks
 VARIANTS = {"plain": [], "update-freq 3": ["--update-freq", 3],
             "micro-batches of 4": ["--micro-batch-cap", 4]}
 

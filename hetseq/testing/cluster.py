@@ -124,6 +124,16 @@ class VirtualCluster:
         """Unplug host ``index`` from the switch (its processes keep running)."""
         _sh("ip", "-n", self.switch, "link", "set", f"p{index}", "down")
 
+    def signal_host(self, index, sig):
+        """Send ``sig`` to every process on host ``index`` (SIGKILL: the machine
+        is switched off; SIGSTOP: it hangs)."""
+        pids = _sh("ip", "netns", "pids", self.namespaces[index], check=False).stdout
+        for pid in pids.split():
+            try:
+                os.kill(int(pid), sig)
+            except ProcessLookupError:
+                pass
+
     def plug(self, index):
         """Plug host ``index`` back into the switch."""
         _sh("ip", "-n", self.switch, "link", "set", f"p{index}", "up")

@@ -1,0 +1,239 @@
+"""Elastic jobs under faults: HetSeq --elastic beside torchrun's elastic restarts.
+
+Three namespace hosts (hetseq/testing/cluster.py, root needed), one CPU rank
+each, global batch 48. The model is the float64 toy of the tests with a
+fixed 100 ms per step (``--toy-step-ms``): what is measured is what a fault
+costs the job (detection, meeting again, moving the state, redone work),
+not compute, and three ranks on two cores would not compute evenly anyway.
+
+Runs, each until --updates updates are done:
+- ``hetseq_clean``: ``--elastic``, no faults (the baseline);
+- ``hetseq_faults``: the same job with a fault every --period seconds:
+  host C killed, C back, host B frozen (SIGSTOP), B back (killed and
+  restarted), host C switched off (link cut, then killed), C back;
+- ``torchrun_faults``: the usual recipe, ``torchrun --nnodes 2:3
+  --max-restarts N`` (c10d rendezvous on host A) running HetSeq with a
+  checkpoint every --save-every updates in a save dir all hosts share
+  (torchrun restarts every worker from it), with the same faults at the
+  same moments.
+
+Reported: per fault, the seconds from the fault to the next completed
+update (for a node coming back: from its start to the first update it takes
+part in); goodput = updates done x 48 / wall time from the first update,
+and its ratio to the clean run; updates trained twice (torchrun's work since
+the last checkpoint). The PNG shows samples/s over time with the faults.
+
+    python bench/elastic.py --out bench/elastic.json --png bench/elastic.png
+"""
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.output import emit  # noqa: E402
+from hetseq.testing import cluster as netns  # noqa: E402
+from hetseq.testing.watched import Watched  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECRET = "0123456789abcdef0123456789abcdef"
+BATCH = 48
+UPDATE = re.compile(r"\| epoch \d+ \| loss=")
+RESUMED = re.compile(r"resumed from .*: epoch \d+, (\d+) updates done")
+# (kind, host): what happens at each --period.
+FAULTS = [("kill", 2), ("back", 2), ("freeze", 1), ("back", 1), ("switch_off", 2), ("back", 2)]
+
+
+def job_flags(args, save):
+    return ["--task", "toy", "--user-dir", os.path.join(ROOT, "tests", "tasks"), "--cpu",
+            "--optimizer", "sgd", "--lr", "0.05", "--lr-scheduler", "fixed", "--clip-norm", "0",
+            "--disable-validation", "--toy-size", 960, "--max-update", args.updates,
+            "--global-batch-size", BATCH, "--toy-step-ms", args.step_ms,
+            "--distributed-timeout", args.timeout, "--log-format", "simple",
+            "--log-interval", 1, "--no-progress-bar", "--save-dir", save]
+
+
+class Job:
+    """The nodes of one run, started and faulted by host."""
+
+    def __init__(self, cluster, launcher, args, folder):
+        self.cluster, self.launcher, self.args, self.folder = cluster, launcher, args, folder
+        self.nodes, self.dead = [], []
+        self.started = {}
+
+    def start(self, host):
+        argv, secret = self.launcher(self, host)
+        env = {"PATH": os.environ["PATH"], "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
+               **({"HETSEQ_JOB_SECRET": SECRET} if secret else {})}
+        proc = self.cluster.popen(host, argv, env=env, cwd=ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        watched = Watched(proc)
+        watched.host = host
+        self.nodes.append(watched)
+        self.started[host] = time.monotonic()
+        return watched
+
+    def fault(self, kind, host):
+        """Every process of the host (torchrun's agent with its worker) at once."""
+        if kind == "switch_off":
+            self.cluster.cut(host)
+        if kind == "back":
+            self.cluster.signal_host(host, signal.SIGKILL)     # a frozen machine is rebooted
+            self.cluster.plug(host)
+        else:
+            self.cluster.signal_host(host, signal.SIGSTOP if kind == "freeze" else signal.SIGKILL)
+        self.dead += [n for n in self.nodes if n.host == host and n not in self.dead]
+        if kind == "back":
+            self.start(host)
+
+    def updates(self):
+        """[(time, updates done)] from every node's log, in time order."""
+        events = sorted((t, line) for node in self.nodes for t, line in node.stamped
+                        if UPDATE.search(line) or RESUMED.search(line))
+        done, timeline = 0, []
+        for t, line in events:
+            resumed = RESUMED.search(line)
+            done = int(resumed.group(1)) if resumed else done + 1
+            if not resumed:
+                timeline.append((t, done))
+        return timeline, sum(1 for _, line in events if UPDATE.search(line))
+
+
+def hetseq_launcher(job, host):
+    save = os.path.join(job.folder, f"host{host}")
+    url = f"tcp://{job.cluster.addresses[0]}:29600"
+    return [sys.executable, os.path.join(ROOT, "train.py"), *map(str, job_flags(job.args, save)),
+            "--elastic", "--min-nodes", "2", "--max-sentences", "16",
+            "--distributed-init-method", url], True
+
+
+def torchrun_launcher(job, host):
+    save = os.path.join(job.folder, "shared")      # torchrun resumes from a shared disk
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3",
+            "--nproc-per-node", "1", "--max-restarts", str(job.args.max_restarts),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{job.cluster.addresses[0]}:29400",
+            "--rdzv-id", "bench", os.path.join(ROOT, "train.py"),
+            *map(str, job_flags(job.args, save)), "--capacity", "equal",
+            "--save-interval-updates", str(job.args.save_every)], False
+
+
+def run(launcher, args, faults):
+    """One job on three fresh hosts; the measurements."""
+    with netns.VirtualCluster(3) as cluster, tempfile.TemporaryDirectory() as folder:
+        job = Job(cluster, launcher, args, folder)
+        for host in range(3):
+            job.start(host)
+        first = wait_until(lambda: job.updates()[0], args.limit)[0][0]
+        moments = []
+        for index, (kind, host) in enumerate(faults):
+            wait_until(lambda: time.monotonic() >= first + (index + 1) * args.period or
+                       finished(job, args), args.limit)
+            if finished(job, args):
+                break
+            moments.append((time.monotonic(), kind, host))
+            job.fault(kind, host)
+        wait_until(lambda: finished(job, args) or all_ended(job), args.limit)
+        for node in job.nodes:
+            if node not in job.dead and node.proc.poll() is None:
+                node.finish(60)
+        timeline, lines = job.updates()
+        return summarize(timeline, lines, moments, first, job, args)
+
+
+def finished(job, args):
+    timeline = job.updates()[0]
+    return bool(timeline) and timeline[-1][1] >= args.updates
+
+
+def all_ended(job):
+    return all(node.proc.poll() is not None for node in job.nodes if node not in job.dead)
+
+
+def wait_until(condition, limit):
+    deadline = time.monotonic() + limit
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"bench/elastic.py: nothing happened within {limit} s")
+        time.sleep(0.2)
+    return value
+
+
+def summarize(timeline, lines, moments, first, job, args):
+    end, done = timeline[-1]
+    faults = []
+    for at, kind, host in moments:
+        start = job.started[host] if kind == "back" else at
+        after = [t for t, _ in timeline if t > start]
+        if kind == "back":   # the first update after the state was handed out again
+            resumed = [t for node in job.nodes for t, line in node.stamped
+                       if t > start and RESUMED.search(line)]
+            after = [t for t in after if resumed and t > min(resumed)]
+        faults.append({"kind": kind, "host": "ABC"[host], "at_s": round(at - first, 1),
+                       "to_next_update_s": round(after[0] - start, 1) if after else None})
+    return {"updates": done, "wall_s": round(end - first, 1),
+            "goodput_samples_per_s": round(done * BATCH / (end - first), 1),
+            "updates_trained_twice": lines - done, "faults": faults,
+            "timeline": [(round(t - first, 2), n) for t, n in timeline]}
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for name, result in results.items():
+        times = [t for t, _ in result["timeline"]]
+        rate = [sum(1 for s in times if t - 5 < s <= t) * BATCH / 5 for t in times]
+        ax.plot(times, rate, label=name)
+    for fault in results.get("hetseq_faults", {}).get("faults", []):
+        ax.axvline(fault["at_s"], color="grey", linestyle=":")
+        ax.text(fault["at_s"], ax.get_ylim()[1] * 0.95, f"{fault['kind']} {fault['host']}",
+                rotation=90, fontsize=7, va="top")
+    ax.set_xlabel("seconds since the first update")
+    ax.set_ylabel("samples/s (5 s window)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--updates", type=int, default=1000)
+    parser.add_argument("--step-ms", type=float, default=100)
+    parser.add_argument("--period", type=float, default=20, help="seconds between faults")
+    parser.add_argument("--timeout", type=float, default=10, help="--distributed-timeout")
+    parser.add_argument("--save-every", type=int, default=50,
+                        help="torchrun's checkpoint interval (updates)")
+    parser.add_argument("--max-restarts", type=int, default=10)
+    parser.add_argument("--limit", type=float, default=900, help="seconds one run may take")
+    parser.add_argument("--only", choices=["hetseq_clean", "hetseq_faults", "torchrun_faults"],
+                        action="append")
+    parser.add_argument("--out")
+    parser.add_argument("--png")
+    args = parser.parse_args()
+    ok, why = netns.available()
+    if not ok:
+        raise SystemExit(f"bench/elastic.py needs namespace hosts: {why}")
+    netns.remove_stale()
+    runs = {"hetseq_clean": (hetseq_launcher, []), "hetseq_faults": (hetseq_launcher, FAULTS),
+            "torchrun_faults": (torchrun_launcher, FAULTS)}
+    results = {name: run(*spec, args) for name, spec in runs.items()
+               if not args.only or name in args.only}
+    clean = results.get("hetseq_clean", {}).get("goodput_samples_per_s")
+    for result in results.values():
+        if clean:
+            result["goodput_vs_clean"] = round(result["goodput_samples_per_s"] / clean, 3)
+    if args.png:
+        plot(results, args.png)
+    emit({"setup": {k: v for k, v in vars(args).items() if k not in ("out", "png", "only")},
+          "global_batch": BATCH, **results}, args.out)
+
+
+if __name__ == "__main__":
+    main()
