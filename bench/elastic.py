@@ -15,13 +15,18 @@ Runs, each until --updates updates are done:
   --max-restarts N`` (c10d rendezvous on host A) running HetSeq with a
   checkpoint every --save-every updates in a save dir all hosts share
   (torchrun restarts every worker from it), with the same faults at the
-  same moments.
+  same moments;
+- ``hetseq_kills`` and ``torchrun_kills``: both with milder faults that
+  torchrun's restarts can survive (C killed, C back, B killed, B back) every
+  --kills-period seconds: its re-rendezvous waits up to 30 s (c10d's
+  last call) for more nodes.
 
 Reported: per fault, the seconds from the fault to the next completed
 update (for a node coming back: from its start to the first update it takes
 part in); goodput = updates done x 48 / wall time from the first update,
-and its ratio to the clean run; updates trained twice (torchrun's work since
-the last checkpoint). The PNG shows samples/s over time with the faults.
+and its ratio to the clean run (a job that stopped before --updates:
+until it stopped, with its last error); updates trained twice (torchrun's
+work since the last checkpoint). The PNG shows samples/s over time with the faults.
 
     python bench/elastic.py --out bench/elastic.json --png bench/elastic.png
 """
@@ -48,6 +53,8 @@ UPDATE = re.compile(r"\| epoch \d+ \| loss=")
 RESUMED = re.compile(r"resumed from .*: epoch \d+, (\d+) updates done")
 # (kind, host): what happens at each --period.
 FAULTS = [("kill", 2), ("back", 2), ("freeze", 1), ("back", 1), ("switch_off", 2), ("back", 2)]
+# Fewer and milder, every --kills-period: what torchrun's restarts can survive.
+KILLS = [("kill", 2), ("back", 2), ("kill", 1), ("back", 1)]
 
 
 def job_flags(args, save):
@@ -117,33 +124,41 @@ def torchrun_launcher(job, host):
     save = os.path.join(job.folder, "shared")      # torchrun resumes from a shared disk
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:3",
             "--nproc-per-node", "1", "--max-restarts", str(job.args.max_restarts),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{job.cluster.addresses[0]}:29400",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{job.cluster.names[0]}:29400",
             "--rdzv-id", "bench", os.path.join(ROOT, "train.py"),
             *map(str, job_flags(job.args, save)), "--capacity", "equal",
             "--save-interval-updates", str(job.args.save_every)], False
 
 
-def run(launcher, args, faults):
-    """One job on three fresh hosts; the measurements."""
+def run(launcher, faults, period, args):
+    """One job on three fresh hosts, a fault every ``period`` s; the measurements."""
     with netns.VirtualCluster(3) as cluster, tempfile.TemporaryDirectory() as folder:
         job = Job(cluster, launcher, args, folder)
         for host in range(3):
             job.start(host)
-        first = wait_until(lambda: job.updates()[0], args.limit)[0][0]
+        first = wait_until(lambda: job.updates()[0], args.limit, job)[0][0]
         moments = []
         for index, (kind, host) in enumerate(faults):
-            wait_until(lambda: time.monotonic() >= first + (index + 1) * args.period or
-                       finished(job, args), args.limit)
+            wait_until(lambda: time.monotonic() >= first + (index + 1) * period or
+                       finished(job, args), args.limit, job)
             if finished(job, args):
                 break
             moments.append((time.monotonic(), kind, host))
             job.fault(kind, host)
-        wait_until(lambda: finished(job, args) or all_ended(job), args.limit)
+        # A job that cannot go on may also hang: it has until --limit.
+        wait_until(lambda: finished(job, args) or all_ended(job), args.limit, fatal=False)
+        ended = time.monotonic()
         for node in job.nodes:
             if node not in job.dead and node.proc.poll() is None:
-                node.finish(60)
+                node.finish(60 if finished(job, args) else 0.1)
+        if args.logs:
+            os.makedirs(args.logs, exist_ok=True)
+            for index, node in enumerate(job.nodes):
+                with open(os.path.join(args.logs, f"{launcher.__name__}-{index}-host"
+                                                  f"{'ABC'[node.host]}.log"), "w") as f:
+                    f.write(node.output())
         timeline, lines = job.updates()
-        return summarize(timeline, lines, moments, first, job, args)
+        return summarize(timeline, lines, moments, (first, ended), job, args)
 
 
 def finished(job, args):
@@ -155,17 +170,23 @@ def all_ended(job):
     return all(node.proc.poll() is not None for node in job.nodes if node not in job.dead)
 
 
-def wait_until(condition, limit):
+def wait_until(condition, limit, job=None, fatal=True):
     deadline = time.monotonic() + limit
     while not (value := condition()):
         if time.monotonic() > deadline:
-            raise SystemExit(f"bench/elastic.py: nothing happened within {limit} s")
+            if not fatal:
+                return None
+            tails = "".join(f"\n--- host {'ABC'[n.host]} ---\n" + "".join(n.lines[-15:])
+                            for n in (job.nodes if job else []))
+            raise SystemExit(f"bench/elastic.py: nothing happened within {limit} s{tails}")
         time.sleep(0.2)
     return value
 
 
-def summarize(timeline, lines, moments, first, job, args):
-    end, done = timeline[-1]
+def summarize(timeline, lines, moments, span, job, args):
+    (first, ended), (end, done) = span, timeline[-1]
+    completed = done >= args.updates
+    end = end if completed else ended     # an unfinished job: until it gave up
     faults = []
     for at, kind, host in moments:
         start = job.started[host] if kind == "back" else at
@@ -176,7 +197,10 @@ def summarize(timeline, lines, moments, first, job, args):
             after = [t for t in after if resumed and t > min(resumed)]
         faults.append({"kind": kind, "host": "ABC"[host], "at_s": round(at - first, 1),
                        "to_next_update_s": round(after[0] - start, 1) if after else None})
-    return {"updates": done, "wall_s": round(end - first, 1),
+    errors = [line.strip()[:240] for node in job.nodes for _, line in node.stamped
+              if re.search(r"Error:|ERROR", line)]
+    return {"completed": completed, "updates": done, "wall_s": round(end - first, 1),
+            **({} if completed else {"last_error": errors[-1] if errors else None}),
             "goodput_samples_per_s": round(done * BATCH / (end - first), 1),
             "updates_trained_twice": lines - done, "faults": faults,
             "timeline": [(round(t - first, 2), n) for t, n in timeline]}
@@ -207,13 +231,17 @@ def main():
     parser.add_argument("--updates", type=int, default=1000)
     parser.add_argument("--step-ms", type=float, default=100)
     parser.add_argument("--period", type=float, default=20, help="seconds between faults")
+    parser.add_argument("--kills-period", type=float, default=60,
+                        help="seconds between the kills of the *_kills runs")
     parser.add_argument("--timeout", type=float, default=10, help="--distributed-timeout")
     parser.add_argument("--save-every", type=int, default=50,
                         help="torchrun's checkpoint interval (updates)")
     parser.add_argument("--max-restarts", type=int, default=10)
     parser.add_argument("--limit", type=float, default=900, help="seconds one run may take")
-    parser.add_argument("--only", choices=["hetseq_clean", "hetseq_faults", "torchrun_faults"],
-                        action="append")
+    parser.add_argument("--only", action="append",
+                        choices=["hetseq_clean", "hetseq_faults", "torchrun_faults",
+                                 "hetseq_kills", "torchrun_kills"])
+    parser.add_argument("--logs", help="write every node's output into this folder")
     parser.add_argument("--out")
     parser.add_argument("--png")
     args = parser.parse_args()
@@ -221,8 +249,11 @@ def main():
     if not ok:
         raise SystemExit(f"bench/elastic.py needs namespace hosts: {why}")
     netns.remove_stale()
-    runs = {"hetseq_clean": (hetseq_launcher, []), "hetseq_faults": (hetseq_launcher, FAULTS),
-            "torchrun_faults": (torchrun_launcher, FAULTS)}
+    runs = {"hetseq_clean": (hetseq_launcher, [], 0),
+            "hetseq_faults": (hetseq_launcher, FAULTS, args.period),
+            "torchrun_faults": (torchrun_launcher, FAULTS, args.period),
+            "hetseq_kills": (hetseq_launcher, KILLS, args.kills_period),
+            "torchrun_kills": (torchrun_launcher, KILLS, args.kills_period)}
     results = {name: run(*spec, args) for name, spec in runs.items()
                if not args.only or name in args.only}
     clean = results.get("hetseq_clean", {}).get("goodput_samples_per_s")

@@ -273,6 +273,9 @@ def check_elastic(args):
     if not (args.distributed_init_method or "").startswith("tcp://"):
         raise UserError(f"--elastic needs --distributed-init-method tcp://HOST:PORT (a node of "
                         f"the job), got {args.distributed_init_method}")
+    if args.distributed_backend in ("ccl", "mpi"):
+        raise UserError(f"--elastic restarts the process group when members change: it works "
+                        f"with gloo and nccl, not --distributed-backend {args.distributed_backend}")
     if args.global_batch_size is None:
         raise UserError("--elastic needs --global-batch-size: the global batch must not change "
                         "when nodes come and go")

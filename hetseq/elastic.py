@@ -59,8 +59,10 @@ def train_elastic(make_run, job, node):
         raise UserError("--elastic needs a job secret, since nodes join by themselves: set "
                         f"HETSEQ_JOB_SECRET or --job-secret-file on every node ({tunnel.MAKE_ONE} "
                         "makes one)")
-    membership = Membership(node.launch, job.distributed_backend, secret,
-                            job.elastic.min_nodes, job.elastic.max_nodes)
+    device = _device(node.launch)
+    backend = job.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
+    membership = Membership(node.launch, backend, secret, job.elastic.min_nodes,
+                            job.elastic.max_nodes, job.identity())
     carried = _own_checkpoint(node.save)
     while True:
         try:
@@ -73,11 +75,11 @@ def train_elastic(make_run, job, node):
             logger.warning("--elastic: %s before this node could join", done)
             return
         setup_logging(generation.rank, all_ranks=node.log.log_all_ranks)
-        membership.process_group(job.distributed_backend)
-        ctx = DistContext(generation.rank, generation.world_size, 0, torch.device("cpu"),
-                          job.distributed_backend, 1)
+        ctx = DistContext(generation.rank, generation.world_size, device.index or 0, device,
+                          backend, 1)
         run, mine = None, carried
         try:
+            membership.process_group(backend)
             run = make_run(ctx, (generation.source(), lambda: mine), membership)
             run.train()
         except Reconfigure:
@@ -96,7 +98,17 @@ def train_elastic(make_run, job, node):
         # Objects holding the process group (DDP) go before the group does.
         del run, mine
         gc.collect()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _device(launch):
+    """This node's one device: its --device-id GPU, or the CPU."""
+    if launch.cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", launch.device_id)
+    torch.cuda.set_device(device)
+    return device
 
 
 def _updates(state):

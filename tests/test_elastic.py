@@ -108,16 +108,20 @@ def test_an_elastic_node_without_a_secret_is_told_to_set_one(tmp):
     assert "Traceback" not in out and len(out.strip().splitlines()) == 1, out
 
 
-def test_two_nodes_on_one_host_train_exactly(tmp):
+def test_two_nodes_on_one_host_train_exactly_and_a_node_with_other_flags_is_refused(tmp):
     """The smallest elastic job, on loopback: nodes met at the URL, ranks
-    given out there, shares 16 and 32 of 48."""
+    given out there, shares 16 and 32 of 48. A third node started with
+    another --seed is refused (exit 2, the flag named) while they train."""
     url = f"tcp://127.0.0.1:{free_port()}"
-    nodes = [node(None, None, url, tmp / "a", "--toy-step-ms", 0, "--max-update", 20),
-             node(None, None, url, tmp / "b", "--toy-step-ms", 0, "--max-update", 20,
-                  "--max-sentences", 32)]
+    short = ["--toy-step-ms", 50, "--max-update", 40]
+    nodes = [node(None, None, url, tmp / "a", *short),
+             node(None, None, url, tmp / "b", *short, "--max-sentences", 32)]
+    nodes[0].wait_for(r"generation 1: 2 nodes")
+    code, out = node(None, None, url, tmp / "c", *short, "--seed", 2).finish(60)
+    assert code == 2 and "--seed 2 here, 19940802 in the job" in out and "Traceback" not in out, out
     outputs = finish_ok(*nodes)
     leader = 0 if "this node is rank 0" in outputs[0] else 1
-    expected = run_alone([*COMMON, "--max-update", 20, "--max-sentences", 48, "--no-save"])
+    expected = run_alone([*COMMON, "--max-update", 40, "--max-sentences", 48, "--no-save"])
     assert max_diff(expected["model"], final_params(tmp / "ab"[leader])) < EXACT
 
 

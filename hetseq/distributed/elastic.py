@@ -41,7 +41,7 @@ import uuid
 
 import torch.distributed as dist
 
-from hetseq.distributed import interfaces, network, rendezvous, tunnel
+from hetseq.distributed import identity, interfaces, network, rendezvous, tunnel
 from hetseq.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class Membership:
     """This node's side of the elastic job: its own meeting point, the
     members it knows, and the rounds it takes part in."""
 
-    def __init__(self, launch, backend, secret, min_nodes, max_nodes):
+    def __init__(self, launch, backend, secret, min_nodes, max_nodes, job_identity=None):
         url = launch.distributed_init_method
         self.url, self.secret, self.timeout_s = url, secret, launch.distributed_timeout
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
@@ -105,6 +105,11 @@ class Membership:
             url, self.binding.address, self.port, secret, self.timeout_s)
         self._clients = {}
         self.generation = None
+        # Every member's store holds the job's identity (JobConfig.identity()),
+        # so that a node with other flags or code is refused wherever it knocks.
+        self.identity, self.who = job_identity, f"{socket.gethostname()} pid {os.getpid()}"
+        if job_identity is not None:
+            identity.present(self.store, job_identity, 0, url, self.who, time.monotonic())
         logger.debug("node %s serves a meeting point at %s:%d", socket.gethostname(),
                     self.binding.address, self.store_port)
 
@@ -204,6 +209,8 @@ class Membership:
         store = self._leader_store()
         number = self._next_number(store)
         leads = store is self.store
+        if not leads and self.identity is not None:
+            identity.present(store, self.identity, "this node", self.url, self.who, deadline)
         if not leads and (self.generation is None or missed):
             # Tell rank 0, before arriving: its round then clears the flag
             # only once this arrival is visible to it.

@@ -33,8 +33,10 @@ def present(store, identity, rank, url, who, deadline):
     """Join the job at ``store`` with ``identity``, or refuse. Rank 0 defines the
     job (the first rank 0 to arrive, by an atomic compare-and-set; it serves a
     TCP store, so the job is where it is); other ranks wait for it until
-    ``deadline`` and must match it."""
+    ``deadline`` and must match it. ``rank``: a number, or a name for a
+    node that has none yet (--elastic)."""
     mine = json.dumps(identity, sort_keys=True)
+    name = f"rank {rank}" if isinstance(rank, int) else rank   # "this node": --elastic
     if rank == 0:
         held = store.compare_set("hetseq/job", "", mine).decode()
         if held == mine:
@@ -43,7 +45,7 @@ def present(store, identity, rank, url, who, deadline):
     else:
         while not store.check(["hetseq/job"]):
             if time.monotonic() > deadline:
-                raise UserError(f"rank {rank} waited at {url} for rank 0, which defines the job, "
+                raise UserError(f"{name} waited at {url} for rank 0, which defines the job, "
                                 "until --distributed-timeout: start it, or check the address")
             time.sleep(0.05)
         held = store.get("hetseq/job").decode()
@@ -51,7 +53,7 @@ def present(store, identity, rank, url, who, deadline):
             return
     founder = store.get("hetseq/job-by").decode() if store.check(["hetseq/job-by"]) else "?"
     raise UserError(
-        f"rank {rank} refused by the job at {url} (started by {founder}): its flags differ: "
+        f"{name} refused by the job at {url} (started by {founder}): its flags differ: "
         f"{differences(identity, json.loads(held))}. Start every node with the same flags "
         "(only those listed in the README as per-node may differ), or use another "
         "--distributed-init-method for another job")
