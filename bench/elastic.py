@@ -16,10 +16,11 @@ Runs, each until --updates updates are done:
   checkpoint every --save-every updates in a save dir all hosts share
   (torchrun restarts every worker from it), with the same faults at the
   same moments;
-- ``hetseq_kills`` and ``torchrun_kills``: both with milder faults that
-  torchrun's restarts can survive (C killed, C back, B killed, B back) every
-  --kills-period seconds: its re-rendezvous waits up to 30 s (c10d's
-  last call) for more nodes.
+- ``hetseq_kills`` and ``torchrun_kills``: both with milder faults (C
+  killed, C back, B killed, B back) every --kills-period seconds;
+- ``hetseq_one_kill`` and ``torchrun_one_kill``: host C killed once, at
+  --kills-period: the cost of one restart (torchrun's re-rendezvous waits
+  up to 30 s, c10d's last call, for more nodes).
 
 Reported: per fault, the seconds from the fault to the next completed
 update (for a node coming back: from its start to the first update it takes
@@ -32,6 +33,7 @@ work since the last checkpoint). The PNG shows samples/s over time with the faul
 """
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -55,6 +57,7 @@ RESUMED = re.compile(r"resumed from .*: epoch \d+, (\d+) updates done")
 FAULTS = [("kill", 2), ("back", 2), ("freeze", 1), ("back", 1), ("switch_off", 2), ("back", 2)]
 # Fewer and milder, every --kills-period: what torchrun's restarts can survive.
 KILLS = [("kill", 2), ("back", 2), ("kill", 1), ("back", 1)]
+ONE_KILL = [("kill", 2)]
 
 
 def job_flags(args, save):
@@ -202,8 +205,21 @@ def summarize(timeline, lines, moments, span, job, args):
     return {"completed": completed, "updates": done, "wall_s": round(end - first, 1),
             **({} if completed else {"last_error": errors[-1] if errors else None}),
             "goodput_samples_per_s": round(done * BATCH / (end - first), 1),
-            "updates_trained_twice": lines - done, "faults": faults,
+            "updates_trained_twice": lines - done, "stalled_s": stalled_s(timeline),
+            "faults": faults,
             "timeline": [(round(t - first, 2), n) for t, n in timeline]}
+
+
+def stalled_s(timeline):
+    """Seconds without an update beyond the usual step: what faults cost
+    besides the capacity of the absent nodes (the rest of the goodput lost:
+    fewer nodes take more micro-batches each)."""
+    gaps = sorted(b[0] - a[0] for a, b in zip(timeline, timeline[1:]))
+    usual = gaps[len(gaps) // 2] if gaps else 0.0
+    return round(sum(gap - usual for gap in gaps if gap > 3 * usual), 1)
+
+
+FIGURE = ("hetseq_clean", "hetseq_faults", "torchrun_faults")
 
 
 def plot(results, path):
@@ -213,8 +229,10 @@ def plot(results, path):
     fig, ax = plt.subplots(figsize=(9, 4))
     for name, result in results.items():
         times = [t for t, _ in result["timeline"]]
-        rate = [sum(1 for s in times if t - 5 < s <= t) * BATCH / 5 for t in times]
-        ax.plot(times, rate, label=name)
+        end = result["wall_s"]
+        grid = [i / 4 for i in range(int(end * 4) + 1)]     # every 0.25 s until the job ended
+        rate = [sum(1 for s in times if t - 5 < s <= t) * BATCH / 5 for t in grid]
+        ax.plot(grid, rate, label=name)
     for fault in results.get("hetseq_faults", {}).get("faults", []):
         ax.axvline(fault["at_s"], color="grey", linestyle=":")
         ax.text(fault["at_s"], ax.get_ylim()[1] * 0.95, f"{fault['kind']} {fault['host']}",
@@ -240,11 +258,18 @@ def main():
     parser.add_argument("--limit", type=float, default=900, help="seconds one run may take")
     parser.add_argument("--only", action="append",
                         choices=["hetseq_clean", "hetseq_faults", "torchrun_faults",
-                                 "hetseq_kills", "torchrun_kills"])
+                                 "hetseq_kills", "torchrun_kills", "hetseq_one_kill",
+                                 "torchrun_one_kill"])
     parser.add_argument("--logs", help="write every node's output into this folder")
     parser.add_argument("--out")
+    parser.add_argument("--replot", metavar="JSON", help="only draw --png from an earlier --out")
+    parser.add_argument("--add", action="store_true", help="keep the other runs already in --out")
     parser.add_argument("--png")
     args = parser.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            plot({k: v for k, v in json.load(f).items() if k in FIGURE}, args.png)
+        return
     ok, why = netns.available()
     if not ok:
         raise SystemExit(f"bench/elastic.py needs namespace hosts: {why}")
@@ -253,16 +278,24 @@ def main():
             "hetseq_faults": (hetseq_launcher, FAULTS, args.period),
             "torchrun_faults": (torchrun_launcher, FAULTS, args.period),
             "hetseq_kills": (hetseq_launcher, KILLS, args.kills_period),
-            "torchrun_kills": (torchrun_launcher, KILLS, args.kills_period)}
+            "torchrun_kills": (torchrun_launcher, KILLS, args.kills_period),
+            "hetseq_one_kill": (hetseq_launcher, ONE_KILL, args.kills_period),
+            "torchrun_one_kill": (torchrun_launcher, ONE_KILL, args.kills_period)}
     results = {name: run(*spec, args) for name, spec in runs.items()
                if not args.only or name in args.only}
+    if args.add and args.out and os.path.exists(args.out):
+        with open(args.out) as f:
+            results = {**{k: v for k, v in json.load(f).items()
+                          if k not in ("setup", "global_batch")}, **results}
     clean = results.get("hetseq_clean", {}).get("goodput_samples_per_s")
     for result in results.values():
+        result["stalled_s"] = stalled_s(result["timeline"])
         if clean:
             result["goodput_vs_clean"] = round(result["goodput_samples_per_s"] / clean, 3)
     if args.png:
-        plot(results, args.png)
-    emit({"setup": {k: v for k, v in vars(args).items() if k not in ("out", "png", "only")},
+        plot({k: v for k, v in results.items() if k in FIGURE}, args.png)
+    emit({"setup": {k: v for k, v in vars(args).items()
+                    if k not in ("out", "png", "only", "logs", "add", "replot")},
           "global_batch": BATCH, **results}, args.out)
 
 

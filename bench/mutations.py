@@ -194,6 +194,12 @@ MUTATIONS = {
         "self._reconfigure = any(result.signals)",
         "self._reconfigure = False",
         ["tests/test_elastic.py::test_a_lost_host_an_intruder_and_a_late_joiner"]),
+    "torchrun-restart-sees-old-claims": (
+        "a job under torchrun --max-restarts resumes after a restart",
+        "hetseq/distributed/rendezvous.py",
+        'restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")',
+        "restart = None",
+        ["tests/test_launchers.py::test_torchrun_restart_resumes_from_the_checkpoint_exactly"]),
 }
 
 

@@ -131,8 +131,9 @@ def test_a_lost_host_an_intruder_and_a_late_joiner(three_hosts, tmp):
     """Host C is switched off after 10 updates; A and B go on from the last
     update they completed. An uninvited node on C is refused without
     disturbing them; then C comes back and joins, receiving the state from
-    the members."""
-    url = f"tcp://{three_hosts.addresses[0]}:29517"
+    the members. The URL names host A, as the issue's command does (on A
+    itself the name resolves to 127.0.1.1)."""
+    url = f"tcp://{three_hosts.names[0]}:29517"
     a, b, c = (node(three_hosts, i, url, tmp / f"host{i}") for i in range(3))
     a.wait_for(UPDATE_LINE, 10)
     switch_off(three_hosts, 2, c)

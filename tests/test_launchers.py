@@ -13,6 +13,8 @@ import pytest
 
 from conftest import (ROOT, assert_ok, child_env, final_params, finish, free_port, max_diff,
                       require, run_train)
+from hetseq.testing.jobs import run_alone
+
 from test_parity import COMMON, EXACT, reference
 
 LAUNCH = ROOT / "examples" / "launch"
@@ -52,6 +54,26 @@ def test_torchrun_recipe_two_hosts_different_process_counts(hosts, tmp):
     text = "\n".join(out for out, _ in results)
     assert "ranks from torchrun" in text and "global batch 32" in text, text[-3000:]
     assert max_diff(reference(), final_params(out)) < EXACT
+
+
+def test_torchrun_restart_resumes_from_the_checkpoint_exactly(tmp):
+    """torchrun --max-restarts: its store outlives the workers, so the
+    restarted ones must not see the previous round's rank claims. Both
+    workers fail at their 6th step; the restart resumes from the checkpoint
+    of update 4 and ends at the weights of one uninterrupted process."""
+    out = tmp / "restarted"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+            "--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(ROOT / "train.py"),
+            *hetseq_args(out, "--max-sentences", 16, "--max-update", 8,
+                         "--save-interval-updates", 2, "--toy-fail-after", 5).split()]
+    result = subprocess.run(argv, cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                            timeout=300)
+    text = result.stdout + result.stderr
+    assert result.returncode == 0, text[-3000:]
+    assert "toy: this node's data ends at call 6" in text and "4 updates done" in text, text[-3000:]
+    expected = run_alone([*COMMON, "--max-update", 8, "--max-sentences", 32, "--no-save"])
+    assert max_diff(expected["model"], final_params(out)) < EXACT
 
 
 def test_mpirun_recipe_one_host_two_ranks(mpirun, tmp):

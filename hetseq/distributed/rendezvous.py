@@ -191,8 +191,14 @@ def _open_env(url, rank, world_size, timeout, hosted, access):
         raise UserError("a job secret needs HetSeq's rank 0 to serve the meeting point, but "
                         "torchrun's agent serves it here, with no authentication: start the "
                         "nodes with --distributed-init-method tcp://HOST:PORT (or drop the secret)")
-    return _tcp_store(f"env:// ({addr}:{port})", addr, int(port), rank, world_size, timeout,
-                      hosted, access)
+    store = _tcp_store(f"env:// ({addr}:{port})", addr, int(port), rank, world_size, timeout,
+                       hosted, access)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None:
+        # torchrun's store outlives its workers: after a restart (--max-restarts)
+        # the previous round's rank claims would still be there.
+        store = dist.PrefixStore(f"hetseq-restart-{restart}", store)
+    return store
 
 
 def _open_file(url, rank, world_size, timeout, hosted, access):
