@@ -36,7 +36,7 @@ class ToyTask(Task):
     per_node_flags = frozenset({"toy_slow_rank", "toy_slow_ms", "toy_slow_after",
                                 "toy_perturb_after", "toy_nan_grad_after", "toy_log_indices",
                                 "toy_nan_bias_grad_after", "toy_drift_rank", "toy_drift",
-                                "toy_fail_after", "toy_dump_params", "toy_step_ms",
+                                "toy_fail_after", "toy_dump_params", "toy_sample_ms",
                                 "toy_slow_state_ms"})
     @classmethod
     def add_args(cls, parser):
@@ -51,9 +51,9 @@ class ToyTask(Task):
         parser.add_argument("--toy-slow-rank", type=int, default=-1,
                             help="this rank sleeps --toy-slow-ms per sample in training")
         parser.add_argument("--toy-slow-ms", type=float, default=4.0)
-        parser.add_argument("--toy-step-ms", type=float, default=0.0,
-                            help="every rank of this node sleeps this long per train_step call "
-                                 "(a slow device whatever its rank: elastic tests)")
+        parser.add_argument("--toy-sample-ms", type=float, default=0.0,
+                            help="every rank of this node sleeps this long per training sample "
+                                 "(a device of that speed whatever its rank: elastic tests)")
         parser.add_argument("--toy-slow-state-ms", type=float, default=0.0,
                             help="the model's state_dict (a checkpoint save) prints 'toy: state "
                                  "of N updates' and then takes this long (a slow disk)")
@@ -131,8 +131,8 @@ class ToyTask(Task):
     def train_step(self, model, sample, backward=None):
         self.calls = getattr(self, "calls", 0) + 1
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        if self.args.toy_step_ms:
-            time.sleep(self.args.toy_step_ms / 1000)
+        if self.args.toy_sample_ms:
+            time.sleep(self.args.toy_sample_ms / 1000 * len(sample["x"]))
         if rank == self.args.toy_slow_rank and self.calls > self.args.toy_slow_after:
             time.sleep(self.args.toy_slow_ms / 1000 * len(sample["x"]))   # a slower device
         if self.args.toy_fail_after and self.calls > self.args.toy_fail_after:
