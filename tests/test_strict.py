@@ -9,7 +9,7 @@ pytest_plugins = ["pytester"]
 
 NEEDY = f"""
 import sys
-sys.path.insert(0, {str(ROOT / "tests")!r})
+sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
 from conftest import require, require_module
 
 def test_needs_a_tool():
