@@ -32,6 +32,7 @@ the round costs the others one timeout. Nothing here decides by majority.
 """
 
 import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -324,9 +325,5 @@ class Membership:
         network.apply(self.binding, backend)
         dist.init_process_group(backend, store=dist.PrefixStore(f"e/{gen.number}/pg", gen.store),
                                 rank=gen.rank, world_size=gen.world_size,
-                                timeout=_timedelta(self.timeout_s))
+                                timeout=datetime.timedelta(seconds=self.timeout_s))
 
-
-def _timedelta(seconds):
-    import datetime
-    return datetime.timedelta(seconds=seconds)
