@@ -63,13 +63,16 @@ class Agreement:
     def __init__(self, cfg, ctx, replicated):
         self.cfg, self.ctx, self.replicated = cfg, ctx, replicated
         self.pending = 0.0     # this rank's checksum for the next update's stats (0: none)
+        self._last = 0         # the update of the last call
 
     def due(self, num_updates, now=False):
         """After update ``num_updates`` (``now``: at start-up or after a resume):
-        checksum the state if a check is due, for the next update's stats."""
-        every = self.cfg.divergence_check_interval
+        checksum the state if a check is due, for the next update's stats: when
+        a multiple of the interval was reached since the last call (updates
+        come in rounds of several under --local-steps)."""
+        every, last, self._last = self.cfg.divergence_check_interval, self._last, num_updates
         self.pending = checksum(self.replicated()) if every and (
-            now or num_updates % every == 0) else 0.0
+            now or num_updates // every > last // every) else 0.0
 
     def check(self, checksums, update):
         """``checksums``: every rank's, as the stats of update ``update``

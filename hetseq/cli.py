@@ -6,7 +6,7 @@ anything are accepted and say so in --help (``LEGACY``).
 
 import argparse
 
-from hetseq import capacity, checkpoint, config, precision, sharding
+from hetseq import capacity, checkpoint, config, local_steps, precision, sharding
 from hetseq.errors import UserError
 from hetseq.optim import OPTIMIZERS, SCHEDULERS, add_optimization_args
 from hetseq.tasks import TASKS, import_builtin_tasks, import_user_dir
@@ -168,6 +168,8 @@ def build_parser(task_cls=None):
     sharding.add_args(group)
     precision.add_args(group)
     capacity.add_args(parser.add_argument_group("Capacity: per-rank batch sizes"))
+    local_steps.add_args(parser.add_argument_group(
+        "Slow links: local steps (DiLoCo) and compressed gradients"))
     checkpoint.add_args(parser.add_argument_group("Checkpoints"))
     if task_cls is not None:
         task_cls.add_args(parser.add_argument_group(f"Task '{task_cls.registered_name}'"))
@@ -250,6 +252,7 @@ def check_args(args):
                         f"--divergence-tolerance {args.divergence_tolerance}: expected an "
                         "interval >= 0 updates and a relative distance >= 0")
     check_elastic(args)
+    local_steps.check_args(args)
     sharding.check_args(args)
     precision.check_args(args)
     OPTIMIZERS.get(args.optimizer)        # unknown names list the registered ones

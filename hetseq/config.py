@@ -120,6 +120,21 @@ class UpdateConfig(_Section):
 
 
 @section
+class ExchangeConfig(_Section):
+    """How ranks exchange what they learned (local_steps.py, distributed/compress.py):
+    every update or every H inner steps, and in how many bytes."""
+    local_steps: int
+    outer_lr: float
+    outer_momentum: float
+    outer_overlap: bool
+    outer_dtype: str
+    grad_compression: str
+    powersgd_rank: int
+    powersgd_start: int
+    powersgd_min_compression: float
+
+
+@section
 class AgreementConfig(_Section):
     """How ranks are kept equal to rank 0 (agreement.py)."""
     divergence_check_interval: int
@@ -198,6 +213,7 @@ class JobConfig(_Section):
     optimizer: OptimizerConfig
     schedule: ScheduleConfig
     update: UpdateConfig
+    exchange: ExchangeConfig
     agreement: AgreementConfig
     training: TrainingConfig
     capacity: CapacityConfig
@@ -295,7 +311,8 @@ class NodeConfig(_Section):
 
 JOB_SECTIONS = {"sharding": ShardingConfig, "precision": PrecisionConfig,
                 "optimizer": OptimizerConfig, "schedule": ScheduleConfig,
-                "update": UpdateConfig, "agreement": AgreementConfig,
+                "update": UpdateConfig, "exchange": ExchangeConfig,
+                "agreement": AgreementConfig,
                 "training": TrainingConfig, "capacity": CapacityConfig,
                 "checkpoint": CheckpointConfig, "elastic": ElasticConfig}
 NODE_SECTIONS = {"launch": LaunchConfig, "shares": ShareConfig, "save": SaveConfig,

@@ -28,6 +28,10 @@ unsharded gradient computes it locally, after the update: ``StepResult``).
 
 DDP's built-in averaging, rather than a SUM communication hook, keeps the
 all-reduce in C++: a Python hook costs 3-5% of a small model's step.
+
+With --local-steps (local_steps.py) nothing is all-reduced in an inner step:
+rank r's gradient is scaled by 1/n_r, the gradient of ITS mean sample loss,
+and the ranks' changes are averaged, weighted by samples, once per round.
 """
 
 import dataclasses
@@ -37,7 +41,9 @@ import math
 import torch
 
 from hetseq import precision, sharding
+from hetseq.distributed.collectives import gather_to_main
 from hetseq.errors import TrainingFailed, UserError
+from hetseq.local_steps import LocalSteps
 from hetseq.optim import OPTIMIZERS, build_lr_scheduler, build_optimizer
 from hetseq.stats import Backward, ComputeClock, StatsExchange
 
@@ -149,7 +155,7 @@ class Controller:
 
     def __init__(self, job, task, model, ctx):
         self.task, self.ctx, self.cfg = task, ctx, job.update
-        self.sharding = sharding.build(job.sharding, job.precision, ctx)
+        self.sharding = sharding.build(job.sharding, job.precision, ctx, job.exchange)
         # FSDP moves each shard to the device itself: the whole model never
         # has to fit there (with --cpu-offload the shards stay on the host).
         self.model = model if self.sharding.shards_grads else model.to(ctx.device)
@@ -158,6 +164,8 @@ class Controller:
         if not self.params:
             raise UserError(f"the model built by task '{job.task}' has no trainable parameters")
         self.optimizer = self.sharding.build_optimizer(build_optimizer(job.optimizer, self.params))
+        self.local = LocalSteps(job.exchange, self.params, ctx, self.sharding.outer) \
+            if job.exchange.local_steps else None
         self._state_slots = OPTIMIZERS.get(job.optimizer.optimizer).state_slots(job.optimizer)
         self._offloaded = job.sharding.cpu_offload and ctx.device.type != "cpu"
         self.lr_scheduler = build_lr_scheduler(job.schedule, self.optimizer,
@@ -166,7 +174,8 @@ class Controller:
         # fairseq's default window: 2**14 updates of one rank's batch.
         window = 2 ** 14 / ctx.world_size / self.cfg.update_freq[0]
         self.scaler = LossScaler(job.precision, window) if job.precision.fp16 else None
-        self._grad_divisor = ctx.world_size if ctx.distributed else 1  # every mode averages
+        # Every mode averages over the world; an inner step sums nothing.
+        self._grad_divisor = ctx.world_size if ctx.distributed and not self.local else 1
         self.num_updates = 0
         self.lr = self.lr_scheduler.step_update(1)
         self._previous = (0.0, 0.0)   # this rank's compute seconds and samples, last update
@@ -189,6 +198,8 @@ class Controller:
 
     def replicated_state(self):
         """The tensors every rank holds a copy of (agreement.py keeps them equal)."""
+        if self.local:
+            return self.local.replicated()
         return self.sharding.replicated_state(self.params, self.optimizer)
 
     def _mode(self, training):
@@ -198,17 +209,22 @@ class Controller:
 
     # ---- training ----
 
-    def train_step(self, samples, dummy, checksum=0.0, signal=0.0):
+    def train_step(self, samples, dummy, checksum=0.0, signal=0.0, boundary=True):
         """One update from this rank's micro-batches ``samples`` (None: no data
         this step; ``dummy`` is run with zero weight so collectives still match).
         ``checksum``: this rank's for the agreement check (0: none this update);
         ``signal``: 1.0 when the members change after this update (--elastic).
-        Returns a StepResult."""
+        Returns a StepResult. With --local-steps this is one inner step: its
+        StepResult (the round's) comes at the end of a round, else None;
+        ``boundary``: the run needs one model after it (a round must end)."""
         self._steps += 1
         clock = ComputeClock(self.sharding.waited)
         self._mode(True)
+        if self.local:
+            self.local.begin()
         self.optimizer.zero_grad(set_to_none=True)
-        stats = StatsExchange(self.ctx, (*self._previous, checksum, signal))
+        stats = StatsExchange(self.ctx, (*self._previous, checksum, signal),
+                              local=self.local is not None)
         loss_scale = self.scaler.scale if self.scaler else 1.0
         for i, sample in enumerate(samples):
             last = i == len(samples) - 1
@@ -224,11 +240,37 @@ class Controller:
                                 "logs) instead of loss.backward()")
             if not backward.announced:
                 stats.add(loss, n, logs, backward.weight)
+        if self.local:
+            return self._inner_step(stats, clock.seconds(), checksum, signal, boundary)
         self._previous = (clock.seconds(), stats.totals["sample_size"])
         totals, (rank_times, rank_samples, checksums, signals) = stats.result()
         updated, norm = self._apply_update(totals["sample_size"])
         return StepResult(totals, rank_times, rank_samples, checksums, signals, self.lr, updated,
                           norm)
+
+    def _inner_step(self, stats, seconds, checksum, signal, boundary):
+        """--local-steps: this rank's own update (the gradient of its mean
+        loss: _grad_divisor is 1 and nothing was summed), then, at a round's
+        end, the exchange weighted by samples (local_steps.py)."""
+        local, before = self.local, self.num_updates
+        totals, _ = stats.result()
+        if totals["sample_size"] > 0:
+            self._apply_update(totals["sample_size"])
+        if self.num_updates == before:   # no samples or skipped: still an inner step
+            self.num_updates += 1
+            self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
+        local.add(stats, seconds)
+        if not local.round_ends(boundary):
+            return None
+        totals, gathered, seconds, samples = local.take_round()
+        # The slots carry the previous round's time, as they carry the previous update's.
+        exchange = StatsExchange(self.ctx, (*self._previous, checksum, signal))
+        self._previous = (seconds, samples)
+        exchange.totals, exchange.gathered = totals, gathered
+        totals, slots = exchange.result()
+        summed = totals["sample_size"]
+        local.exchange(samples / summed if summed > 0 else 0.0, settle=boundary)
+        return StepResult(totals, *slots, self.lr, True)
 
     def _apply_update(self, sample_size):
         """Scale the gradients to the mean-loss gradient (math above), clip,
@@ -321,6 +363,14 @@ class Controller:
 
     # ---- state ----
 
+    def _own(self, state):
+        """The optimizer state this rank resumes: its own when every rank's was
+        saved for as many ranks (--local-steps), else the (one) saved state."""
+        by_rank = state.get("optimizers") if self.local else None
+        if by_rank and len(by_rank) == self.ctx.world_size:
+            return by_rank[self.ctx.rank]
+        return state["optimizer"]
+
     def set_horizon(self, planned):
         """Tell the LR schedule how many updates the run plans (see lr_scheduler)."""
         self.lr_scheduler.set_horizon(planned)
@@ -333,10 +383,16 @@ class Controller:
     def state_dict(self):
         """The full state whatever the mode (sharding.py). Under sharding this is
         a collective (call it on every rank); the full optimizer state is then
-        on rank 0 only."""
+        on rank 0 only. With --local-steps, at a round's end (a save ends the
+        round): every rank's own optimizer state ("optimizers", gathered on
+        rank 0) and the outer step's ("local_steps")."""
+        local = self.local.state_dict(self.model) if self.local else None
         state = {"model": self.sharding.model_state(self.model),
                  "optimizer": self.sharding.optimizer_state(self.model, self.optimizer),
                  "lr_scheduler": self.lr_scheduler.state_dict(), "num_updates": self.num_updates}
+        if local is not None:
+            state["local_steps"] = local
+            state["optimizers"] = gather_to_main(state["optimizer"], self.ctx)
         if self.scaler is not None:
             state["loss_scaler"] = self.scaler.state_dict()
         return state
@@ -347,7 +403,9 @@ class Controller:
         saved under any --zero mode loads."""
         self.sharding.load_model_state(self.model, state["model"])
         if "optimizer" in state:
-            self.sharding.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            self.sharding.load_optimizer_state(self.model, self.optimizer, self._own(state))
+        if self.local and "local_steps" in state:
+            self.local.load_state_dict(self.model, state["local_steps"])
         if self.scaler is not None and "loss_scaler" in state:
             self.scaler.load_state_dict(state["loss_scaler"])
         if "lr_scheduler" in state:

@@ -71,8 +71,9 @@ class Sharding:
     lockstep = False       # True: every forward communicates, so every rank must
                            # run the same number of micro-batches per update
 
-    def __init__(self, cfg, precision, ctx):
-        self.cfg, self.precision, self.ctx = cfg, precision, ctx   # ShardingConfig, PrecisionConfig
+    def __init__(self, cfg, precision, ctx, exchange=None):
+        # ShardingConfig, PrecisionConfig, ExchangeConfig (None: plain all-reduces)
+        self.cfg, self.precision, self.ctx, self.exchange = cfg, precision, ctx, exchange
 
     def describe(self):
         return f"--zero {self.registered_name}"
@@ -147,13 +148,16 @@ def model_state_bytes(params, optimizer, slots):
     return total
 
 
-def _ddp(model, ctx, cfg, precision):
+def _ddp(model, ctx, cfg, precision, exchange):
+    from hetseq.distributed.compress import powersgd_hook
     from hetseq.precision import ddp_comm_hook
     ddp = DistributedDataParallel(
         model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
         bucket_cap_mb=cfg.bucket_cap_mb, find_unused_parameters=cfg.find_unused_parameters)
-    hook = ddp_comm_hook(precision)
-    if hook is not None:
+    # At most one hook (cli refuses --reduce-dtype with --grad-compression).
+    if exchange is not None and exchange.grad_compression == "powersgd":
+        ddp.register_comm_hook(*powersgd_hook(exchange))
+    elif (hook := ddp_comm_hook(precision)) is not None:
         ddp.register_comm_hook(None, hook)
     return ddp
 
@@ -164,7 +168,8 @@ class Replicas(Sharding):
         return "--zero 0 (replicas, DDP)"
 
     def wrap(self, model):
-        return _ddp(model, self.ctx, self.cfg, self.precision) if self.ctx.distributed else model
+        return _ddp(model, self.ctx, self.cfg, self.precision, self.exchange) \
+            if self.ctx.distributed else model
 
     def sync(self, wrapped, last):
         if not self.ctx.distributed or last:
@@ -307,15 +312,35 @@ class FullyShardParameters(FullyShard):
         return policies
 
 
-def build(cfg, precision, ctx):
+class LocalReplicas(Sharding):
+    """--local-steps: every rank trains its own replica with its own optimizer
+    (no gradient crosses the network); ``outer`` is the --zero mode of the outer
+    step's optimizer (local_steps.py)."""
+
+    def __init__(self, cfg, precision, ctx, exchange, outer):
+        super().__init__(cfg, precision, ctx, exchange)
+        self.outer = outer
+
+    def describe(self):
+        return f"{self.outer.describe()} for the outer step; replicas apart inside a round"
+
+    def replicated_state(self, params, optimizer):
+        return []   # inside a round the replicas differ by design: LocalSteps.replicated
+
+
+def build(cfg, precision, ctx, exchange=None):
     """The mode for this run (``cfg``: ShardingConfig, ``precision``:
-    PrecisionConfig). One process has nothing to shard: --zero N then trains
-    as --zero 0, except --cpu-offload on a GPU (the state on the host)."""
+    PrecisionConfig, ``exchange``: ExchangeConfig). One process has nothing to
+    shard: --zero N then trains as --zero 0, except --cpu-offload on a GPU (the
+    state on the host)."""
     zero = cfg.zero
     if not ctx.distributed and zero and not (cfg.cpu_offload and ctx.device.type == "cuda"):
         logger.info("one process: nothing to shard, --zero %d trains as --zero 0", zero)
         zero = 0
-    return SHARDING.get(str(zero))(cfg, precision, ctx)
+    mode = SHARDING.get(str(zero))(cfg, precision, ctx, exchange)
+    if exchange is not None and exchange.local_steps:
+        return LocalReplicas(cfg, precision, ctx, exchange, outer=mode)
+    return mode
 
 
 def _full(**options):

@@ -73,9 +73,10 @@ class Gathered:
 class StatsExchange:
     SLOTS = 4   # per rank: compute seconds, samples, parameter checksum, membership signal
 
-    def __init__(self, ctx, previous=(0.0, 0.0, 0.0, 0.0)):
+    def __init__(self, ctx, previous=(0.0, 0.0, 0.0, 0.0), local=False):
         self.ctx = ctx
         self.previous = previous    # this rank's slot values
+        self.local = local          # an inner step of --local-steps: nothing travels
         self.totals = {}
         self.gathered = {}          # key -> list of row tensors (see Gathered)
         self._keys = None
@@ -122,7 +123,7 @@ class StatsExchange:
         """Start summing the vector across ranks (asynchronously); ``result``
         waits for it."""
         self._build()
-        if self.ctx.distributed:
+        if self.ctx.distributed and not self.local:
             self._vec = torch.as_tensor(self._vec, dtype=torch.float64, device=self.ctx.device)
             self._work = dist.all_reduce(self._vec, async_op=True)
 
@@ -136,7 +137,8 @@ class StatsExchange:
         values = self._vec.tolist() if torch.is_tensor(self._vec) else self._vec
         k, W = len(self._keys), self.ctx.world_size
         slots = [values[k + i * W:k + (i + 1) * W] for i in range(self.SLOTS)]
-        return {**dict(zip(self._keys, values[:k])), **self._gather()}, slots
+        totals = dict(zip(self._keys, values[:k]))
+        return ({**totals, **self._gather()} if not self.local else totals), slots
 
     def _gather(self):
         if not self.gathered:

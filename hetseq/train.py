@@ -167,13 +167,17 @@ class Run:
         self.report.start_epoch(epoch, -(-data.remaining_steps // update_freq),
                                 resumed=data.samples_in_epoch > 0)
         dummy = data.dummy_batch()
+        started, steps = None, 0      # the update's (--local-steps: the round's) start
         for chunk in _chunks(data.next_epoch_itr(), update_freq):
-            start = time.perf_counter()
+            started, steps = started or time.perf_counter(), steps + 1
             self._drawn = data.state_dict()
             result = controller.train_step([micro for step in chunk for micro in step], dummy,
                                            checksum=self.agreement.pending,
-                                           signal=float(self._join_waiting()))
-            self.after_update(result, time.perf_counter() - start)
+                                           signal=float(self._join_waiting()),
+                                           boundary=self._boundary())
+            if result is not None:    # None: inside a round of --local-steps
+                self.after_update(result, time.perf_counter() - started, steps)
+                started, steps = None, 0
             self._completed = (controller.num_updates, self._drawn)
             if training.max_update and controller.num_updates >= training.max_update:
                 break
@@ -183,6 +187,16 @@ class Run:
             if self._reconfigure:
                 raise Reconfigure()
         self.report.end_epoch(epoch, controller.num_updates)
+
+    def _boundary(self):
+        """Whether the update just drawn is followed by a validation, a save or
+        the end (--local-steps then ends the round: every rank holds one model).
+        From the job's flags and the data position only, the same on every rank."""
+        data, done = self.train_data, self.controller.num_updates + 1
+        every = self.job.checkpoint.save_interval_updates
+        max_update = self.job.training.max_update
+        return (data.samples_in_epoch in (0, data.batches.dataset_size)
+                or bool(max_update and done >= max_update) or bool(every and done % every == 0))
 
     def _join_waiting(self):
         return self.membership is not None and self.membership.join_waiting()
@@ -198,16 +212,16 @@ class Run:
             position = self._drawn
         return self.checkpointer.local_state(train_iterator=position)
 
-    def after_update(self, result, wall_time):
+    def after_update(self, result, wall_time, steps=1):
         """Ranks kept equal, the split re-planned if a rank's speed changed,
-        the update reported."""
+        the update reported (``steps``: updates it covers, a round's inner steps)."""
         update = self.controller.num_updates
         self._reconfigure = any(result.signals)
         self.agreement.check(result.checksums, update)
         self.agreement.due(update)
         plan = self.balance.plan      # the split this update ran with
         self.balance.observe(update, result.rank_times, result.rank_samples)
-        self.report.update(result, update, wall_time, plan.batch_sizes)
+        self.report.update(result, update, wall_time, plan.batch_sizes, steps)
 
     def validate(self, epoch):
         """Validate on every --valid-subset; returns the first one's
@@ -241,7 +255,8 @@ def _resets(cfg, elastic=False):
     An elastic member always re-plans: the saved split was for other members."""
     skip = {"plan"} if elastic else set()
     if cfg.reset_optimizer:
-        skip |= {"controller.optimizer", "controller.loss_scaler"}
+        skip |= {"controller.optimizer", "controller.optimizers", "controller.local_steps",
+                 "controller.loss_scaler"}
     if cfg.reset_lr_scheduler:
         skip.add("controller.lr_scheduler")
     if cfg.reset_dataloader:

@@ -32,19 +32,36 @@ def _device(ctx):
     return ctx.device if ctx.backend == "nccl" else torch.device("cpu")
 
 
-def all_gather_object(obj, ctx):
-    """[rank 0's obj, rank 1's obj, ...] on every rank."""
-    if not ctx.distributed:
-        return [obj]
+def _padded(obj, ctx):
+    """(this rank's obj as bytes padded to the longest rank's, every rank's length)."""
     device = _device(ctx)
     data = _encode(obj).to(device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ctx.world_size)]
     dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
-    longest = max(int(size) for size in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded = torch.zeros(max(int(size) for size in sizes), dtype=torch.uint8, device=device)
     padded[:data.numel()] = data
-    out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
+    return padded, sizes
+
+
+def all_gather_object(obj, ctx):
+    """[rank 0's obj, rank 1's obj, ...] on every rank."""
+    if not ctx.distributed:
+        return [obj]
+    padded, sizes = _padded(obj, ctx)
+    out = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(out, padded)
+    return [_decode(chunk[:int(size)]) for chunk, size in zip(out, sizes)]
+
+
+def gather_to_main(obj, ctx):
+    """[rank 0's obj, rank 1's obj, ...] on rank 0, None on the others."""
+    if not ctx.distributed:
+        return [obj]
+    padded, sizes = _padded(obj, ctx)
+    out = [torch.empty_like(padded) for _ in sizes] if ctx.is_main else None
+    dist.gather(padded, out, dst=0)
+    if not ctx.is_main:
+        return None
     return [_decode(chunk[:int(size)]) for chunk, size in zip(out, sizes)]
 
 

@@ -29,14 +29,15 @@ class Progress:
         self.bar = tqdm(total=total, desc=prefix, leave=False, dynamic_ncols=True) \
             if is_main and use_bar else None
 
-    def log(self, stats, update):
+    def log(self, stats, update, steps=1):
+        """After update ``update``, which covered ``steps`` updates (a round)."""
         if not self.is_main:
             return
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.update(steps)
             self.bar.set_postfix({k: f"{v:.4g}" if isinstance(v, float) else v
                                   for k, v in stats.items()}, refresh=False)
-        elif update % self.log_interval == 0:
+        elif update // self.log_interval > (update - steps) // self.log_interval:
             logger.info("%s | %s", self.prefix, format_stats(stats))
 
     def summary(self, stats):

@@ -33,8 +33,9 @@ class Reporter:
     def _shown(self, update):
         return self.tensorboard.logdir is not None or update % max(1, self.cfg.log_interval) == 0
 
-    def update(self, result, update, wall_time, batch_sizes):
-        """One update's figures (``result``: the Controller's StepResult)."""
+    def update(self, result, update, wall_time, batch_sizes, steps=1):
+        """One update's figures (``result``: the Controller's StepResult;
+        ``steps``: the updates it covers, a round's inner steps)."""
         n = result.sample_size
         self.balance_log.record(update, batch_sizes, n, wall_time, result.rank_times,
                                 result.rank_samples)
@@ -49,7 +50,7 @@ class Reporter:
                       in enumerate(zip(result.rank_samples, result.rank_times)) if t > 0}
         self.tensorboard.log("train", {**stats, **rank_rates}, update)
         self.rate.update(n)
-        self.progress.log(stats, update)
+        self.progress.log(stats, update, steps)
 
     def end_epoch(self, epoch, updates):
         self.progress.summary({"epoch": epoch, "updates": updates,

@@ -1,0 +1,329 @@
+"""Local steps (``--local-steps H``): DiLoCo on machines of different speed, over slow links.
+
+A synchronous update all-reduces every gradient: over 1 Gbit/s or less that
+costs more than the compute (README, "Slow links"). With local steps the ranks
+communicate once per ROUND of H inner steps instead.
+
+One round, on rank r (``theta_0``: the parameters every rank holds when it begins):
+
+    inner step t = 1..H: rank r takes its planned share b_r of global batch t
+        (the same split as a synchronous update, so every rank finishes each
+        step, and the round, at the same moment), computes g = grad of its
+        MEAN sample loss (sum / n_r) and lets the task's optimizer (the inner
+        optimizer: its own state on every rank) step, with the LR schedule of
+        inner steps. No communication.
+    end of round:
+        S_r  = samples rank r processed in the round, S = sum_r S_r
+        D_r  = theta_0 - theta_r                       (rank r's change)
+        D    = sum_r (S_r / S) D_r                     (ONE all-reduce of the weighted changes)
+        outer step, SGD with Nesterov momentum mu and rate eta (DiLoCo):
+            m     = mu m + D
+            theta = theta_0 - eta (D + mu m)           (mu = 0: theta_0 - eta D)
+
+A rank that did more work weighs more, as every sample weighs the same in a
+synchronous update. Local steps are NOT the large-batch update: each inner
+step follows one rank's share of a batch, and the outer step extrapolates.
+With H = 1, eta = 1, mu = 0 and SGD as the inner optimizer (rate lr) they are:
+
+    theta_r = theta_0 - lr g_r / n_r,   D_r = lr g_r / n_r,
+    D = sum_r (n_r / N) lr g_r / n_r = lr G / N,   theta = theta_0 - lr G / N,
+
+the synchronous update (controller.py); tests/test_local_steps.py checks it
+against one process with uneven batches.
+
+``--outer-overlap`` (Streaming DiLoCo's overlap, delayed by one round): the
+round's exchange runs on its own process group, in a thread, while the next
+round computes, and is applied at the end of that round. Every rank keeps
+``global``, the parameters of the last applied outer step (the same on every
+rank), and trains on ``global - d_r``, its own change since it last sent one:
+
+    end of round k:  d_r = (start of round k) - theta_r
+                     D_{k-1} arrives; global = outer step (global, D_{k-1})
+                     send (S_r / S) d_r                   (D_k, in the background)
+                     theta_r = global - d_r               (own change kept until its average lands)
+
+Whenever the run needs one model (validation, a checkpoint, the end), the
+round in flight is waited for and applied: every rank then holds ``global``.
+A checkpoint therefore always holds a whole round: a save ends the round.
+
+A round ends after H inner steps, at the end of each epoch and wherever the
+run saves or stops: all decided by the job's flags, so every rank agrees.
+"""
+
+import concurrent.futures
+import logging
+
+import torch
+import torch.distributed as dist
+
+from hetseq.distributed.compress import CODECS
+from hetseq.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+def add_args(group):
+    group.add_argument("--local-steps", type=int, default=0, metavar="H",
+                       help="train H inner steps on each rank between exchanges (DiLoCo; "
+                            "docs/slow-links.md); default: every update synchronous, "
+                            "the large-batch update")
+    group.add_argument("--outer-lr", type=float, default=0.7, metavar="ETA",
+                       help="--local-steps: rate of the outer step (default: %(default)s)")
+    group.add_argument("--outer-momentum", type=float, default=0.9, metavar="MU",
+                       help="--local-steps: Nesterov momentum of the outer step (0: none; "
+                            "default: %(default)s)")
+    group.add_argument("--outer-overlap", action="store_true",
+                       help="--local-steps: exchange a round while the next one computes; "
+                            "apply it one round late")
+    group.add_argument("--outer-dtype", choices=sorted(CODECS.names()), default="float32",
+                       help="--local-steps: what the exchange sends; bfloat16 halves the "
+                            "bytes, int8 (with a scale per 256 values) quarters them "
+                            "(default: %(default)s)")
+    group.add_argument("--grad-compression", choices=("none", "powersgd"), default="none",
+                       help="synchronous updates: compress the gradient all-reduce with "
+                            "PowerSGD (error feedback; --zero 0 or 1) (default: none)")
+    group.add_argument("--powersgd-rank", type=int, default=4, metavar="R",
+                       help="PowerSGD: rank of each matrix's approximation (default: 4)")
+    group.add_argument("--powersgd-start", type=int, default=10, metavar="N",
+                       help="PowerSGD: plain all-reduce for the first N updates (at least "
+                            "2; default: 10)")
+    group.add_argument("--powersgd-min-compression", type=float, default=2.0, metavar="X",
+                       help="PowerSGD: compress a matrix only when that shrinks it X times; "
+                            "others go whole (default: 2, PyTorch's)")
+
+
+def check_args(args):
+    """Combinations that make no sense, each refused with one message."""
+    if args.local_steps < 0:
+        raise UserError(f"--local-steps {args.local_steps}: expected H >= 1 inner steps per "
+                        "round (or leave it out for synchronous updates)")
+    if not args.local_steps:
+        given = [flag for flag, value, default in (
+            ("--outer-lr", args.outer_lr, 0.7), ("--outer-momentum", args.outer_momentum, 0.9),
+            ("--outer-overlap", args.outer_overlap, False),
+            ("--outer-dtype", args.outer_dtype, "float32")) if value != default]
+        if given:
+            raise UserError(f"{', '.join(given)} set the outer step of --local-steps; add "
+                            "--local-steps H (e.g. 32)")
+    else:
+        _check_local_steps(args)
+    _check_powersgd(args)
+
+
+def _check_local_steps(args):
+    refused = (
+        (args.grad_compression != "none", "--grad-compression compresses synchronous updates; "
+         "with --local-steps use --outer-dtype bfloat16 or int8"),
+        (args.zero >= 2, f"--zero {args.zero} shards gradients or parameters, which local "
+         "steps keep whole on every rank; use --zero 0, or --zero 1 (the outer step's state "
+         "sharded)"),
+        (args.fp16, "--fp16's loss scale would differ from rank to rank inside a round; use "
+         "--bf16"),
+        (args.reduce_dtype != "float32", f"--reduce-dtype {args.reduce_dtype} sets the dtype "
+         "of gradient all-reduces, which local steps do not make; use --outer-dtype"),
+        (args.elastic, "--elastic does not carry a round across members yet; leave out one "
+         "of the two"),
+        (args.outer_lr <= 0, f"--outer-lr {args.outer_lr}: expected a rate > 0"),
+        (not 0 <= args.outer_momentum < 1, f"--outer-momentum {args.outer_momentum}: "
+         "expected 0 <= mu < 1"),
+    )
+    for bad, message in refused:
+        if bad:
+            raise UserError(f"--local-steps {args.local_steps}: {message}")
+
+
+def _check_powersgd(args):
+    if args.grad_compression != "powersgd":
+        if (args.powersgd_rank, args.powersgd_start, args.powersgd_min_compression) != (4, 10, 2.0):
+            raise UserError("--powersgd-* set PowerSGD; add --grad-compression powersgd")
+        return
+    refused = (
+        (args.zero >= 2, f"--zero {args.zero} reduce-scatters gradients (FSDP), which "
+         "PowerSGD does not compress; use --zero 0 or 1"),
+        (args.reduce_dtype != "float32", f"--reduce-dtype {args.reduce_dtype} is another "
+         "compression of the same all-reduce; pick one"),
+        (args.elastic, "--elastic restarts DDP with every change of members, and with it "
+         "PowerSGD's error memory; leave out one of the two"),
+        (args.powersgd_rank < 1, f"--powersgd-rank {args.powersgd_rank}: expected R >= 1"),
+        (args.powersgd_start < 2, f"--powersgd-start {args.powersgd_start}: expected N >= 2 "
+         "(DDP builds its buckets in the first update)"),
+    )
+    for bad, message in refused:
+        if bad:
+            raise UserError(f"--grad-compression powersgd: {message}")
+
+
+class _Flat:
+    """The parameters as one flat copy per dtype and device."""
+
+    def __init__(self, params):
+        groups = {}
+        for p in params:
+            groups.setdefault((p.dtype, p.device), []).append(p)
+        self.groups = list(groups.values())
+
+    @torch.no_grad()
+    def read(self):
+        return [torch.cat([p.detach().reshape(-1) for p in group]) for group in self.groups]
+
+    @torch.no_grad()
+    def write(self, flats):
+        for group, flat in zip(self.groups, flats):
+            for p, part in zip(group, self._views(group, flat)):
+                p.copy_(part)
+
+    def set_grads(self, flats):
+        for group, flat in zip(self.groups, flats):
+            for p, part in zip(group, self._views(group, flat)):
+                p.grad = part
+
+    @staticmethod
+    def _views(group, flat):
+        offset = 0
+        for p in group:
+            yield flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+
+class LocalSteps:
+    """The rounds of one rank: what it did in the round so far, the outer
+    optimizer and the exchange. ``cfg``: the job's ExchangeConfig; ``outer_mode``:
+    the --zero mode that holds the outer optimizer (--zero 1 shards its momentum)."""
+
+    def __init__(self, cfg, params, ctx, outer_mode):
+        self.cfg, self.ctx, self.outer_mode = cfg, ctx, outer_mode
+        self.params, self.flat = params, _Flat(params)
+        self.outer = outer_mode.build_optimizer(torch.optim.SGD(
+            params, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+            nesterov=cfg.outer_momentum > 0))
+        self.codec = CODECS.get(cfg.outer_dtype)
+        self.steps = 0                 # inner steps of the round so far
+        self.totals, self.gathered, self.seconds, self.samples = {}, {}, 0.0, 0.0
+        self.anchor = None             # theta_0; with --outer-overlap: global
+        self.start = None              # --outer-overlap: this rank's parameters at the round's start
+        self.pending = None            # --outer-overlap: the exchange in flight
+        self._group = self._pool = None
+        if cfg.outer_overlap and ctx.distributed:
+            # Its own group: the exchange's collectives never pair with the
+            # main thread's (the stats, validation, checkpoints).
+            self._group = dist.new_group(backend=dist.get_backend())
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, "hetseq-outer")
+
+    def describe(self):
+        overlap = ", overlapped" if self.cfg.outer_overlap else ""
+        return (f"local steps: rounds of {self.cfg.local_steps} inner steps, outer Nesterov "
+                f"lr {self.cfg.outer_lr} momentum {self.cfg.outer_momentum}, exchanged in "
+                f"{self.cfg.outer_dtype}{overlap}")
+
+    # ---- inside a round ----
+
+    def begin(self):
+        """Before an inner step: the round's starting point, at its first step."""
+        if self.anchor is None:
+            self.anchor = self.flat.read()
+        if self.cfg.outer_overlap and self.start is None:
+            self.start = self.flat.read()
+
+    def add(self, stats, seconds):
+        """An inner step's local stats (a StatsExchange that did not communicate)."""
+        for key, value in stats.totals.items():
+            self.totals[key] = self.totals.get(key, 0.0) + value
+        for key, rows in stats.gathered.items():
+            self.gathered.setdefault(key, []).extend(rows)
+        self.seconds += seconds
+        self.samples += float(stats.totals.get("sample_size", 0.0))
+        self.steps += 1
+
+    def round_ends(self, boundary):
+        """Whether this inner step ends the round (``boundary``: the run needs one model)."""
+        return boundary or self.steps >= self.cfg.local_steps
+
+    def take_round(self):
+        """(totals, gathered rows, seconds, samples) of the round; starts the next."""
+        taken = self.totals, self.gathered, self.seconds, self.samples
+        self.totals, self.gathered, self.seconds, self.samples = {}, {}, 0.0, 0.0
+        self.steps = 0
+        return taken
+
+    # ---- the end of a round ----
+
+    @torch.no_grad()
+    def exchange(self, weight, settle):
+        """The end of a round, ``weight`` = S_r / S; ``settle``: every rank must
+        hold the same model afterwards (the run validates, saves or stops)."""
+        current = self.flat.read()
+        if not self.cfg.outer_overlap:
+            self._outer_step(self.anchor, self._sum(
+                [(a - c).mul_(weight) for a, c in zip(self.anchor, current)]))
+            self.anchor = None            # the next round starts where this one left
+            return
+        change = [s - c for s, c in zip(self.start, current)]
+        self._apply_pending()
+        sent = [d * weight for d in change]
+        self.pending = self._pool.submit(self._sum, sent) if self._pool else \
+            _Done(self._sum(sent))
+        self.flat.write([g - d for g, d in zip(self.anchor, change)])
+        self.start = self.flat.read()
+        if settle:
+            self.settle()
+
+    def settle(self):
+        """Wait for the round in flight and apply it: every rank holds ``global``."""
+        if self.cfg.outer_overlap and self.pending is not None:
+            self._apply_pending()
+            self.flat.write(self.anchor)
+            self.start = None
+
+    def _apply_pending(self):
+        if self.pending is None:
+            return
+        delta, self.pending = self.pending.result(), None
+        self._outer_step(self.anchor, delta)
+        self.anchor = self.flat.read()
+
+    def _sum(self, flats):
+        """sum over ranks of each flat tensor, through the --outer-dtype codec."""
+        if not self.ctx.distributed:
+            return flats
+        return [self.codec(flat, self._group) for flat in flats]
+
+    def _outer_step(self, anchor, delta):
+        """theta = theta_0 - eta (D + mu m): the outer optimizer's step from
+        ``anchor`` with D as its gradient (DiLoCo's outer gradient)."""
+        self.flat.write(anchor)
+        self.flat.set_grads(delta)
+        self.outer.step()
+        self.outer.zero_grad(set_to_none=True)
+
+    # ---- agreement and checkpoints ----
+
+    def replicated(self):
+        """What every rank holds the same of at a round's end: the model of the
+        last outer step and the outer optimizer's state (unless --zero 1 shards it)."""
+        model = self.anchor if self.cfg.outer_overlap and self.anchor is not None else self.params
+        return self.outer_mode.replicated_state(model, self.outer)
+
+    def state_dict(self, model):
+        """A collective under --zero 1 (the outer state is consolidated on rank 0)."""
+        self.settle()
+        return {"outer_optimizer": self.outer_mode.optimizer_state(model, self.outer),
+                "local_steps": self.cfg.local_steps}
+
+    def load_state_dict(self, model, state):
+        if state.get("outer_optimizer") is not None:
+            self.outer_mode.load_optimizer_state(model, self.outer, state["outer_optimizer"])
+            # The outer rate is this run's flag, not the saved one.
+            for group in self.outer.param_groups:
+                group.update(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum,
+                             nesterov=self.cfg.outer_momentum > 0)
+        self.anchor = self.start = self.pending = None
+
+
+class _Done:
+    """A finished 'future' (one process: nothing to wait for)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value

@@ -1,0 +1,232 @@
+"""Slow links: --local-steps (DiLoCo rounds), the outer exchange's codecs and
+PowerSGD, against one process where the mathematics says they are exact.
+
+The toy model is float64 and the inner optimizer SGD (linear in the
+gradient, so a wrong weight or scale shows): EXACT as in test_parity.py.
+"""
+
+import json
+
+import pytest
+import torch
+
+from hetseq import cli
+from hetseq.errors import UserError
+from hetseq.testing.jobs import run_alone, run_jobs
+
+from conftest import TOY, assert_ok, final_params, max_diff, run_job
+
+COMMON = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--clip-norm",
+          "0", "--max-update", "7", "--disable-validation", "--toy-size", "100"]
+EXACT = 1e-10
+# H = 1 with the outer step theta_0 - 1 * D: the synchronous update (local_steps.py).
+SYNC_ROUNDS = ["--local-steps", 1, "--outer-lr", 1, "--outer-momentum", 0]
+LOSSLESS_POWERSGD = ["--grad-compression", "powersgd", "--powersgd-start", 2,
+                     "--powersgd-min-compression", 0, "--powersgd-rank", 8]
+
+
+def job(layout, *extra):
+    return [[*COMMON, *extra, "--max-sentences", batch, "--no-save"] for batch in layout]
+
+
+JOBS = {
+    "rounds of 1, 24+8": job([24, 8], *SYNC_ROUNDS),
+    "rounds of 1, --zero 1, 24+8": job([24, 8], *SYNC_ROUNDS, "--zero", 1),
+    "powersgd lossless, 24+8": job([24, 8], *LOSSLESS_POWERSGD),
+    "powersgd rank 1, 24+8": job([24, 8], *LOSSLESS_POWERSGD[:-1], 1),
+    "rounds of 4, 24+8": job([24, 8], "--local-steps", 4),
+    "rounds of 4, --zero 1, 24+8": job([24, 8], "--local-steps", 4, "--zero", 1),
+    "rounds of 2 overlapped, 24+8": job([24, 8], "--local-steps", 2, "--outer-overlap"),
+    "rounds of 1 in int8, 24+8": job([24, 8], *SYNC_ROUNDS, "--outer-dtype", "int8"),
+    "rounds of 1 in bfloat16, 24+8": job([24, 8], *SYNC_ROUNDS, "--outer-dtype", "bfloat16"),
+}
+THREE = {
+    # The last global batch of 4 splits 3+1+0: rank 2 joins its round with no samples.
+    "rounds of 1, 20+8+4, --update-freq 2": job([20, 8, 4], *SYNC_ROUNDS, "--update-freq", 2),
+}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return run_jobs(2, list(JOBS.items()), tmp_path_factory.mktemp("local-steps"))
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    return run_jobs(3, list(THREE.items()), tmp_path_factory.mktemp("local-steps-3"))
+
+
+_REFERENCES = {}
+
+
+def reference(*extra):
+    key = tuple(map(str, extra))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_alone([*COMMON, *extra, "--max-sentences", 32, "--no-save"])
+    return _REFERENCES[key]["model"]
+
+
+@pytest.mark.parametrize("name", ["rounds of 1, 24+8", "rounds of 1, --zero 1, 24+8",
+                                  "powersgd lossless, 24+8"])
+def test_exact_where_the_mathematics_says_so(two, name):
+    """Rounds of one inner step with the outer step theta_0 - D, and PowerSGD
+    of a rank no smaller than the matrices', are the large-batch update on
+    uneven batches: weighted by samples, not by rank."""
+    assert max_diff(two[name].state["model"], reference()) < EXACT
+
+
+def test_exact_with_three_ranks_accumulation_and_an_empty_share(three):
+    state = three["rounds of 1, 20+8+4, --update-freq 2"].state
+    assert max_diff(state["model"], reference("--update-freq", 2)) < EXACT
+
+
+def test_inner_steps_make_no_collective_and_a_round_one_exchange(two):
+    """A round of 4: three inner steps communicate nothing, the fourth ends the
+    round with the stats all-reduce and one all-reduce of the model's change."""
+    updates = two["rounds of 4, 24+8"].updates()
+    inside = [calls for name, calls in updates.items() if int(name.split()[1]) % 4 != 0
+              and int(name.split()[1]) != 7]
+    assert inside and all(calls == [] for calls in inside), inside
+    ends = [[call.op for call in updates[f"update {n}"]] for n in (4, 7)]
+    assert all(ops == ["allreduce", "allreduce"] for ops in ends), ends
+
+
+def test_rounds_of_several_steps_train_and_keep_the_ranks_together(two):
+    sync = reference()
+    for name in ("rounds of 4, 24+8", "rounds of 4, --zero 1, 24+8",
+                 "rounds of 2 overlapped, 24+8"):
+        model = two[name].state["model"]
+        assert all(torch.isfinite(t).all() for t in model.values())
+        # Not the large-batch update (it is not meant to be), but near it.
+        assert 1e-6 < max_diff(model, sync) < 0.5, name
+    # --zero 1 shards the outer momentum only: the same rounds.
+    assert max_diff(two["rounds of 4, 24+8"].state["model"],
+                    two["rounds of 4, --zero 1, 24+8"].state["model"]) < EXACT
+
+
+def test_compressed_exchanges_stay_near_the_exact_one(two):
+    exact = reference()
+    int8 = max_diff(two["rounds of 1 in int8, 24+8"].state["model"], exact)
+    bf16 = max_diff(two["rounds of 1 in bfloat16, 24+8"].state["model"], exact)
+    assert 0 < int8 < 1e-2 and 0 < bf16 < 1e-2, (int8, bf16)
+    assert max_diff(two["powersgd rank 1, 24+8"].state["model"], exact) > 1e-3
+
+
+def test_overlap_alone_follows_the_local_trajectory():
+    """One process, outer step theta_0 - D: whether a round is applied at once
+    or one round late, the model after the run is the inner optimizer's own
+    trajectory (a change applied twice or lost would show)."""
+    plain = run_alone([*COMMON, "--max-sentences", 32, "--no-save"])["model"]
+    late = run_alone([*COMMON, *SYNC_ROUNDS[:1], 3, *SYNC_ROUNDS[2:], "--outer-overlap",
+                      "--max-sentences", 32, "--no-save"])["model"]
+    assert max_diff(plain, late) < EXACT
+
+
+def _codec_worker(rank, world, folder, name, out):
+    import torch.distributed as dist
+    from hetseq.distributed.compress import CODECS
+    dist.init_process_group("gloo", init_method=f"file://{folder}/meet", rank=rank,
+                            world_size=world)
+    torch.manual_seed(rank)
+    # Blocks of very different sizes: the scales are per block of 256.
+    values = torch.randn(1000) * torch.logspace(-4, 1, 1000)
+    summed = CODECS.get(name)(values.clone())
+    torch.save((values, summed), f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name, bound", [("float32", 1e-6), ("bfloat16", 2 ** -7),
+                                         ("int8", 2 / 127)])
+def test_codecs_sum_over_ranks_within_their_rounding(tmp_path, name, bound):
+    import torch.multiprocessing as mp
+    mp.start_processes(_codec_worker, args=(3, tmp_path, name, tmp_path / "out"), nprocs=3,
+                       start_method="spawn")
+    parts = [torch.load(tmp_path / f"out.{r}") for r in range(3)]
+    exact = sum(values for values, _ in parts)
+    for _, summed in parts:
+        assert torch.equal(summed, parts[0][1])          # every rank the same sum
+    # Error per block of 256, relative to the block's largest value.
+    err = (parts[0][1] - exact).abs().view(-1, 250).amax(1)
+    size = sum(v.abs() for v, _ in parts).view(-1, 250).amax(1)
+    assert (err <= bound * size).all() and (name == "float32" or err.max() > 0), err / size
+
+
+def test_uneven_ranks_finish_each_round_together(tmp):
+    """Rank 1 computes 4 ms more per sample; --capacity auto gives it a smaller
+    share of every global batch, so both ranks spend the same time per round."""
+    out = tmp / "uneven"
+    results = run_job([*COMMON, "--capacity", "auto", "--global-batch-size", 32,
+                       "--local-steps", 4, "--max-update", 36, "--toy-size", 384,
+                       "--toy-slow-rank", 1, "--toy-slow-ms", 4, "--toy-sample-ms", 1,
+                       "--save-dir", out], [[]] * 2)
+    assert_ok(results)
+    with open(out / "balance.jsonl") as f:
+        rounds = [json.loads(line) for line in f]
+    times = [r["rank_compute_s"] for r in rounds if "rank_compute_s" in r][2:]
+    assert len(times) >= 5, rounds
+    for round_times in times:
+        assert max(round_times) / min(round_times) < 1.10, times
+    assert rounds[-1]["batch_sizes"][1] < rounds[-1]["batch_sizes"][0]
+
+
+def _rounds_run(out, *extra):
+    return [*COMMON, "--optimizer", "adamw", "--lr", 0.05, "--local-steps", 3,
+            "--save-dir", out, *extra]
+
+
+def test_resume_mid_round_is_exact_and_keeps_every_ranks_optimizer(tmp):
+    """A save at update 4 ends a round of 3 early; the resumed run (each rank
+    its own Adam state, the outer momentum) equals the uninterrupted one."""
+    whole, parts = tmp / "whole", tmp / "parts"
+    assert_ok(run_job(_rounds_run(whole, "--save-interval-updates", 4), [["--max-sentences", 24],
+                                                                          ["--max-sentences", 8]]))
+    nodes = [["--max-sentences", 24], ["--max-sentences", 8]]
+    assert_ok(run_job(_rounds_run(parts, "--save-interval-updates", 4, "--max-update", 4), nodes))
+    saved = torch.load(parts / "checkpoint_last.pt", weights_only=True)["controller"]
+    assert len(saved["optimizers"]) == 2 and "outer_optimizer" in saved["local_steps"]
+    assert_ok(run_job(_rounds_run(parts, "--save-interval-updates", 4), nodes))
+    assert max_diff(final_params(whole), final_params(parts)) == 0
+
+
+def test_resume_with_another_number_of_local_steps(tmp):
+    out = tmp / "change"
+    nodes = [["--max-sentences", 24], ["--max-sentences", 8]]
+    assert_ok(run_job(_rounds_run(out, "--max-update", 4), nodes))
+    results = run_job([*_rounds_run(out), "--local-steps", 2], nodes)
+    assert_ok(results)
+    assert "resumed from" in results[0][1]
+    state = torch.load(out / "checkpoint_last.pt", weights_only=True)["controller"]
+    assert state["num_updates"] == 7 and state["local_steps"]["local_steps"] == 2
+
+
+def test_a_synchronous_checkpoint_resumes_into_rounds_and_back(tmp):
+    out = tmp / "modes"
+    nodes = [["--max-sentences", 24], ["--max-sentences", 8]]
+    assert_ok(run_job([*COMMON, "--max-update", 3, "--save-dir", out], nodes))
+    assert_ok(run_job([*COMMON, "--max-update", 5, "--local-steps", 2, "--save-dir", out], nodes))
+    assert_ok(run_job([*COMMON, "--save-dir", out], nodes))
+    assert torch.load(out / "checkpoint_last.pt", weights_only=True)["controller"][
+        "num_updates"] == 7
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--outer-lr", "0.5"], "add --local-steps"),
+    (["--local-steps", "-1"], "expected H >= 1"),
+    (["--local-steps", "8", "--zero", "2"], "use --zero 0, or --zero 1"),
+    (["--local-steps", "8", "--grad-compression", "powersgd"], "use --outer-dtype"),
+    (["--local-steps", "8", "--reduce-dtype", "bfloat16"], "use --outer-dtype"),
+    (["--local-steps", "8", "--outer-momentum", "1"], "expected 0 <= mu < 1"),
+    (["--grad-compression", "powersgd", "--zero", "3"], "use --zero 0 or 1"),
+    (["--grad-compression", "powersgd", "--powersgd-start", "1"], "expected N >= 2"),
+    (["--powersgd-rank", "2"], "add --grad-compression powersgd"),
+])
+def test_flags_that_make_no_sense_together_are_refused(flags, message):
+    with pytest.raises(UserError, match=message):
+        cli.parse([*TOY, *flags])
+
+
+def test_a_bad_combination_exits_2_with_one_line(tmp):
+    from conftest import run_train
+    result = run_train(*TOY, "--local-steps", 8, "--zero", 3, "--save-dir", tmp)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--local-steps 8: --zero 3" in result.stderr
