@@ -30,7 +30,7 @@ MUTATIONS = {
     "scale-without-world-size": (
         "gradients are multiplied by W/N: the large-batch gradient",
         "hetseq/controller.py",
-        "self._grad_divisor = ctx.world_size if ctx.distributed else 1",
+        "self._grad_divisor = ctx.world_size if ctx.distributed and not self.local else 1",
         "self._grad_divisor = 1",
         ["tests/test_parity.py::test_two_uneven_ranks_match_one_process"]),
     "scale-rounded-to-float32": (
@@ -200,6 +200,36 @@ MUTATIONS = {
         'restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")',
         "restart = None",
         ["tests/test_launchers.py::test_torchrun_restart_resumes_from_the_checkpoint_exactly"]),
+    "local-steps-ranks-weighted-equally": (
+        "--local-steps: a round's changes are weighted by the samples each rank processed",
+        "hetseq/controller.py",
+        "local.exchange(samples / summed if summed > 0 else 0.0, settle=boundary)",
+        "local.exchange(1.0 / self.ctx.world_size, settle=boundary)",
+        ["tests/test_local_steps.py::test_exact_where_the_mathematics_says_so"]),
+    "local-steps-inner-gradient-averaged-over-ranks": (
+        "--local-steps: an inner step follows the gradient of the rank's own mean loss",
+        "hetseq/controller.py",
+        "self._grad_divisor = ctx.world_size if ctx.distributed and not self.local else 1",
+        "self._grad_divisor = ctx.world_size if ctx.distributed else 1",
+        ["tests/test_local_steps.py::test_exact_where_the_mathematics_says_so"]),
+    "outer-overlap-drops-the-own-change": (
+        "--outer-overlap: a rank keeps its own change until the round's average lands",
+        "hetseq/local_steps.py",
+        "self.flat.write([g - d for g, d in zip(self.anchor, change)])",
+        "self.flat.write(self.anchor)",
+        ["tests/test_local_steps.py::test_overlap_alone_follows_the_local_trajectory"]),
+    "save-inside-a-round": (
+        "--local-steps: a save ends the round, so a resume is exact",
+        "hetseq/train.py",
+        "or bool(max_update and done >= max_update) or bool(every and done % every == 0))",
+        "or bool(max_update and done >= max_update))",
+        ["tests/test_local_steps.py::test_resume_mid_round_is_exact_and_keeps_every_ranks_optimizer"]),
+    "powersgd-hook-not-registered": (
+        "--grad-compression powersgd compresses the gradient all-reduce",
+        "hetseq/sharding.py",
+        "ddp.register_comm_hook(*powersgd_hook(exchange))",
+        "pass",
+        ["tests/test_local_steps.py::test_compressed_exchanges_stay_near_the_exact_one"]),
 }
 
 

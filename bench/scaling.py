@@ -16,8 +16,14 @@
    --update-freq 4 on one node), for 2..128 nodes and several link speeds,
    also for mixed nodes with HetSeq's balanced batches vs equal batches, and
    the link speed each needs for >= 0.9.
+5. ``--slow-links``: the same model for the modes of bench/slowlink.py
+   (PowerSGD, --local-steps with and without overlap, in float32, bfloat16
+   and int8), checked against what that benchmark measured on 3 hosts, then
+   BERT-base on 8-128 nodes over 1 Gbit/s (reads scaling.json and
+   slowlink.json, measures nothing; writes scaling_slowlinks.json).
 
     python bench/scaling.py [--quick] [--out bench/scaling.json] [--plot bench/scaling.png]
+    python bench/scaling.py --slow-links
 """
 
 import argparse
@@ -268,7 +274,111 @@ def plot(prediction, path):
     fig.savefig(path, dpi=110)
 
 
+# ---- slow links: what each mode sends per update (bench/slowlink.py) ----
+
+CODEC_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1 + 4 / 256}   # per value (int8: + scales)
+
+
+def powersgd_bytes(model, rank, min_compression=2.0):
+    """Bytes PowerSGD all-reduces per update: (m + n) R per matrix worth
+    compressing (PyTorch's rule), the rest whole; fp32."""
+    total = 0
+    for p in model.parameters():
+        if p.dim() >= 2:
+            m, n = p.shape[0], p.numel() // p.shape[0]
+            r = min(m, n, rank)
+            if (m + n) * r * min_compression < m * n:
+                total += (m + n) * r * 4
+                continue
+        total += p.numel() * 4
+    return total
+
+
+def mode_update_s(mode, spec, link, world, compute, backward):
+    """Seconds per update (one global batch) of ``mode``: {"kind": "sync" |
+    "powersgd" | "local", "local_steps": H, "overlap": bool, "dtype": ...}."""
+    if mode["kind"] == "sync":
+        return update_s(compute, backward, all_reduce_s(link, world, spec["bytes"]), spec["eta"],
+                        spec["tail"])
+    if mode["kind"] == "powersgd":
+        comm = all_reduce_s(link, world, spec["powersgd_bytes"]) + link["latency_s"]  # P, then Q
+        return update_s(compute, backward, comm, spec["eta"], spec["tail"])
+    exchange = all_reduce_s(link, world, spec["params"] * CODEC_BYTES[mode["dtype"]])
+    h = mode["local_steps"]
+    # Overlapped, a round's exchange runs beside the next round's compute.
+    return max(compute, exchange / h) if mode["overlap"] else compute + exchange / h
+
+
+def slowlink_modes():
+    modes = {"sync": {"kind": "sync"}, "powersgd": {"kind": "powersgd"}}
+    for h in (8, 32, 128):
+        for overlap in (False, True):
+            modes[f"local{h}{'_overlap' if overlap else ''}"] = {
+                "kind": "local", "local_steps": h, "overlap": overlap, "dtype": "float32"}
+    for dtype in ("bfloat16", "int8"):
+        modes[f"local32_{dtype}"] = {"kind": "local", "local_steps": 32, "overlap": False,
+                                     "dtype": dtype}
+    return modes
+
+
+def slow_links(scaling, slowlink):
+    """The model against slowlink.json's 3 hosts, then BERT-base predicted."""
+    links = {rate: scaling["links"][rate] for rate in ("100mbit", "1gbit")}
+    tiny = BertForPreTraining(BertConfig(vocab_size=VOCAB_SIZE, **MODEL))
+    hosts, batch = slowlink["setup"]["hosts"], slowlink["setup"]["batch_per_rank"]
+    # One update's compute on a host, from the hosts alone at the same time.
+    compute = statistics.fmean(batch / rate for rate in slowlink["ideal"]["per_host"])
+    params = sum(p.numel() for p in tiny.parameters())
+    spec = {"params": params, "bytes": params * 4, "eta": scaling["eta"],
+            "tail": tail_fraction(tiny, 25), "powersgd_bytes": powersgd_bytes(tiny, 4)}
+    checks = {}
+    for key, run in slowlink["runs"].items():
+        rate, name = key.split(" ")
+        mode = slowlink_modes()[name]
+        predicted = compute / mode_update_s(mode, spec, links[rate], hosts, compute,
+                                            2 / 3 * compute)
+        checks[key] = {"measured": round(run["fraction_of_ideal"], 3),
+                       "predicted": round(predicted, 3)}
+    return {"check_3_hosts": checks,
+            "check_mean_abs_error": round(statistics.fmean(
+                abs(c["predicted"] - c["measured"]) for c in checks.values()), 3),
+            "bert_base_1gbit": predict_slow_links(scaling)}
+
+
+def predict_slow_links(scaling, nodes=(8, 32, 128)):
+    """BERT-base, nodes of 4 GPUs, 32 sequences a GPU, 1 Gbit/s between nodes:
+    efficiency of each mode at --update-freq 1 and 4."""
+    links = scaling["links"]
+    link = {"bandwidth_Bps": 1e9 * statistics.fmean(l["of_nominal"] for l in links.values()) / 8,
+            "latency_s": statistics.median(l["latency_s"] for l in links.values())}
+    base = bert("base")
+    params = sum(p.numel() for p in base.parameters())
+    spec = {"params": params, "bytes": params * 4, "eta": scaling["eta"],
+            "tail": tail_fraction(base, 25), "powersgd_bytes": powersgd_bytes(base, 4)}
+    micro = PAPER["step_s"][1] / 4
+    out = {"powersgd_rank4_compression": round(spec["bytes"] / spec["powersgd_bytes"], 1)}
+    for name, mode in slowlink_modes().items():
+        out[name] = {f"update_freq{freq}": {
+            n: round(freq * micro / mode_update_s(mode, spec, link, 4 * n, freq * micro,
+                                                  2 / 3 * micro), 3) for n in nodes}
+            for freq in (1, 4)}
+    return out
+
+
+def main_slow_links():
+    with open(os.path.join(HERE, "scaling.json")) as f:
+        scaling = json.load(f)
+    with open(os.path.join(HERE, "slowlink.json")) as f:
+        slowlink = json.load(f)
+    result = slow_links(scaling, slowlink)
+    with open(os.path.join(HERE, "scaling_slowlinks.json"), "w") as out:
+        json.dump(result, out, indent=1)
+    print(json.dumps(result, indent=1))
+
+
 def main():
+    if "--slow-links" in sys.argv:
+        return main_slow_links()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--steps", type=int, default=6, help="step pairs (with/without comm)")

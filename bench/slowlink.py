@@ -26,6 +26,7 @@ Then a mix of speeds at 100 Mbit/s: host C computes 2x slower
 """
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -51,6 +52,7 @@ MODES = {
     "local32_bfloat16": ["--local-steps", 32, "--outer-dtype", "bfloat16"],
     "local32_int8": ["--local-steps", 32, "--outer-dtype", "int8"],
 }
+POWERSGD_START = 10         # its default
 LOGGED = re.compile(r"\| epoch \d+ \| loss=([\d.]+) \|.*\| sample_size=([\d.]+) \|")
 VALID = re.compile(r"valid on 'valid' \| epoch \d+ \| loss=([\d.]+)")
 
@@ -75,8 +77,8 @@ def start(cluster, host, argv):
     return Watched(proc)
 
 
-def read(node):
-    """(samples/s from the first logged update to the last, [(samples seen, loss)],
+def read(node, skip=1):
+    """(samples/s from logged update ``skip`` to the last, [(samples seen, loss)],
     validation loss) of one node's log."""
     logged = [(t, float(m.group(1)), float(m.group(2))) for t, line in node.stamped
               if (m := LOGGED.search(line))]
@@ -85,8 +87,8 @@ def read(node):
         seen += samples
         curve.append((seen, loss))
     rate = None
-    if len(logged) >= 2:
-        rate = sum(s for _, _, s in logged[1:]) / (logged[-1][0] - logged[0][0])
+    if len(logged) > skip:
+        rate = sum(s for _, _, s in logged[skip:]) / (logged[-1][0] - logged[skip - 1][0])
     valid = [float(m.group(1)) for _, line in node.stamped if (m := VALID.search(line))]
     return rate, curve, valid[-1] if valid else None
 
@@ -113,14 +115,14 @@ def _slowed(host, slow):
     return ["--bench-slowdown", 2] if host == slow else []
 
 
-def job(cluster, args, folder, name, flags, updates, slow=None):
+def job(cluster, args, folder, name, flags, updates, slow=None, skip=1):
     url = f"tcp://{cluster.addresses[0]}:29810"
     began = time.monotonic()
     nodes = [start(cluster, h, node_argv(args, updates, f"{folder}/{name}{h}",
                                          [*flags, *_slowed(h, slow)], rank=h, url=url))
              for h in range(HOSTS)]
     finish(nodes, args.timeout)
-    rate, curve, valid = read(nodes[0])
+    rate, curve, valid = read(nodes[0], skip)
     print(f"{name}: {rate:.2f} samples/s, valid loss {valid}, {time.monotonic() - began:.0f} s",
           file=sys.stderr, flush=True)
     return {"samples_per_s": rate, "updates": updates, "valid_loss": valid, "curve": curve}
@@ -137,7 +139,9 @@ def measure(args):
                     args.updates
                 if link == "1gbit" and name in ("local32_bfloat16", "local32_int8"):
                     continue   # the codecs' throughput matters on the slow link; loss is the same
-                run = job(cluster, args, folder, f"{link}-{name}", MODES[name], updates)
+                # PowerSGD's first updates are plain all-reduces (--powersgd-start).
+                run = job(cluster, args, folder, f"{link}-{name}", MODES[name], updates,
+                          skip=POWERSGD_START + 1 if name == "powersgd" else 1)
                 run["fraction_of_ideal"] = run["samples_per_s"] / base["samples_per_s"]
                 runs[f"{link} {name}"] = run
         mix = mixed(cluster, args, folder) if args.mix else None
@@ -222,6 +226,8 @@ def main():
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--no-mix", dest="mix", action="store_false")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--merge", metavar="JSON",
+                        help="add these runs to an earlier result (each against its own ideal)")
     parser.add_argument("--out")
     parser.add_argument("--png")
     args = parser.parse_args()
@@ -233,6 +239,12 @@ def main():
                         "global_batch": HOSTS * args.batch, "updates": args.updates,
                         "model": "default BERT (hidden 256, 4 layers, vocab 8192)"},
               **measure(args)}
+    if args.merge:
+        with open(args.merge) as f:
+            earlier = json.load(f)
+        earlier["runs"].update({key: {**run, "ideal": result["ideal"]["samples_per_s"]}
+                                for key, run in result["runs"].items()})
+        result = {**earlier, "mix": result["mix"] or earlier.get("mix")}
     result["summary"] = summarize(result)
     if args.png:
         plot(result, args.png)

@@ -209,12 +209,6 @@ class LocalSteps:
             self._group = dist.new_group(backend=dist.get_backend())
             self._pool = concurrent.futures.ThreadPoolExecutor(1, "hetseq-outer")
 
-    def describe(self):
-        overlap = ", overlapped" if self.cfg.outer_overlap else ""
-        return (f"local steps: rounds of {self.cfg.local_steps} inner steps, outer Nesterov "
-                f"lr {self.cfg.outer_lr} momentum {self.cfg.outer_momentum}, exchanged in "
-                f"{self.cfg.outer_dtype}{overlap}")
-
     # ---- inside a round ----
 
     def begin(self):

@@ -322,7 +322,11 @@ class LocalReplicas(Sharding):
         self.outer = outer
 
     def describe(self):
-        return f"{self.outer.describe()} for the outer step; replicas apart inside a round"
+        cfg = self.exchange
+        overlap = ", overlapped" if cfg.outer_overlap else ""
+        return (f"--local-steps {cfg.local_steps} (outer Nesterov lr {cfg.outer_lr} momentum "
+                f"{cfg.outer_momentum}, exchanged in {cfg.outer_dtype}{overlap}; outer "
+                f"optimizer under {self.outer.describe()})")
 
     def replicated_state(self, params, optimizer):
         return []   # inside a round the replicas differ by design: LocalSteps.replicated

@@ -37,6 +37,8 @@ JOBS = {
     "rounds of 4, 24+8": job([24, 8], "--local-steps", 4),
     "rounds of 4, --zero 1, 24+8": job([24, 8], "--local-steps", 4, "--zero", 1),
     "rounds of 2 overlapped, 24+8": job([24, 8], "--local-steps", 2, "--outer-overlap"),
+    "rounds of 4 in bf16, 24+8": job([24, 8], "--local-steps", 4, "--toy-dtype", "float32",
+                                     "--bf16"),
     "rounds of 1 in int8, 24+8": job([24, 8], *SYNC_ROUNDS, "--outer-dtype", "int8"),
     "rounds of 1 in bfloat16, 24+8": job([24, 8], *SYNC_ROUNDS, "--outer-dtype", "bfloat16"),
 }
@@ -94,7 +96,7 @@ def test_inner_steps_make_no_collective_and_a_round_one_exchange(two):
 def test_rounds_of_several_steps_train_and_keep_the_ranks_together(two):
     sync = reference()
     for name in ("rounds of 4, 24+8", "rounds of 4, --zero 1, 24+8",
-                 "rounds of 2 overlapped, 24+8"):
+                 "rounds of 2 overlapped, 24+8", "rounds of 4 in bf16, 24+8"):
         model = two[name].state["model"]
         assert all(torch.isfinite(t).all() for t in model.values())
         # Not the large-batch update (it is not meant to be), but near it.
