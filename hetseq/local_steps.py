@@ -127,9 +127,14 @@ def _check_local_steps(args):
         (not 0 <= args.outer_momentum < 1, f"--outer-momentum {args.outer_momentum}: "
          "expected 0 <= mu < 1"),
     )
+    _refuse(f"--local-steps {args.local_steps}", refused)
+
+
+def _refuse(prefix, refused):
+    """The first (bad, message) that is bad, as one UserError."""
     for bad, message in refused:
         if bad:
-            raise UserError(f"--local-steps {args.local_steps}: {message}")
+            raise UserError(f"{prefix}: {message}")
 
 
 def _check_powersgd(args):
@@ -148,9 +153,7 @@ def _check_powersgd(args):
         (args.powersgd_start < 2, f"--powersgd-start {args.powersgd_start}: expected N >= 2 "
          "(DDP builds its buckets in the first update)"),
     )
-    for bad, message in refused:
-        if bad:
-            raise UserError(f"--grad-compression powersgd: {message}")
+    _refuse("--grad-compression powersgd", refused)
 
 
 class _Flat:
