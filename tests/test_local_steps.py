@@ -177,16 +177,16 @@ def _rounds_run(out, *extra):
 
 
 def test_resume_mid_round_is_exact_and_keeps_every_ranks_optimizer(tmp):
-    """A save at update 4 ends a round of 3 early; the resumed run (each rank
-    its own Adam state, the outer momentum) equals the uninterrupted one."""
+    """Epochs of 4 updates: rounds 1-3, 4, then a save at update 5 ends the
+    round 5-7 early; the resumed run (each rank its own Adam state, the outer
+    momentum) equals the uninterrupted one."""
     whole, parts = tmp / "whole", tmp / "parts"
-    assert_ok(run_job(_rounds_run(whole, "--save-interval-updates", 4), [["--max-sentences", 24],
-                                                                          ["--max-sentences", 8]]))
     nodes = [["--max-sentences", 24], ["--max-sentences", 8]]
-    assert_ok(run_job(_rounds_run(parts, "--save-interval-updates", 4, "--max-update", 4), nodes))
+    assert_ok(run_job(_rounds_run(whole, "--save-interval-updates", 5), nodes))
+    assert_ok(run_job(_rounds_run(parts, "--save-interval-updates", 5, "--max-update", 5), nodes))
     saved = torch.load(parts / "checkpoint_last.pt", weights_only=True)["controller"]
     assert len(saved["optimizers"]) == 2 and "outer_optimizer" in saved["local_steps"]
-    assert_ok(run_job(_rounds_run(parts, "--save-interval-updates", 4), nodes))
+    assert_ok(run_job(_rounds_run(parts, "--save-interval-updates", 5), nodes))
     assert max_diff(final_params(whole), final_params(parts)) == 0
 
 
