@@ -206,6 +206,30 @@ def prune(save_dir, pattern, keep):
         os.remove(path)
 
 
+def _misfit(err):
+    """One line for why a state did not load. torch's load_state_dict error
+    lists every missing and unexpected key on lines of their own: count them
+    and name the first of each kind."""
+    text = str(err)
+    parts = []
+    for label, pattern in (("missing", r"Missing key\(s\) in state_dict: (.*?)\.\s*$"),
+                           ("unexpected", r"Unexpected key\(s\) in state_dict: (.*?)\.\s*$")):
+        match = re.search(pattern, text, re.M)
+        if match:
+            keys = re.findall(r'"([^"]+)"', match.group(1))
+            parts.append(f"{len(keys)} {label} key(s), e.g. {keys[0]}" if keys else label)
+    shape = r"torch\.Size\(\[([^\]]*)\]\)"
+    sizes = re.findall(rf"size mismatch for (\S+): copying a param with shape {shape} from "
+                       rf"checkpoint, the shape in current model is {shape}", text)
+    if sizes:
+        name, saved, current = sizes[0]
+        parts.append(f"{len(sizes)} tensor(s) of another shape, e.g. {name}: [{saved}] saved, "
+                     f"[{current}] here")
+    if parts:
+        return "; ".join(parts)
+    return f"{type(err).__name__}: {text.strip().splitlines()[0][:300] if text.strip() else ''}"
+
+
 class Checkpointer:
     """When and what a run saves, and how it resumes.
 
@@ -251,10 +275,12 @@ class Checkpointer:
             for name, component in self.components.items():
                 if name not in self.skip:
                     component.load_state_dict(self._kept(name, state[name]))
+        except UserError as err:
+            raise UserError(f"checkpoint {where}: {err}") from None
         except (RuntimeError, KeyError, ValueError) as err:
-            raise UserError(f"checkpoint {where} does not fit this run ({type(err).__name__}: "
-                            f"{str(err).splitlines()[0][:300]}); it was made for another model "
-                            "or task: pass another --restore-file or --save-dir") from None
+            raise UserError(f"checkpoint {where} does not fit this run ({_misfit(err)}); it was "
+                            "made for another model or task: pass --restore-file for another "
+                            "checkpoint, or a new --save-dir to start afresh") from None
         rng = state.get("rng") or []
         if len(rng) == self.ctx.world_size and "rng" not in self.skip:
             set_rng_state(rng[self.ctx.rank])

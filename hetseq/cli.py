@@ -5,6 +5,8 @@ anything are accepted and say so in --help (``LEGACY``).
 """
 
 import argparse
+import difflib
+import sys
 
 from hetseq import capacity, checkpoint, config, local_steps, precision, sharding
 from hetseq.errors import UserError
@@ -156,8 +158,30 @@ def add_training_args(parser):
     add_optimization_args(parser)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a misspelt flag answered in one line by the nearest
+    flags it knows (Python 3.11's argparse prints the whole usage instead)."""
+
+    def error(self, message):
+        unknown = message.split("unrecognized arguments: ", 1)
+        if len(unknown) == 2:
+            words = unknown[1].split()
+            flags = [word for word in words if word.startswith("-")]
+            # A misspelt flag leaves its value behind too: name the flag only.
+            message = "; ".join(self._suggest(word) for word in flags or words)
+        self.exit(2, f"{self.prog}: error: {message} (all flags: --help)\n")
+
+    def _suggest(self, word):
+        flag = word.split("=", 1)[0]
+        known = [o for action in self._actions for o in action.option_strings]
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.7)
+        if not flag.startswith("-"):
+            return f"unexpected argument '{word}' (a value without a flag?)"
+        return f"unknown flag {flag}" + (f": did you mean {close[0]}?" if close else "")
+
+
 def build_parser(task_cls=None):
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="hetseq-train", allow_abbrev=False,
         description="Synchronous data-parallel training on heterogeneous devices.")
     add_general_args(parser)

@@ -163,7 +163,10 @@ class Controller:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise UserError(f"the model built by task '{job.task}' has no trainable parameters")
-        self.optimizer = self.sharding.build_optimizer(build_optimizer(job.optimizer, self.params))
+        built = build_optimizer(job.optimizer, self.params)
+        # The settings a saved state must have to fit this kind of optimizer.
+        self._optimizer_kind = (job.optimizer.optimizer, set(built.defaults))
+        self.optimizer = self.sharding.build_optimizer(built)
         self.local = LocalSteps(job.exchange, self.params, ctx, self.sharding.outer) \
             if job.exchange.local_steps else None
         self._state_slots = OPTIMIZERS.get(job.optimizer.optimizer).state_slots(job.optimizer)
@@ -403,7 +406,9 @@ class Controller:
         saved under any --zero mode loads."""
         self.sharding.load_model_state(self.model, state["model"])
         if "optimizer" in state:
-            self.sharding.load_optimizer_state(self.model, self.optimizer, self._own(state))
+            own = self._own(state)
+            _check_same_optimizer(own, *self._optimizer_kind)
+            self.sharding.load_optimizer_state(self.model, self.optimizer, own)
         if self.local and "local_steps" in state:
             self.local.load_state_dict(self.model, state["local_steps"])
         if self.scaler is not None and "loss_scaler" in state:
@@ -412,3 +417,23 @@ class Controller:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.num_updates = state["num_updates"]
         self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
+
+
+# Settings torch fills in itself when an older state lacks them (__setstate__).
+_OPTIONAL_SETTINGS = {"foreach", "maximize", "capturable", "differentiable", "fused",
+                      "decoupled_weight_decay"}
+
+
+def _check_same_optimizer(saved, name, settings):
+    """A state saved by another kind of optimizer loads without complaint and
+    fails at the first step (Adam's state has no Adadelta 'rho'): refuse it
+    here, before any rank trains, when the saved settings lack one this
+    optimizer needs."""
+    groups = (saved or {}).get("param_groups") or []
+    missing = sorted(settings - _OPTIONAL_SETTINGS - set(groups[0])) if groups else []
+    if missing:
+        raise UserError(
+            f"the checkpoint's optimizer state was saved by another optimizer than --optimizer "
+            f"{name} (it has no {', '.join(repr(m) for m in missing)}): add --reset-optimizer to "
+            "keep the model and start the optimizer afresh, pass --restore-file for another "
+            "checkpoint, or a new --save-dir to start over")

@@ -94,6 +94,27 @@ def _checkpoint_of_another_model(root):
     return [*bert_flags(root), "--save-dir", root / "ck"], "does not fit this run"
 
 
+def _checkpoint_of_another_size(root):
+    """The message counts what differs and names one tensor of each kind, on one line."""
+    assert run_train(*bert_flags(root), "--save-dir", root / "ck").returncode == 0
+    (root / "wide.json").write_text(json.dumps({**json.loads((root / "config.json").read_text()),
+                                                "intermediate_size": 40}))
+    return [*bert_flags(root, config=root / "wide.json"), "--save-dir", root / "ck"], \
+        "tensor(s) of another shape, e.g. "
+
+
+def _checkpoint_of_another_optimizer(root):
+    """Adam's state loads into Adadelta without complaint and failed at the
+    first step (KeyError: 'rho'); it is refused before training, with the fix."""
+    assert run_train(*bert_flags(root), "--save-dir", root / "ck").returncode == 0
+    return [*bert_flags(root), "--max-update", 2, "--optimizer", "adadelta", "--save-dir",
+            root / "ck"], "saved by another optimizer than --optimizer adadelta (it has no 'rho')"
+
+
+def _misspelt_flag(root):
+    return [*bert_flags(root), "--max-sentence", 4], "did you mean --max-sentences?"
+
+
 def _unknown_scheduler(root):
     return [*bert_flags(root), "--lr-scheduler", "warmup_magic"], "unknown LR scheduler"
 
@@ -101,6 +122,7 @@ def _unknown_scheduler(root):
 CASES = [_missing_data, _empty_data, _corrupt_shard, _foreign_shard, _config_not_json,
          _config_missing, _config_inconsistent, _vocab_mismatch, _save_dir_not_writable,
          _truncated_checkpoint, _foreign_checkpoint, _checkpoint_of_another_model,
+         _checkpoint_of_another_size, _checkpoint_of_another_optimizer, _misspelt_flag,
          _unknown_scheduler]
 
 
@@ -111,6 +133,7 @@ def test_bad_input_gives_one_clear_message(bert, case):
     assert result.returncode == 2, result.stderr[-3000:]
     assert words in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert words in result.stderr.strip().splitlines()[-1], "not on the last line"
 
 
 def test_valid_setup_of_these_cases_trains(bert):
