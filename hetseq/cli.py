@@ -6,7 +6,6 @@ anything are accepted and say so in --help (``LEGACY``).
 
 import argparse
 import difflib
-import sys
 
 from hetseq import capacity, checkpoint, config, local_steps, precision, sharding
 from hetseq.errors import UserError

@@ -123,10 +123,12 @@ class Run:
         planned = planned_updates(self.job.training, len(self.train_data.batches))
         if planned and not self.job.schedule.total_num_update:
             self.controller.set_horizon(planned)
-        if self.ctx.is_main and planned:
-            logger.info("LR schedule %s: %d planned updates, warm-up %d",
-                        self.job.schedule.lr_scheduler, planned,
-                        self.controller.lr_scheduler.warmup)
+        self.report.plan(planned)
+        if self.ctx.is_main:
+            logger.info("LR schedule %s: %s; the run plans %s", self.job.schedule.lr_scheduler,
+                        self.controller.lr_scheduler.describe(),
+                        f"{planned} updates" if planned else
+                        "no end (no --max-update or --max-epoch: stop it yourself)")
 
     # ---- the loop ----
 

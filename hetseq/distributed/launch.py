@@ -13,6 +13,7 @@ import datetime
 import gc
 import logging
 import os
+import socket
 import sys
 
 import torch
@@ -21,7 +22,7 @@ import torch.multiprocessing as mp
 from hetseq.distributed import health, rendezvous, tunnel
 from hetseq.distributed.topology import resolve_topology
 from hetseq.errors import HetSeqError, PeerLost
-from hetseq.logging import setup_logging
+from hetseq.logging import NODE, rank_ranges, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def exit_now(code):
 
 def _run_rank(index, topology, node, identity, worker, worker_args):
     rank = topology.first_rank + index
-    setup_logging(rank, all_ranks=node.log.log_all_ranks)
+    setup_logging(rank, all_ranks=node.log.log_all_ranks, node_first=index == 0)
     _set_threads(topology)
     device = _device(topology, index)
     ctx = DistContext(rank, topology.world_size, topology.first_device + index, device,
@@ -141,6 +142,9 @@ def _run_rank(index, topology, node, identity, worker, worker_args):
     # tearing down gloo's threads aborts the process.
     gc.collect()
     rendezvous.shutdown(topology, rank, store)
+    if index == 0:
+        NODE.info("node %s finished its part: ranks %s", socket.gethostname(),
+                  rank_ranges(range(rank, rank + topology.nprocs)))
     return result
 
 

@@ -35,6 +35,7 @@ import time
 
 from hetseq.distributed import interfaces
 from hetseq.errors import UserError
+from hetseq.logging import NODE, Every
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ def wait_until_reachable(host, port, timeout_s, describe_failure):
     tries: its own retries are silent and end in a C++ stack dump. The reason a
     connection fails (other than 'refused': the master is not up yet) is logged
     once, so a wrong or unreachable address shows at once, not at the deadline."""
-    deadline, said = time.monotonic() + timeout_s, None
+    deadline, said, reminder = time.monotonic() + timeout_s, None, Every()
     while True:
         remaining = deadline - time.monotonic()
         attempt = max(0.2, min(5.0, remaining))
@@ -263,4 +264,7 @@ def wait_until_reachable(host, port, timeout_s, describe_failure):
             logger.warning("cannot reach %s:%d yet: %s; retrying for up to %.0f s",
                            host, port, reason, remaining)
             said = reason
+        if reminder.due():
+            NODE.info("waiting for the master at %s:%d (%s): %.0f s left before "
+                      "--distributed-timeout", host, port, reason, remaining)
         time.sleep(min(0.5, max(0.0, remaining)))

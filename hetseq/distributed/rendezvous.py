@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hetseq.distributed import health, identity, interfaces, network, tunnel
 from hetseq.distributed.topology import ready_backend
 from hetseq.errors import UserError
+from hetseq.logging import NODE, Every, rank_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +261,7 @@ def wait_for_ranks(store, prefix, world_size, deadline, url, rank=None):
     While waiting, ``rank``'s heartbeat advances (so a newcomer can tell a live
     job from a file left by a dead one)."""
     pending, values, beat_at = set(range(world_size)), {}, 0.0
+    reminder = Every()
     while pending:
         for other in sorted(pending):
             key = f"{prefix}/{other}"
@@ -276,6 +278,10 @@ def wait_for_ranks(store, prefix, world_size, deadline, url, rank=None):
             if present:
                 values[other] = value
                 pending.discard(other)
+        if pending and reminder.due():
+            NODE.info("waiting at %s for ranks %s of %d: %.0f s left before "
+                      "--distributed-timeout", url, rank_ranges(pending), world_size,
+                      deadline - time.monotonic())
         if pending and time.monotonic() > deadline:
             raise UserError(
                 f"timed out waiting at {url} for ranks {sorted(pending)} of {world_size}: "
@@ -336,9 +342,11 @@ def _meet(store, topology, rank, timeout, binding, master):
     ready_backend(topology.backend)
     dist.init_process_group(topology.backend, store=dist.PrefixStore("pg", store), rank=rank,
                             world_size=world, timeout=timeout)
-    logger.info("rank %d of %d joined via %s (%s, ranks from %s) on %s %s: %s", rank, world, url,
-                topology.backend, topology.launcher, binding.interface, binding.address,
-                binding.reason)
+    if rank == topology.first_rank:
+        NODE.info("node %s joined the job at %s: ranks %s of %d (%s, ranks from %s) on %s %s: "
+                  "%s", socket.gethostname(), url, rank_ranges(range(rank, rank + topology.nprocs)),
+                  world, topology.backend, topology.launcher, binding.interface,
+                  binding.address, binding.reason)
     if rank == 0:
         logger.info("network: %s", network.describe(peers))
     return store, peers

@@ -1,6 +1,12 @@
-"""Progress output: a tqdm bar on rank 0, or plain log lines every N updates."""
+"""Progress output: a tqdm bar on rank 0, or plain log lines every N updates.
+
+A plain line reads ``epoch 001 | update 40/60 | 0:00:21 left | loss=... |``;
+the next names every rank's samples/s and share of the global batch, which
+rank 0 has from the per-update stats anyway.
+"""
 
 import logging
+import time
 
 from tqdm import tqdm
 
@@ -16,29 +22,80 @@ def format_stats(stats):
     return " | ".join(parts)
 
 
+def format_duration(seconds):
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def format_ranks(rank_samples, rank_times, batch_sizes):
+    """'ranks: 0 18.6/s 16 (50%) | 1 ...': each rank's samples per second of
+    its own compute and its share of the global batch."""
+    total = sum(batch_sizes) or 1
+    parts = []
+    for rank, (samples, seconds, size) in enumerate(zip(rank_samples, rank_times, batch_sizes)):
+        rate = f"{samples / seconds:.1f}/s" if seconds > 0 else "idle"
+        parts.append(f"{rank} {rate} {size} ({100 * size / total:.0f}%)")
+    return "ranks: " + " | ".join(parts)
+
+
+class Clock:
+    """The run's position (``update N/planned``) and the time left, from the
+    wall time per update since this process's first update."""
+
+    def __init__(self, planned=None):
+        self.planned = planned
+        self._start = None         # (time, update) of the first update seen
+
+    def tick(self, update, steps=1):
+        if self._start is None:
+            self._start = (time.perf_counter(), update - steps)
+
+    def left(self, update):
+        if not self.planned or self._start is None or update <= self._start[1]:
+            return None
+        since, first = self._start
+        per_update = (time.perf_counter() - since) / (update - first)
+        return max(0, self.planned - update) * per_update
+
+    def head(self, update):
+        where = f"update {update}/{self.planned}" if self.planned else f"update {update}"
+        left = self.left(update)
+        return where if left is None else f"{where} | {format_duration(left)} left"
+
+
 class Progress:
     """Wraps the update loop of one epoch.
 
     ``log(stats, update)`` is called after every update; ``summary`` at the end.
     """
 
-    def __init__(self, total, prefix, is_main, use_bar, log_interval):
+    def __init__(self, total, prefix, is_main, use_bar, log_interval, clock=None):
         self.prefix = prefix
         self.is_main = is_main
         self.log_interval = max(1, log_interval)
+        self.clock = clock or Clock()
         self.bar = tqdm(total=total, desc=prefix, leave=False, dynamic_ncols=True) \
             if is_main and use_bar else None
 
-    def log(self, stats, update, steps=1):
-        """After update ``update``, which covered ``steps`` updates (a round)."""
+    def due(self, update, steps=1):
+        """Whether plain lines are written after ``update`` (covering ``steps``)."""
+        return self.bar is None and \
+            update // self.log_interval > (update - steps) // self.log_interval
+
+    def log(self, stats, update, steps=1, ranks=None):
+        """After update ``update``, which covered ``steps`` updates (a round);
+        ``ranks``: the per-rank line, for plain output."""
+        self.clock.tick(update, steps)
         if not self.is_main:
             return
         if self.bar is not None:
             self.bar.update(steps)
             self.bar.set_postfix({k: f"{v:.4g}" if isinstance(v, float) else v
                                   for k, v in stats.items()}, refresh=False)
-        elif update // self.log_interval > (update - steps) // self.log_interval:
-            logger.info("%s | %s", self.prefix, format_stats(stats))
+        elif self.due(update, steps):
+            logger.info("%s | %s | %s", self.prefix, self.clock.head(update), format_stats(stats))
+            if ranks:
+                logger.info("%s | %s", self.prefix, ranks)
 
     def summary(self, stats):
         if self.bar is not None:

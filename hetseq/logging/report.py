@@ -7,7 +7,7 @@ import logging
 
 from hetseq.logging.balance import BalanceLog
 from hetseq.logging.meters import Meters, RateMeter
-from hetseq.logging.progress import Progress
+from hetseq.logging.progress import Clock, Progress, format_ranks
 from hetseq.logging.tensorboard import TensorBoard
 
 logger = logging.getLogger("hetseq.train")
@@ -20,12 +20,17 @@ class Reporter:
         self.tensorboard = TensorBoard(log.tensorboard_logdir, ctx.is_main)
         self.balance_log = BalanceLog(save.save_dir, ctx.is_main and not save.no_save)
         self.progress, self.rate = None, RateMeter()
+        self.clock = Clock()
+
+    def plan(self, planned):
+        """The run's planned updates (None: no end given), for 'update N/M' and the time left."""
+        self.clock.planned = planned
 
     def start_epoch(self, epoch, updates, resumed=False):
         """``resumed``: the epoch goes on from a checkpoint, and so do its
         running averages (unless --reset-meters left them out)."""
         self.progress = Progress(updates, f"epoch {epoch:03d}", self.ctx.is_main,
-                                 not self.cfg.no_progress_bar, self.cfg.log_interval)
+                                 not self.cfg.no_progress_bar, self.cfg.log_interval, self.clock)
         if not resumed:
             self.meters.reset()
         self.rate = RateMeter()
@@ -50,7 +55,9 @@ class Reporter:
                       in enumerate(zip(result.rank_samples, result.rank_times)) if t > 0}
         self.tensorboard.log("train", {**stats, **rank_rates}, update)
         self.rate.update(n)
-        self.progress.log(stats, update, steps)
+        ranks = format_ranks(result.rank_samples, result.rank_times, batch_sizes) \
+            if self.progress.due(update, steps) and len(batch_sizes) > 1 else None
+        self.progress.log(stats, update, steps, ranks)
 
     def end_epoch(self, epoch, updates):
         self.progress.summary({"epoch": epoch, "updates": updates,

@@ -60,6 +60,10 @@ class LRScheduler:
     def lr_at(self, update):
         raise NotImplementedError
 
+    def describe(self):
+        """The schedule as it will run, for the start-up log."""
+        return f"peak {self.peak_lr:g}, warm-up {self.warmup} updates"
+
     def warmup_lr(self, update, start=0.0):
         return start + (self.peak_lr - start) * update / self.warmup
 
@@ -109,6 +113,11 @@ class _DecayToEnd(LRScheduler):
         if self.total <= self.warmup:
             raise UserError(f"--total-num-update {self.total} must exceed the {self.warmup} "
                             "warm-up updates; set it to the planned number of updates")
+
+    def describe(self):
+        source = "--total-num-update" if self.cfg.total_num_update else "the planned run"
+        return (f"{super().describe()}, then to {self.end_lr:g} at update {self.total} "
+                f"({source})")
 
     def lr_at(self, update):
         if update <= self.warmup:
