@@ -51,7 +51,7 @@ from hetseq.testing.watched import Watched  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "0123456789abcdef0123456789abcdef"
 BATCH = 48
-UPDATE = re.compile(r"\| epoch \d+ \| loss=")
+UPDATE = re.compile(r"\| epoch \d+ \| update \d+")
 RESUMED = re.compile(r"resumed from .*: epoch \d+, (\d+) updates done")
 # (kind, host): what happens at each --period.
 FAULTS = [("kill", 2), ("back", 2), ("freeze", 1), ("back", 1), ("switch_off", 2), ("back", 2)]

@@ -53,7 +53,8 @@ MODES = {
     "local32_int8": ["--local-steps", 32, "--outer-dtype", "int8"],
 }
 POWERSGD_START = 10         # its default
-LOGGED = re.compile(r"\| epoch \d+ \| loss=([\d.]+) \|.*\| sample_size=([\d.]+) \|")
+LOGGED = re.compile(r"\| epoch \d+ \| update [\d/]+ (?:\| \S+ left )?\| loss=([\d.]+) \|.*"
+                    r"\| sample_size=([\d.]+) \|")
 VALID = re.compile(r"valid on 'valid' \| epoch \d+ \| loss=([\d.]+)")
 
 

@@ -35,8 +35,9 @@ FORMAT = "hetseq-checkpoint-1"
 
 
 def add_args(group):
-    group.add_argument("--save-dir", default="checkpoints", metavar="DIR",
-                       help="where checkpoints go (default: %(default)s)")
+    group.add_argument("--save-dir", metavar="DIR",
+                       help="where checkpoints, balance.jsonl and TensorBoard go (default: "
+                            "checkpoints/<task>)")
     group.add_argument("--restore-file", default="checkpoint_last.pt", metavar="FILE",
                        help="checkpoint to resume from, relative to --save-dir unless absolute "
                             "(default: checkpoint_last.pt; a missing file starts afresh)")
@@ -45,9 +46,11 @@ def add_args(group):
     group.add_argument("--save-interval-updates", type=int, default=0, metavar="N",
                        help="also save every N updates, mid-epoch (0: off)")
     group.add_argument("--keep-interval-updates", type=int, default=-1, metavar="N",
-                       help="keep only the last N checkpoints of --save-interval-updates")
+                       help="keep only the last N checkpoints of --save-interval-updates "
+                            "(-1: all; 0: none, only checkpoint_last.pt and _best)")
     group.add_argument("--keep-last-epochs", type=int, default=-1, metavar="N",
-                       help="keep only the last N checkpoint<EPOCH>.pt")
+                       help="keep only the last N checkpoint<EPOCH>.pt (-1: all; 0: none, "
+                            "only checkpoint_last.pt and _best)")
     group.add_argument("--no-save", action="store_true", help="do not write checkpoints")
     group.add_argument("--no-epoch-checkpoints", action="store_true",
                        help="keep only checkpoint_last.pt (and _best), not checkpoint<EPOCH>.pt")
@@ -311,10 +314,11 @@ class Checkpointer:
         last = os.path.join(folder, "checkpoint_last.pt")
         save(last, state)
         copies = []
-        if epoch is not None and not cfg.no_epoch_checkpoints:
+        # A copy that would be pruned at once (--keep-* 0) is not written.
+        if epoch is not None and not cfg.no_epoch_checkpoints and cfg.keep_last_epochs != 0:
             copies.append(f"checkpoint{epoch}.pt")
-        elif epoch is None and cfg.save_interval_updates and \
-                updates % cfg.save_interval_updates == 0:
+        elif epoch is None and cfg.save_interval_updates and cfg.keep_interval_updates != 0 \
+                and updates % cfg.save_interval_updates == 0:
             copies.append(f"checkpoint_{data_epoch}_{updates}.pt")
         if improved:
             copies.append("checkpoint_best.pt")

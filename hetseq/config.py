@@ -68,6 +68,7 @@ class ShardingConfig(_Section):
     cpu_offload: bool
     bucket_cap_mb: int            # DDP's buckets are collectives: every rank the same
     find_unused_parameters: bool
+    compile: bool                 # the job's: compiled kernels round differently
 
 
 @section
@@ -272,12 +273,21 @@ class ShareConfig(_Section):
             args, max_sentences_valid=args.max_sentences if valid is None else valid)
 
 
+def save_dir(args):
+    """--save-dir, by default checkpoints/<task>."""
+    return args.save_dir or os.path.join("checkpoints", args.task)
+
+
 @section
 class SaveConfig(_Section):
     """Where this node keeps checkpoints and the balance log."""
     save_dir: str
     restore_file: str
     no_save: bool
+
+    @classmethod
+    def from_args(cls, args):
+        return super().from_args(args, save_dir=save_dir(args))
 
 
 @section
@@ -297,7 +307,7 @@ class LogConfig(_Section):
         # writes nothing into the save dir).
         logdir = args.tensorboard_logdir
         if logdir is None and not (args.no_tensorboard or args.no_save):
-            logdir = os.path.join(args.save_dir, "tensorboard")
+            logdir = os.path.join(save_dir(args), "tensorboard")
         return super().from_args(args, no_progress_bar=args.no_progress_bar
                                  or args.log_format != "tqdm",
                                  tensorboard_logdir=None if args.no_tensorboard else logdir)

@@ -159,6 +159,13 @@ class Controller:
         # FSDP moves each shard to the device itself: the whole model never
         # has to fit there (with --cpu-offload the shards stay on the host).
         self.model = model if self.sharding.shards_grads else model.to(ctx.device)
+        if job.sharding.compile:
+            # The forward, in place: the parameters and their names, hence
+            # checkpoints, stay those of the plain model (torch.compile(model)
+            # would prefix them; nn.Module.compile() traces nothing in torch
+            # 2.13). Graphs are built at the first forward, and once more for
+            # batch shapes that vary.
+            self.model.forward = torch.compile(self.model.forward)
         self.wrapped = self.sharding.wrap(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:

@@ -54,6 +54,10 @@ def add_args(group):
     group.add_argument("--cpu-offload", action="store_true",
                        help="with --zero 3: keep parameters, gradients and the optimizer step "
                             "on the host (FSDP2 CPUOffloadPolicy)")
+    group.add_argument("--compile", action="store_true",
+                       help="torch.compile the model's forward and backward (off by default: "
+                            "start-up takes longer, from seconds to minutes; pays on GPUs, "
+                            "see docs/memory-and-precision.md)")
 
 
 def check_args(args):

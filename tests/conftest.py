@@ -116,7 +116,7 @@ def start_nodes(commands, cluster=None, on=None, env=None):
     return procs
 
 
-UPDATE_LINE = r"\| epoch \d+ \| loss="     # rank 0's plain log line after an update
+UPDATE_LINE = r"\| epoch \d+ \| update \d+"     # rank 0's plain log line after an update
 
 
 def finish(procs, timeout=180):

@@ -62,7 +62,9 @@ TWO = {"equal 16+16": job([16, 16]),
        **{f"{mode} {opt} 24+8": job([24, 8], *MODES[mode], *OPTIMIZERS[opt])
           for mode in MODES for opt in OPTIMIZERS},
        **{f"{mode} bf16 24+8": job([24, 8], *MODES[mode], *BF16) for mode in ("zero0", "zero3")},
-       "mean loss bf16 24+8": job([24, 8], *BF16, "--toy-mean-loss")}
+       "mean loss bf16 24+8": job([24, 8], *BF16, "--toy-mean-loss"),
+       **{f"{mode} compile 24+8": job([24, 8], *MODES[mode], "--compile")
+          for mode in ("zero0", "zero3")}}
 # 100 samples in batches of 32: the last global batch has 4 samples and splits
 # 3 + 1 + 0, so rank 2 takes part with a zero-weight batch.
 THREE = {f"{mode} {opt} 20+8+4": job([20, 8, 4], "--update-freq", 2, *MODES[mode],
@@ -102,6 +104,28 @@ def test_bf16_on_two_uneven_ranks_stays_close_to_one_process(two_ranks, mode):
     assert 0 < diff < BF16_CLOSE < 10 * max_diff(fp32, ref)   # autocast did change numbers
     wrong = max_diff(ref, params(two_ranks["mean loss bf16 24+8"].state))
     assert wrong > BF16_CLOSE, wrong                           # the tolerance sees a mistake
+
+
+@pytest.mark.parametrize("mode", ["zero0", "zero3"])
+def test_compiled_model_on_two_uneven_ranks_matches_one_process(two_ranks, mode):
+    """--compile: inductor's kernels (and a second graph for the short last
+    batch) give the update of the plain model, to the summation order."""
+    result = two_ranks[f"{mode} compile 24+8"]
+    assert max_diff(reference(), params(result.state)) < EXACT
+
+
+def test_compile_traces_the_forward_and_keeps_the_parameter_names():
+    """The parity above would also pass if --compile compiled nothing."""
+    from torch._dynamo.utils import counters
+    from hetseq.distributed import DistContext
+    counters.clear()
+    controller, task = build_controller([*COMMON, "--compile"],
+                                        DistContext(0, 1, 0, torch.device("cpu"), "gloo"))
+    data = task.load_dataset("train")
+    batch = {"x": data.x[:4], "y": data.y[:4]}
+    controller.train_step([batch], batch)
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert set(controller.state_dict()["model"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 
 def test_equal_split_matches_too(two_ranks):

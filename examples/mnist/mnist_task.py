@@ -4,6 +4,7 @@ This file lives outside the package on purpose: it is the example of
 extending HetSeq. Load it with ``--user-dir examples/mnist``.
 """
 
+import logging
 import os
 
 import numpy as np
@@ -16,6 +17,8 @@ from hetseq.errors import UserError
 from hetseq.tasks import Task, register_task
 
 from .idx import read_idx
+
+logger = logging.getLogger(__name__)
 
 # File-name prefixes of the standard MNIST distribution, by split.
 SPLIT_PREFIX = {"train": "train", "valid": "t10k", "test": "t10k"}
@@ -69,22 +72,47 @@ def find_idx_file(folder, prefix, kind):
                     "examples/mnist/README.md")
 
 
+# Debian's and Ubuntu's `apt-get install dataset-fashion-mnist` puts it here.
+FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+
+
 @register_task("mnist")
 class MNISTTask(Task):
+    # PyTorch's MNIST example recipe (Adadelta at lr 1.0, batches of 64) for
+    # two epochs, the rate decaying linearly to 0 over the run: about 0.88
+    # test accuracy on Fashion-MNIST (0.98 on MNIST) with 2 CPU ranks.
+    defaults = {"optimizer": "adadelta", "lr": [1.0], "max_sentences": 64, "max_epoch": 2,
+                "lr_scheduler": "polynomial_decay", "total_num_update": 0, "clip_norm": 0.0,
+                "keep_last_epochs": 0}
+
+    @classmethod
+    def resolve_inputs(cls, args):
+        """The data folder: --data, else Fashion-MNIST where Debian installs it."""
+        if args.data is not None:
+            return args.data
+        if os.path.isdir(FASHION_MNIST):
+            logger.info("no --data: training on Fashion-MNIST in %s", FASHION_MNIST)
+            return FASHION_MNIST
+        raise UserError(f"no --data, and no Fashion-MNIST in {FASHION_MNIST}: pass --data DIR "
+                        "with the four IDX files, run `apt-get install dataset-fashion-mnist`, "
+                        "or make demo digits with python examples/mnist/make_demo_data.py "
+                        "--out data/mnist-demo")
+
     def load_dataset(self, split):
-        if not self.args.data or not os.path.isdir(self.args.data):
-            raise UserError(f"--data {self.args.data}: not a directory; pass the folder of the "
+        data = self.inputs or self.args.data
+        if not data or not os.path.isdir(data):
+            raise UserError(f"--data {data}: not a directory; pass the folder of the "
                             "MNIST IDX files")
         if split not in SPLIT_PREFIX:
             raise UserError(f"mnist has splits {sorted(SPLIT_PREFIX)}, not '{split}'")
         prefix = SPLIT_PREFIX[split]
         try:
-            images = read_idx(find_idx_file(self.args.data, prefix, "images-idx3-ubyte"))
-            labels = read_idx(find_idx_file(self.args.data, prefix, "labels-idx1-ubyte"))
+            images = read_idx(find_idx_file(data, prefix, "images-idx3-ubyte"))
+            labels = read_idx(find_idx_file(data, prefix, "labels-idx1-ubyte"))
         except ValueError as err:
-            raise UserError(f"--data {self.args.data}: {err}")
+            raise UserError(f"--data {data}: {err}")
         if images.ndim != 3 or images.shape[1:] != (28, 28) or len(images) != len(labels):
-            raise UserError(f"--data {self.args.data}: expected N x 28 x 28 images and N labels "
+            raise UserError(f"--data {data}: expected N x 28 x 28 images and N labels "
                             f"for '{split}', got {images.shape} and {labels.shape}")
         return IdxImages(images, labels)
 

@@ -3,9 +3,11 @@
 
 - pretraining: a WordPiece vocab, a 4-layer BERT config and NVIDIA-format
   HDF5 shards (``python train.py --task bert``);
-- fine-tuning: sentence pairs in MRPC's own TSV format, label 1 when the
-  second sentence follows the first in Python's documentation, 0 when it
-  comes from another text (``python train.py --task glue``).
+- fine-tuning: sentence pairs in MRPC's own TSV format, a paraphrase task
+  as MRPC is: label 1 when the second sentence is the first reworded (a few
+  words left out, two neighbours swapped), 0 when it is another sentence of
+  the same text reworded alike, so that the topic and the edits give nothing
+  away (``python train.py --task glue``).
 """
 
 import csv
@@ -25,7 +27,7 @@ SETTINGS = Settings(max_seq_length=128, max_predictions_per_seq=20, dupe_factor=
 MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
              max_position_embeddings=128)
 
-PAIRS = "glue-demo-v4"
+PAIRS = "glue-demo-v5"
 PAIR_SPLITS = (("train", 800), ("dev", 408), ("test", 400))   # MRPC's dev set has 408 pairs
 MRPC_HEADER = ("Quality", "#1 ID", "#2 ID", "#1 String", "#2 String")
 # Where `python train.py --task bert` saves (its --save-dir default).
@@ -104,12 +106,20 @@ def _build_pairs(root):
 
 def _pair(pool, rng, positive):
     doc = rng.randrange(len(pool))
-    at = rng.randrange(len(pool[doc]) - 1)
-    first, second = pool[doc][at], pool[doc][at + 1]    # neighbours: one thread of text
-    if not positive:
-        other = rng.choice([d for d in rng.sample(range(len(pool)), 2) if d != doc])
-        second = rng.choice(pool[other])
-    return int(positive), _clean(first), _clean(second)
+    first, other = rng.sample(range(len(pool[doc])), 2)
+    second = pool[doc][first if positive else other]
+    return int(positive), _clean(pool[doc][first]), _clean(_reword(second, rng))
+
+
+def _reword(sentence, rng):
+    """The sentence with about 15% of its words left out and two neighbours swapped."""
+    words = sentence.split()
+    drop = set(rng.sample(range(len(words)), max(1, round(0.15 * len(words)))))
+    words = [w for i, w in enumerate(words) if i not in drop]
+    if len(words) > 2:
+        at = rng.randrange(len(words) - 1)
+        words[at], words[at + 1] = words[at + 1], words[at]
+    return " ".join(words)
 
 
 def _clean(text):

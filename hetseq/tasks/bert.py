@@ -65,7 +65,7 @@ class BertTask(Task):
     # that suits a batch of 32 per rank.
     defaults = {"max_sentences": 32, "optimizer": "adam", "lr": [1e-4], "warmup_ratio": 0.01,
                 "lr_scheduler": "polynomial_decay", "total_num_update": 0, "weight_decay": 0.01,
-                "clip_norm": 1.0, "max_epoch": 1, "save_dir": demo.PRETRAINING_SAVE_DIR}
+                "clip_norm": 1.0, "max_epoch": 1, "keep_last_epochs": 0}
 
     @classmethod
     def resolve_inputs(cls, args):

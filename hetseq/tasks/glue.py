@@ -54,7 +54,7 @@ class GlueTask(Task):
     # 10% warm-up, weight decay 0.01, clipping at 1.
     defaults = {"max_sentences": 32, "optimizer": "adam", "lr": [5e-5], "warmup_ratio": 0.1,
                 "lr_scheduler": "polynomial_decay", "total_num_update": 0, "weight_decay": 0.01,
-                "clip_norm": 1.0, "max_epoch": 3, "save_dir": "checkpoints/glue"}
+                "clip_norm": 1.0, "max_epoch": 3, "keep_last_epochs": 0}
 
     @classmethod
     def add_args(cls, parser):
