@@ -230,6 +230,30 @@ MUTATIONS = {
         "ddp.register_comm_hook(*powersgd_hook(exchange))",
         "pass",
         ["tests/test_local_steps.py::test_compressed_exchanges_stay_near_the_exact_one"]),
+    "optimizer-mismatch-not-detected": (
+        "a checkpoint of another optimizer is refused before training, in one line",
+        "hetseq/controller.py",
+        "            _check_same_optimizer(own, *self._optimizer_kind)\n",
+        "",
+        ["tests/test_bad_inputs.py::test_bad_input_gives_one_clear_message"]),
+    "compile-compiles-nothing": (
+        "--compile compiles the model's forward",
+        "hetseq/controller.py",
+        "self.model.forward = torch.compile(self.model.forward)",
+        "self.model.compile()",
+        ["tests/test_parity.py::test_compile_traces_the_forward_and_keeps_the_parameter_names"]),
+    "node-lines-from-rank-0-only": (
+        "every node prints when it joins and ends, not only rank 0's",
+        "hetseq/distributed/launch.py",
+        "setup_logging(rank, all_ranks=node.log.log_all_ranks, node_first=index == 0)",
+        "setup_logging(rank, all_ranks=node.log.log_all_ranks)",
+        ["tests/test_first_hour.py::test_two_nodes_print_progress_rates_and_their_own_lines"]),
+    "lr-line-claims-the-planned-horizon": (
+        "the LR-schedule line states the horizon actually used",
+        "hetseq/optim/lr_scheduler.py",
+        'source = "--total-num-update" if self.cfg.total_num_update else "the planned run"',
+        'source = "the planned run"',
+        ["tests/test_first_hour.py::test_two_nodes_print_progress_rates_and_their_own_lines"]),
 }
 
 

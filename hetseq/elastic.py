@@ -28,6 +28,7 @@ process would make next.
 import gc
 import logging
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from hetseq.distributed import health, rendezvous, tunnel
 from hetseq.distributed.elastic import JobDone, Membership, TooFew
 from hetseq.distributed.launch import DistContext
 from hetseq.errors import PeerLost, UserError
-from hetseq.logging import setup_logging
+from hetseq.logging import NODE, setup_logging
 
 logger = logging.getLogger("hetseq.elastic")
 
@@ -74,7 +75,7 @@ def train_elastic(make_run, job, node):
         except JobDone as done:
             logger.warning("--elastic: %s before this node could join", done)
             return
-        setup_logging(generation.rank, all_ranks=node.log.log_all_ranks)
+        setup_logging(generation.rank, all_ranks=node.log.log_all_ranks, node_first=True)
         ctx = DistContext(generation.rank, generation.world_size, device.index or 0, device,
                           backend, 1)
         run, mine = None, carried
@@ -94,6 +95,8 @@ def train_elastic(make_run, job, node):
             updates = run.controller.num_updates
             del run, mine
             _leave(membership, generation, updates)
+            NODE.info("node %s finished its part: rank %d after %d updates",
+                      socket.gethostname(), generation.rank, updates)
             return
         # Objects holding the process group (DDP) go before the group does.
         del run, mine

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from hetseq.distributed import identity, interfaces, network, rendezvous, tunnel
 from hetseq.errors import UserError
+from hetseq.logging import NODE
 
 logger = logging.getLogger(__name__)
 
@@ -303,11 +304,11 @@ class Membership:
         after = {m["id"]: m for m in now.members}
         left = [describe(m) for i, m in before.items() if i not in after]
         joined = [describe(m) for i, m in after.items() if i not in before]
-        # Every node's log says who left and joined (other ranks print warnings only).
-        log = logger.info if previous is None else logger.warning
+        # Every node's log says who left and joined (NODE: each node's own lines).
+        log = NODE.info if previous is None else logger.warning
         log("generation %d: %d nodes, this node is rank %d; left: %s; joined: %s",
-                    now.number, now.world_size, now.rank, ", ".join(left) or "none",
-                    ", ".join(joined) or "none")
+            now.number, now.world_size, now.rank, ", ".join(left) or "none",
+            ", ".join(joined) or "none")
 
     def finish(self, updates):
         """The job is over: a node that still waits to join is told so."""
