@@ -80,7 +80,8 @@ def markdown():
     for group in parser._action_groups:
         title = "General" if group.title in ("options", "optional arguments") else group.title
         lines += _table(title, group._group_actions, node_flags)
-    for name in sorted(TASKS.names()):
+    # The built-in tasks only (a process may have imported user tasks too).
+    for name in sorted(n for n in TASKS.names() if TASKS.get(n).__module__.startswith("hetseq.")):
         task_cls = TASKS.get(name)
         task_parser = cli.build_parser(task_cls)
         group = next(g for g in task_parser._action_groups if g.title == f"Task '{name}'")

@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -62,8 +63,13 @@ def child_env(extra=None):
     return env
 
 
+# Jobs run in a folder of their own: the default --save-dir (checkpoints/<task>)
+# of a demo run in the checkout must not be resumed by a test.
+RUN_DIR = Path(tempfile.mkdtemp(prefix="hetseq-tests-"))
+
+
 def run_train(*args, env=None, timeout=180):
-    return subprocess.run(train_cmd(*args), cwd=ROOT, env=child_env(env), capture_output=True,
+    return subprocess.run(train_cmd(*args), cwd=RUN_DIR, env=child_env(env), capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -109,7 +115,7 @@ def start_nodes(commands, cluster=None, on=None, env=None):
     host ``on[i]`` (default: host i)."""
     procs = []
     for index, command in enumerate(commands):
-        argv, options = train_cmd(*command), dict(cwd=ROOT, env=child_env(env), text=True,
+        argv, options = train_cmd(*command), dict(cwd=RUN_DIR, env=child_env(env), text=True,
                                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(subprocess.Popen(argv, **options) if cluster is None else
                      cluster.popen(on[index] if on else index, argv, **options))

@@ -146,7 +146,7 @@ def test_ccl_backend_is_used_when_its_bindings_import():
     result = run_train(*RUN, "--distributed-backend", "ccl",
                        env={"PYTHONPATH": str(ROOT / "tests" / "fake_ccl")})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "joined via" in result.stderr and "(ccl," in result.stderr
+    assert "joined the job at" in result.stderr and "(ccl," in result.stderr
     assert result.stderr.count("fake ccl: process group for rank") == 2, result.stderr[-3000:]
 
 

@@ -41,6 +41,7 @@ VARIED = {
     "log_all_ranks": (False, True),
     "no_progress_bar": (False, True),
     "tensorboard_logdir": ("{dir}/tb", None),
+    "no_tensorboard": (True, False),
 }
 NOT_IN_A_RUN = {f.name for f in config.dataclasses.fields(config.LaunchConfig)} | {"user_dir"}
 BASE = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--max-update", 4,

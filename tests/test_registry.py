@@ -130,19 +130,28 @@ def test_bad_training_flags(flags, words):
 def test_task_defaults_apply_and_flags_override():
     glue = cli.parse_args(["--task", "glue"])
     assert (glue.lr, glue.max_sentences, glue.warmup_ratio, glue.max_epoch, glue.clip_norm,
-            glue.save_dir) == ([5e-5], 32, 0.1, 3, 1.0, "checkpoints/glue")
+            glue.keep_last_epochs) == ([5e-5], 32, 0.1, 3, 1.0, 0)
     bert = cli.parse_args(["--task", "bert"])
-    assert (bert.lr, bert.max_sentences, bert.save_dir) == ([1e-4], 32, "checkpoints/bert")
+    assert (bert.lr, bert.max_sentences) == ([1e-4], 32)
     given = cli.parse_args(["--task", "glue", "--lr", "1e-3", "--max-sentences", "4",
                             "--save-dir", "elsewhere"])
     assert (given.lr, given.max_sentences, given.save_dir) == ([1e-3], 4, "elsewhere")
     toy = cli.parse_args(TOY)   # a task without defaults keeps the general ones
-    assert toy.lr == [0.25] and toy.max_sentences is None and toy.save_dir == "checkpoints"
+    assert toy.lr == [0.25] and toy.max_sentences is None and toy.keep_last_epochs == -1
+
+
+def test_every_task_saves_to_checkpoints_slash_its_name_unless_told():
+    for argv, where in ((["--task", "glue"], "checkpoints/glue"),
+                        (["--task", "bert"], "checkpoints/bert"), (TOY, "checkpoints/toy"),
+                        (["--task", "bert", "--save-dir", "x"], "x")):
+        _, _, node = cli.parse(list(map(str, argv)))
+        assert node.save.save_dir == where
+        assert node.log.tensorboard_logdir == f"{where}/tensorboard"
 
 
 def test_task_defaults_show_in_help():
     text = " ".join(cli.build_parser(TASKS.get("glue")).format_help().split())
-    assert "(default: [5e-05])" in text and "(default: checkpoints/glue)" in text
+    assert "(default: [5e-05])" in text and "(default: checkpoints/<task>)" in text
     text = " ".join(cli.build_parser(TASKS.get("bert")).format_help().split())
     assert "(default: [0.0001])" in text and "--max-sentences N" in text
 

@@ -31,7 +31,7 @@ def test_file_init_two_commands_and_cleanup(tmp_path):
 def test_single_node_spawn_picks_its_own_port():
     result = run_train(*RUN, "--distributed-world-size", 2)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "joined via tcp://127.0.0.1:" in result.stderr
+    assert "joined the job at tcp://127.0.0.1:" in result.stderr
 
 
 LAUNCHER_ENVS = {
@@ -50,7 +50,7 @@ def test_rank_from_launcher_environment(launcher):
             for r in (0, 1)]
     results = run_nodes([RUN, RUN], envs)
     assert_ok(results)
-    assert "rank 0 of 2 joined via env://" in results[0][1]
+    assert "joined the job at env://" in results[0][1] and "ranks 0 of 2" in results[0][1]
 
 
 def test_real_torchrun():
@@ -60,7 +60,7 @@ def test_real_torchrun():
     result = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                             timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "rank 0 of 2 joined" in result.stderr
+    assert "joined the job at env://: ranks 0 of 2" in result.stderr
 
 
 # ---- start-up mistakes: one clear message, exit code 2, no hang ----

@@ -1,6 +1,30 @@
-"""TensorBoard scalars, written by rank 0 only when --tensorboard-logdir is set."""
+"""TensorBoard scalars, written by rank 0 into --tensorboard-logdir (by
+default <save-dir>/tensorboard; --no-tensorboard: none).
 
+TensorBoard is for people to look at: when its files cannot be written (a
+full disk, a folder that went away) the run warns once and goes on without
+it, and the checkpoint, which matters, reports the disk itself."""
+
+import logging
 import os
+import threading
+
+logger = logging.getLogger(__name__)
+
+
+def _quiet_writer_threads():
+    """SummaryWriter's writer thread dies with a traceback on stderr when a
+    write fails, then hands the error to the next add_scalar, which
+    ``TensorBoard.log`` turns into one warning: keep only the warning."""
+    previous = threading.excepthook
+    if getattr(previous, "_hetseq", False):
+        return
+
+    def hook(args):
+        if type(args.thread).__name__ != "_AsyncWriterThread":
+            previous(args)
+    hook._hetseq = True
+    threading.excepthook = hook
 
 
 class TensorBoard:
@@ -11,19 +35,34 @@ class TensorBoard:
     def log(self, split, scalars, step):
         if self.logdir is None:
             return
-        writer = self._writer(split)
-        # No flush here: this runs every update; SummaryWriter flushes on its
-        # own timer and at close().
-        for name, value in scalars.items():
-            writer.add_scalar(name, value, step)
+        try:
+            writer = self._writer(split)
+            # No flush here: this runs every update; SummaryWriter flushes on
+            # its own timer and at close().
+            for name, value in scalars.items():
+                writer.add_scalar(name, value, step)
+        except Exception as err:   # the writer's thread re-raises any OSError here
+            self._give_up(err)
 
     def _writer(self, split):
         if split not in self._writers:
             from torch.utils.tensorboard import SummaryWriter  # optional at import time
+            if not self._writers:
+                _quiet_writer_threads()
             self._writers[split] = SummaryWriter(os.path.join(self.logdir, split))
         return self._writers[split]
 
+    def _give_up(self, err):
+        logger.warning("TensorBoard: cannot write to %s (%s); going on without it",
+                       self.logdir, str(err).strip().splitlines()[-1][:200] if str(err) else
+                       type(err).__name__)
+        self.logdir = None
+        self.close()
+
     def close(self):
-        for writer in self._writers.values():
-            writer.close()
-        self._writers.clear()
+        writers, self._writers = list(self._writers.values()), {}
+        for writer in writers:
+            try:
+                writer.close()
+            except Exception:   # already reported, or the disk is gone: nothing to keep
+                pass
