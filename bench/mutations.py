@@ -119,8 +119,8 @@ MUTATIONS = {
     "reset-flags-ignored": (
         "--reset-optimizer/-dataloader/-meters leave that state out of a resume",
         "hetseq/train.py",
-        "    skip = set()\n",
-        "    skip = set()\n    return skip\n",
+        '    skip = {"plan"} if elastic else set()\n',
+        '    skip = {"plan"} if elastic else set()\n    return skip\n',
         ["tests/test_checkpoint.py::test_reset_flags_keep_the_model_only"]),
     "meters-reset-on-resume": (
         "a resumed epoch's running averages go on",
