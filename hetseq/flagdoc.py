@@ -34,10 +34,7 @@ def _cell(text):
 def _default(action):
     if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
         return ""
-    value = action.default
-    if isinstance(value, list):
-        value = ",".join(str(v) for v in value)
-    return f"`{value}`"
+    return f"`{_plain(action.default)}`"
 
 
 def _rows(actions, node_flags):
@@ -46,8 +43,8 @@ def _rows(actions, node_flags):
         if not action.option_strings or action.dest == "help":
             continue
         names = ", ".join(f"`{o}`" for o in action.option_strings)
-        if action.metavar or action.nargs != 0:
-            names += f" {action.metavar or action.dest.upper()}" if action.metavar else ""
+        if action.metavar:
+            names += f" {action.metavar}"
         kind = "node" if action.dest in node_flags else "job"
         if action.dest in NO_EFFECT:
             kind = "-"
