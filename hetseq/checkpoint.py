@@ -253,8 +253,9 @@ class Checkpointer:
     sends it to all ranks, so nodes need no shared filesystem.
     """
 
-    def __init__(self, cfg, save, ctx, components, skip=(), flags=None):
+    def __init__(self, cfg, save, ctx, components, skip=(), flags=None, elastic=None):
         self.cfg, self.where, self.ctx = cfg, save, ctx
+        self.elastic = elastic
         self.components, self.skip = dict(components), frozenset(skip)
         self.flags = flags or {}
         self.best = None
@@ -266,14 +267,21 @@ class Checkpointer:
         """Load the state to resume from into the components; where it came
         from, or None when there is none (a fresh start). ``source``: (rank,
         make) when ``make()`` on that rank gives the state (an elastic
-        member's memory); by default rank 0 reads --restore-file."""
+        member's memory, and the lineage it must have: a state that is not
+        the one the round chose is refused on every rank); by default rank 0
+        reads --restore-file."""
         from hetseq.distributed.collectives import broadcast_from
         path = restore_path(self.where)
-        rank, make = source or (0, lambda: load(path) if os.path.exists(path) else None)
+        rank, make, lineage = source or (0, lambda: load(path) if os.path.exists(path) else None,
+                                         None)
         where = path if source is None else f"the state of rank {rank}"
         state = broadcast_from(rank, make, self.ctx)
         if state is None:
             return None
+        got = (state.get("elastic") or {}).get("lineage", [])
+        if lineage is not None and list(got) != list(lineage):
+            raise UserError(f"{where} is not the state the members agreed on (its lineage ends "
+                            f"{got[-1:]}, expected {list(lineage)[-1:]}): not on this job's line")
         try:
             for name, component in self.components.items():
                 if name not in self.skip:
@@ -330,8 +338,11 @@ class Checkpointer:
                     "".join(f", {name}" for name in copies))
 
     def _state(self, components, rngs):
-        return {"format": FORMAT, "args": self.flags, **components, "rng": rngs,
-                "best": self.best}
+        state = {"format": FORMAT, "args": self.flags, **components, "rng": rngs,
+                 "best": self.best}
+        if self.elastic is not None:
+            state["elastic"] = self.elastic    # the lineage and members (--elastic)
+        return state
 
     def local_state(self, **given):
         """This rank's state in the checkpoint format, with no collective (the

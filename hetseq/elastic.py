@@ -54,7 +54,8 @@ class TooFewNodes(PeerLost):
 def train_elastic(make_run, job, node):
     """Train this node's rank across generations. ``make_run(ctx, restore,
     membership)`` builds a Run (train.py) that takes its state from
-    ``restore`` = (source rank, callable giving the state there)."""
+    ``restore`` = (source rank, callable giving the state there, the
+    lineage that state must have)."""
     secret = tunnel.read_secret(node.launch.job_secret_file)
     if secret is None:
         raise UserError("--elastic needs a job secret, since nodes join by themselves: set "
@@ -67,7 +68,7 @@ def train_elastic(make_run, job, node):
     carried = _own_checkpoint(node.save)
     while True:
         try:
-            generation = membership.meet(_updates(carried))
+            generation = membership.meet(_updates(carried), *_line(carried))
         except TooFew as err:
             _save_alone(carried, node.save)
             raise TooFewNodes(f"--elastic: {err}; stopped. Start more nodes with the same "
@@ -81,7 +82,8 @@ def train_elastic(make_run, job, node):
         run, mine = None, carried
         try:
             membership.process_group(backend)
-            run = make_run(ctx, (generation.source(), lambda: mine), membership)
+            source = generation.members[generation.source]["lineage"]
+            run = make_run(ctx, (generation.source, lambda: mine, source), membership)
             run.train()
         except Reconfigure:
             carried = run.snapshot()
@@ -117,6 +119,13 @@ def _device(launch):
 def _updates(state):
     """How many updates a carried state holds (-1: none; never the source)."""
     return -1 if state is None else int(state["controller"]["num_updates"])
+
+
+def _line(state):
+    """(lineage, members) that a carried state names: the chain of
+    generations that trained it, and where their members served."""
+    record = (state or {}).get("elastic") or {}
+    return record.get("lineage", []), record.get("members", [])
 
 
 def _own_checkpoint(save):

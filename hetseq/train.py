@@ -85,7 +85,8 @@ class Run:
                                              "train_iterator": self.train_data,
                                              "plan": self.balance, "meters": self.report.meters},
             skip=_resets(job.checkpoint, elastic=membership is not None),
-            flags=checkpoint.plain_args(args))
+            flags=checkpoint.plain_args(args),
+            elastic=membership.record() if membership is not None else None)
         resumed = self.checkpointer.restore(restore)
         if resumed:
             logger.info("resumed from %s: epoch %d, %d updates done", resumed,

@@ -368,3 +368,25 @@ def test_checkpointer_takes_named_components_not_the_run(tmp_path):
     other = checkpointer({"model": Counter(), "optimizer": Counter()})
     with pytest.raises(UserError, match="does not fit this run"):
         other.restore()
+
+
+def test_an_elastic_state_keeps_its_lineage_and_another_line_is_refused(tmp_path):
+    """--elastic: a checkpoint keeps the lineage of its generation; a state
+    received as a generation's source must carry the lineage the round
+    agreed on, or every rank refuses it."""
+    from hetseq import cli
+    from hetseq.distributed import DistContext
+    _, job, node = cli.parse([*TOY, "--save-dir", str(tmp_path)])
+    ctx = DistContext(0, 1, 0, torch.device("cpu"))
+    line = {"lineage": ["1-aa", "2-bb"], "members": [{"addr": "10.0.0.1", "port": 29500}]}
+    saver = checkpoint.Checkpointer(job.checkpoint, node.save, ctx, {"model": Counter(7)},
+                                    elastic=line)
+    saver.save(updates=5, data_epoch=1)
+    state = checkpoint.load(str(tmp_path / "checkpoint_last.pt"))
+    assert state["elastic"] == line and saver.local_state()["elastic"] == line
+    model = Counter()
+    taker = checkpoint.Checkpointer(job.checkpoint, node.save, ctx, {"model": model})
+    assert taker.restore((0, lambda: state, ["1-aa", "2-bb"])) == "the state of rank 0"
+    assert model.value == 7
+    with pytest.raises(UserError, match="not on this job's line"):
+        taker.restore((0, lambda: state, ["1-aa", "2-xx"]))

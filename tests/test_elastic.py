@@ -11,17 +11,20 @@ their collective passes --distributed-timeout (10 s here).
 """
 
 import os
+import re
 import signal
 
 import pytest
 import torch
 
 from hetseq import cli
-from hetseq.distributed.elastic import Generation
+from hetseq.distributed.generations import (Generation, choose_source, has_quorum, on_line,
+                                             ordered)
 from hetseq.errors import UserError
 from hetseq.testing.jobs import run_alone
 
-from conftest import UPDATE_LINE, Watched, final_params, free_port, max_diff, start_nodes
+from conftest import (UPDATE_LINE, Watched, _cluster, final_params, free_port, max_diff,
+                      start_nodes)
 from test_parity import COMMON, EXACT
 
 SECRET = "5f0c1d2e3b4a69788796a5b4c3d2e1f0"
@@ -103,10 +106,50 @@ def test_bounds_need_elastic_and_elastic_needs_tcp():
                    "--global-batch-size", "8", "--distributed-init-method", "file:///tmp/x"])
 
 
+def states(*held):
+    """Members in rank order holding (updates, lineage) states."""
+    return [{"id": f"n{rank}", "updates": updates, "lineage": list(lineage)}
+            for rank, (updates, lineage) in enumerate(held)]
+
+
 def test_the_state_comes_from_the_member_with_the_most_updates():
-    members = tuple({"updates": u} for u in (7, 8, -1, 8))
-    assert Generation(3, members, 0, None).source() == 1     # the newest, lowest rank
-    assert Generation(1, tuple({"updates": -1} for _ in range(2)), 0, None).source() == 0
+    line = ["1-a", "2-b"]
+    members = states((7, line), (8, line), (-1, []), (8, line))
+    assert choose_source(members, line) == (1, [])           # the newest, lowest rank
+    assert choose_source(states((-1, []), (-1, [])), None) == (0, [])
+    # The newest generation beats the update in flight of an older one.
+    assert choose_source(states((9, ["1-a"]), (8, line)), line) == (1, [])
+
+
+def test_a_state_from_another_lineage_is_refused():
+    """The other side of a split (or another run's checkpoint) claims more
+    updates: it is not on the job's line, so the job's own state is taken."""
+    line = ["1-a", "2-b"]
+    members = states((40, line), (90, ["1-a", "2-x", "3-y"]), (12, ["1-a"]))
+    assert choose_source(members, line) == (0, ["n1"])
+    # A fresh start: the newest state sets the line; one off it is refused.
+    assert choose_source(states((5, ["1-a"]), (9, ["1-z"])), None) == (1, ["n0"])
+    assert on_line(["1-a"], line) and not on_line(["1-c"], line)
+
+
+def gen(number, *ids):
+    return Generation(number, tuple({"id": i} for i in ids), 0, None)
+
+
+def test_a_round_needs_a_majority_of_the_previous_generation():
+    previous = gen(4, "a", "b", "c", "d")
+    assert has_quorum(previous, {"a", "b", "c"}) and has_quorum(previous, {"b", "c", "d", "new"})
+    assert has_quorum(previous, {"a", "b"})                # half, with the old rank 0
+    assert not has_quorum(previous, {"c", "d", "x", "y"})  # half without it; newcomers do not count
+    assert not has_quorum(gen(2, "a", "b", "c"), {"a"})    # the paused rank 0, alone
+    assert has_quorum(None, {"a"})                          # a fresh start
+
+
+def test_ranks_are_ordered_before_max_nodes_cuts():
+    previous = gen(2, "b", "a", "c")
+    arrived = [{"id": i} for i in ("new", "c", "a", "b")]  # the waiting node arrived first
+    assert [m["id"] for m in ordered(arrived, "b", previous)] == ["b", "a", "c", "new"]
+    assert [m["id"] for m in ordered(arrived, "b", previous, max_nodes=2)] == ["b", "a"]
 
 
 def test_an_elastic_node_without_a_secret_is_told_to_set_one(tmp):
@@ -149,7 +192,7 @@ def test_a_lost_host_an_intruder_and_a_late_joiner(three_hosts, tmp):
     a.wait_for(r"resumed from the state of rank", timeout=30)
     three_hosts.plug(2)
     code, out = node(three_hosts, 2, url, tmp / "intruder",
-                     env={"HETSEQ_JOB_SECRET": "f" * 32}).finish(60)
+                     env={"HETSEQ_JOB_SECRET": "9e4c7a1f0b3d5e2a8c6f4d1b7e9a0c3f"}).finish(60)
     assert code == 2 and "its secret differs" in out and "Traceback" not in out, out[-3000:]
     assert len(out.strip().splitlines()) == 1, out
     joiner = node(three_hosts, 2, url, tmp / "joiner")
@@ -226,3 +269,84 @@ def test_the_leader_lost_while_it_saves(three_hosts, tmp):
     assert max_diff(reference(), final_params(tmp / f"host{leader}")) < EXACT
     last = torch.load(tmp / "host0" / "checkpoint_last.pt", weights_only=True)
     assert last["controller"]["num_updates"] == 5
+
+
+# ---- one job, always (a paused meeting point, a split, --max-nodes) ----
+
+def generation_lines(out):
+    """{generation number: node count} of every generation line in ``out``."""
+    return {int(n): int(k) for n, k in re.findall(r"generation (\d+): (\d+) nodes", out)}
+
+
+def one_job(outputs):
+    """Every node saw the same node count for each generation number: no
+    generation was formed twice (two jobs) anywhere."""
+    seen = {}
+    for out in outputs:
+        for number, count in generation_lines(out).items():
+            assert seen.setdefault(number, count) == count, (number, [o[-3000:] for o in outputs])
+    return seen
+
+
+def test_a_paused_meeting_point_rejoins_the_job_and_never_trains_alone(three_hosts, tmp):
+    """Host A (the URL's meeting point, rank 0) is paused past
+    --distributed-timeout; B and C go on as generation 2. When A wakes up
+    (--min-nodes 1: alone it would be enough) it finds the job went on,
+    joins it as a late joiner and takes the job's state: one job, exactly."""
+    url = f"tcp://{three_hosts.addresses[0]}:29522"
+    slow = ["--min-nodes", 1, "--toy-sample-ms", 15]
+    a, b, c = (node(three_hosts, i, url, tmp / f"host{i}", *slow) for i in range(3))
+    a.wait_for(UPDATE_LINE, 5)
+    os.killpg(a.proc.pid, signal.SIGSTOP)
+    b.wait_for(changed("hostA", "left"), timeout=90)
+    os.killpg(a.proc.pid, signal.SIGCONT)
+    b.wait_for(changed("hostA", "joined"), timeout=90)
+    outputs = finish_ok(a, b, c)
+    assert "the job went on without this node" in outputs[0], outputs[0][-3000:]
+    counts = one_job(outputs)
+    assert 1 not in counts.values(), counts      # A never trained alone
+    leader = new_rank_0(outputs[1:], "left: hostA") + 1
+    assert max_diff(reference(), final_params(tmp / f"host{leader}")) < EXACT
+
+
+def test_a_split_into_halves_trains_on_one_side_only(tmp):
+    """Four hosts, the network split 2 | 2. The half with the old rank 0 (A)
+    has its tie-breaking quorum and finishes exactly; the other half has no
+    quorum: it trains nothing, saves and stops (exit 3)."""
+    with _cluster(4) as hosts:
+        url = f"tcp://{hosts.addresses[0]}:29523"
+        nodes = [node(hosts, i, url, tmp / f"host{i}") for i in range(4)]
+        nodes[0].wait_for(UPDATE_LINE, 10)
+        hosts.split(2, 3)
+        for watched in nodes[2:]:
+            code, out = watched.finish(120)
+            assert code == 3 and "no quorum: 2 of the 4 members of generation 1" in out, \
+                out[-3000:]
+            assert "Traceback" not in out and 2 not in generation_lines(out), out[-3000:]
+        outputs = finish_ok(*nodes[:2])
+    assert one_job(outputs)[2] == 2
+    assert max_diff(reference(), final_params(tmp / "host0")) < EXACT
+
+
+def test_max_nodes_keeps_its_leader_and_a_waiting_node_takes_a_freed_place(tmp):
+    """--max-nodes 2: a third node waits for a place without calling
+    meetings (generation 1 goes on untouched); when B is killed, the waiting
+    node takes its place and A, the leader, stays rank 0."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    bounded = ["--max-update", 40, "--min-nodes", 1, "--max-nodes", 2, "--toy-sample-ms", 12]
+    first = [node(None, None, url, tmp / name, *bounded) for name in "ab"]
+    for watched in first:
+        watched.wait_for(r"generation 1: 2 nodes")
+    # The node that got the URL's port leads (the other's meeting point is elsewhere).
+    a, b = first if "this node is rank 0" in first[0].output() else first[::-1]
+    c = node(None, None, url, tmp / "c", *bounded)
+    c.wait_for(r"waits for a place")
+    a.wait_for(UPDATE_LINE, count=len([ln for ln in a.lines if re.search(UPDATE_LINE, ln)]) + 3)
+    b.proc.kill()
+    b.finish(30)
+    out_a, out_c = finish_ok(a, c)
+    assert generation_lines(out_a) == {1: 2, 2: 2}, out_a[-3000:]   # no meeting storm
+    assert re.search(r"generation 2: 2 nodes, this node is rank 0", out_a), out_a[-3000:]
+    assert "generation 2: 2 nodes, this node is rank 1" in out_c, out_c[-3000:]
+    expected = run_alone([*COMMON, "--max-update", 40, "--max-sentences", 48, "--no-save"])
+    assert max_diff(expected["model"], final_params(tmp / "ab"[first.index(a)])) < EXACT

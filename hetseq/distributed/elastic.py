@@ -3,35 +3,44 @@
 Nodes run the same command and are given ranks here. The job lives in
 *generations*: a generation is a fixed set of members with one process
 group; a member lost, or a node asking to join, ends it at an update
-boundary and the members meet again for the next one.
+boundary and the members meet again for the next one. The rules (quorum,
+ranks, lineage, whose state) are in generations.py; this module runs the
+rounds over the network.
 
 Meeting points. Every member serves a store of its own (behind the job
 secret's gate, tunnel.py) on its job address, at the URL's port when that is
 free there (so ``tcp://ANY_MEMBER:PORT`` finds the job), else at a port the
 OS picks. The member whose store the others meet at is the *leader*, and the
 leader is always rank 0. The first leader is the node that serves the URL's
-own address. When a generation ends, every member walks the previous
-members in rank order and meets at the first whose store answers the
-secret's handshake: the lowest-ranked survivor. So losing rank 0's host,
-the meeting point, costs one probe, not the job.
+own address. Every member writes the generation it is in and its leader into
+its own store (``e/leader``). When a generation ends, a member first asks
+every previous member it can reach which generation it is in: a newer one
+means the job went on without this node (it was paused, or cut off), and it
+joins that generation's leader as a late joiner. Otherwise it meets at the
+first previous member, in rank order, whose store answers the secret's
+handshake: the lowest-ranked survivor.
 
-One round (generation g, keys ``e/<g>/...`` in the leader's store):
-every participant ``add``s itself to ``e/<g>/n`` and writes what it brings
-(``e/<g>/who/<i>``: its id, addresses, and how many updates its state
-holds). The leader closes the round when all previous members are there,
-when ``--max-nodes`` arrived, or, with at least ``--min-nodes``, when nobody
-new arrived for ``SETTLE_S`` (the lost never arrive); it writes the members
-in rank order (itself first, then the survivors in their old order, then
-newcomers) to ``e/<g>/members``. A node that misses a round joins the next
-one (``e/join`` tells rank 0, which tells every rank in the update's stats).
+One round (generation g, keys ``e/<g>/...`` in the leader's store): every
+participant ``add``s itself to ``e/<g>/n`` and writes what it brings
+(``e/<g>/who/<i>``: its id, addresses, the generation it was in, and the
+updates and lineage of the state it holds). The leader closes the round
+once it has a quorum of the previous generation (generations.has_quorum)
+and --min-nodes, when all previous members are there, when --max-nodes
+arrived, or when nobody new arrived for ``SETTLE_S``. It orders the
+participants (itself, the previous members, the others), keeps the first
+--max-nodes, picks the source state, and writes all of it to
+``e/<g>/members``. While it waits, it keeps asking the previous members
+which generation they are in; if one is newer, it gives up the round
+(``moved``: everyone in it follows to the newer leader). Without a quorum
+for --distributed-timeout, everyone in the round saves and stops (exit 3).
 
-What it cannot survive: members that disagree on who is alive (a network
-split into halves that each reach some members) may form two jobs, each
-continuing from its own state; and a round's leader lost while it closes
-the round costs the others one timeout. Nothing here decides by majority.
+A node with no place (--max-nodes) waits at the leader's store, without
+asking for a new meeting, and arrives in the next round that opens there.
+A node that misses a round it should be in joins the next one (``e/join``
+tells rank 0, which tells every rank in the update's stats).
 """
 
-import dataclasses
+import concurrent.futures
 import datetime
 import json
 import logging
@@ -42,7 +51,8 @@ import uuid
 
 import torch.distributed as dist
 
-from hetseq.distributed import identity, interfaces, network, rendezvous, tunnel
+from hetseq.distributed import generations, identity, interfaces, network, rendezvous, tunnel
+from hetseq.distributed.generations import Generation
 from hetseq.errors import UserError
 from hetseq.logging import NODE
 
@@ -50,34 +60,29 @@ logger = logging.getLogger(__name__)
 
 SETTLE_S = 3.0     # a round with enough members closes when nobody new came for this long
 POLL_S = 0.05
+PROBE_EVERY_S = 2.0   # a waiting leader asks the previous members again this often
+PROBE_THREADS = 16
 
 
 class TooFew(Exception):
-    """The round closed below --min-nodes: the job saves and stops."""
+    """The round closed below --min-nodes or without a quorum: the job saves and stops."""
 
 
 class JobDone(Exception):
     """The job finished while this node waited to join."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Generation:
-    """One generation: its number, the members in rank order (their JSON
-    infos), this node's rank, and the store it met at (the leader's)."""
-    number: int
-    members: tuple
-    rank: int
-    store: object
+class NoRound(Exception):
+    """No round could be held where this node looked (a leader lost or
+    paused, nobody answering): look again until the meeting's deadline."""
 
-    @property
-    def world_size(self):
-        return len(self.members)
 
-    def source(self):
-        """The rank whose state every member takes: the most updates done
-        (each completed update is exact, so any holder of the newest one
-        will do), the lowest rank among equals."""
-        return max(range(self.world_size), key=lambda r: (self.members[r]["updates"], -r))
+class Moved(Exception):
+    """The job went on at a newer generation: meet at ``leader`` as a late joiner."""
+
+    def __init__(self, leader):
+        super().__init__(f"the job went on at {leader['addr']}:{leader['port']}")
+        self.leader = leader
 
 
 def describe(member):
@@ -106,29 +111,38 @@ class Membership:
         self.store, self.store_port = rendezvous.serve_meeting_point(
             url, self.binding.address, self.port, secret, self.timeout_s)
         self._clients = {}
-        self.generation = None
+        self.generation, self.known = None, []
         # Every member's store holds the job's identity (JobConfig.identity()),
         # so that a node with other flags or code is refused wherever it knocks.
         self.identity, self.who = job_identity, f"{socket.gethostname()} pid {os.getpid()}"
         if job_identity is not None:
             identity.present(self.store, job_identity, 0, url, self.who, time.monotonic())
         logger.debug("node %s serves a meeting point at %s:%d", socket.gethostname(),
-                    self.binding.address, self.store_port)
+                     self.binding.address, self.store_port)
 
     # ---- stores ----
 
     def _address(self):
         return (self.binding.address, self.store_port)
 
-    def _connect(self, address):
+    def _connect(self, address, entry=False):
+        """A client of the store at ``address``. A member's store that cannot
+        be reached now is a reason to look again (NoRound); the URL's
+        (``entry``) that refuses this node is the user's to fix (UserError)."""
+        address = tuple(address)
         if address == self._address():
             return self.store
         if address not in self._clients:
-            self._clients[address] = rendezvous.join_meeting_point(
-                address, self.secret, self.timeout_s)
+            try:
+                self._clients[address] = rendezvous.join_meeting_point(
+                    address, self.secret, self.timeout_s)
+            except UserError as err:
+                if entry:
+                    raise
+                raise NoRound(str(err)) from None
         return self._clients[address]
 
-    def _alive(self, member):
+    def _answers(self, member):
         address = (member["addr"], member["port"])
         if address == self._address():
             return True
@@ -138,19 +152,60 @@ class Membership:
         except (UserError, OSError):
             return False
 
+    def _live(self, members):
+        """``members`` whose stores answer the handshake, in the order given
+        (asked at once: a paused or cut-off member costs one GREETING_S)."""
+        if not members:
+            return []
+        with concurrent.futures.ThreadPoolExecutor(min(PROBE_THREADS, len(members))) as pool:
+            answers = list(pool.map(self._answers, members))
+        return [m for m, ok in zip(members, answers) if ok]
+
+    def _leader_of(self, member):
+        """{"addr", "port", "generation"}: where ``member`` says the job meets
+        (None when its store cannot say)."""
+        try:
+            store = self._connect((member["addr"], member["port"]))
+            return json.loads(store.get("e/leader")) if store.check(["e/leader"]) else None
+        except (RuntimeError, OSError, NoRound, ValueError):
+            self._clients.pop((member["addr"], member["port"]), None)
+            return None
+
+    def _newer(self, live):
+        """The leader of the newest generation that a live member of
+        ``live`` is in, when it is newer than this node's; else None."""
+        own = 0 if self.generation is None else self.generation.number
+        said = [self._leader_of(m) for m in live if m.get("id") != self.id and
+                (m["addr"], m["port"]) != self._address()]
+        newer = [s for s in said if s is not None and s["generation"] > own]
+        return max(newer, key=lambda s: s["generation"]) if newer else None
+
     # ---- finding the leader ----
 
-    def _leader_store(self):
-        """The store to meet at: the first live member of the last generation
-        (rank order), or for a newcomer where the URL's store points."""
+    def _leader_store(self, moved):
+        """(store to meet at, whether this node arrives late). A member asks
+        the previous members first: when the job went on without it, it
+        joins the newer generation; otherwise it meets at the first live
+        member (rank order). A newcomer goes where the URL's store points."""
+        if moved is not None:
+            return self._connect((moved["addr"], moved["port"])), True
         if self.generation is None:
-            return self._entry_store()
-        for member in self.generation.members:
-            if self._alive(member):
-                if member["id"] != self.id:
-                    logger.info("meeting at %s", describe(member))
-                return self._connect((member["addr"], member["port"]))
-        raise UserError("no member of the job answers")  # this node is one of them: unreachable
+            # A node restarted from a checkpoint asks the members it names
+            # first: the job may train on without the URL's host.
+            running = self._newer(self._live(self.known))
+            return (self._entry_store() if running is None else
+                    self._connect((running["addr"], running["port"]))), True
+        live = self._live(list(self.generation.members))
+        newer = self._newer(live)
+        if newer is not None:
+            NODE.warning("the job went on without this node (generation %d at %s:%d); joining it",
+                         newer["generation"], newer["addr"], newer["port"])
+            return self._connect((newer["addr"], newer["port"])), True
+        if not live:
+            raise NoRound("no member of the job answers")
+        if live[0]["id"] != self.id:
+            logger.info("meeting at %s", describe(live[0]))
+        return self._connect((live[0]["addr"], live[0]["port"])), False
 
     def _entry_store(self):
         """A newcomer's store: the URL's, or the leader it names (every member
@@ -163,7 +218,7 @@ class Membership:
         network.wait_until_reachable(*address, self.timeout_s, lambda reason: (
             f"--elastic: could not reach the job at {self.url} within {self.timeout_s:.0f} s: "
             f"{reason}. Name a member's HOST:PORT; check the address and firewalls"))
-        store = self._connect(address)
+        store = self._connect(address, entry=True)
         if store.check(["e/leader"]):
             leader = json.loads(store.get("e/leader"))
             return self._connect((leader["addr"], leader["port"]))
@@ -171,57 +226,98 @@ class Membership:
 
     # ---- a round ----
 
-    def meet(self, updates):
+    def meet(self, updates, lineage=(), known=()):
         """Take part in the next round; returns the new Generation.
-        ``updates``: how many updates the state this node holds has done."""
+        ``updates`` and ``lineage``: the state this node holds (-1: none);
+        ``known``: the members its checkpoint names ({"addr", "port"})."""
+        self.known = [m for m in known if (m["addr"], m["port"]) != self._address()]
         me = {"id": self.id, "host": socket.gethostname(), "pid": os.getpid(),
               "addr": self.binding.address, "port": self.store_port, "updates": updates,
-              "rank": None if self.generation is None else self.generation.rank}
-        deadline = time.monotonic() + 2 * self.timeout_s + SETTLE_S
-        missed = False
+              "lineage": list(lineage),
+              "generation": None if self.generation is None else self.generation.number}
+        self._deadline, moved = time.monotonic() + self._limit(), None
         while True:
             try:
-                store, number, members = self._round(me, missed, deadline)
-            except (RuntimeError, OSError) as err:   # the leader was lost during the round
-                logger.warning("lost the meeting point during a round (%s); looking for the "
-                               "next member", str(err).strip().splitlines()[0][:200])
+                store, number, members = self._round(me, moved)
+                moved = None
+            except Moved as move:
+                moved = move.leader
+                continue
+            except (RuntimeError, OSError, NoRound) as err:
+                # The leader was lost or paused during the round, or nobody answers.
+                logger.warning("no round closed at the meeting point (%s); looking again",
+                               str(err).strip().splitlines()[0][:200])
                 self._clients.clear()
-                if time.monotonic() > deadline:
-                    raise UserError(f"--elastic: no round closed within "
-                                    f"{2 * self.timeout_s + SETTLE_S:.0f} s") from None
+                if time.monotonic() > self._deadline:
+                    raise TooFew(f"no round of the job closed within {self._limit():.0f} s") \
+                        from None
+                time.sleep(POLL_S)
                 continue
             if members.get("done"):
                 raise JobDone(members["done"])
             if members.get("stop"):
                 raise TooFew(members["stop"])
-            ids = [m["id"] for m in members["members"]]
-            if self.id in ids:
+            if members.get("moved"):
+                moved = members["moved"]
+                continue
+            if self.id in [m["id"] for m in members["members"]]:
                 break
+            # Missed (arrived late, or no place under --max-nodes): the next round.
             logger.info("round %d closed without this node; joining the next", number)
-            missed = True
+            moved = json.loads(store.get("e/leader")) if store.check(["e/leader"]) else None
+        return self._enter(store, number, members)
+
+    def _limit(self):
+        """How long one meeting may take: a round's wait, a lost leader's timeout."""
+        return 2 * self.timeout_s + SETTLE_S
+
+    def _enter(self, store, number, published):
+        """This node is a member of generation ``number``: record it."""
+        members = tuple(published["members"])
+        ids = [m["id"] for m in members]
+        if self.id in published.get("refused", ()):
+            NODE.warning("this node's state (%d updates) is not on the job's line (another "
+                         "run, or the other side of a split): it takes the job's state instead",
+                         members[ids.index(self.id)]["updates"])
         previous = self.generation
-        self.generation = Generation(number, tuple(members["members"]), ids.index(self.id), store)
-        leader = members["members"][0]
-        self.store.set("e/leader", json.dumps({"addr": leader["addr"], "port": leader["port"]}))
+        self.generation = Generation(number, members, ids.index(self.id), store,
+                                     published["source"], tuple(published["lineage"]))
+        leader = members[0]
+        self.store.set("e/leader", json.dumps({"addr": leader["addr"], "port": leader["port"],
+                                               "generation": number}))
         self._log_change(previous)
         return self.generation
 
-    def _round(self, me, missed, deadline):
+    def _round(self, me, moved):
         """(store, round number, what the leader published) of one attempt."""
-        store = self._leader_store()
-        number = self._next_number(store)
+        store, late = self._leader_store(moved)
         leads = store is self.store
         if not leads and self.identity is not None:
-            identity.present(store, self.identity, "this node", self.url, self.who, deadline)
-        if not leads and (self.generation is None or missed):
-            # Tell rank 0, before arriving: its round then clears the flag
-            # only once this arrival is visible to it.
-            store.set("e/join", "1")
+            identity.present(store, self.identity, "this node", self.url, self.who,
+                             self._deadline)
+        if not leads and late:
+            if self._full(store):
+                self._wait_for_place(store)
+                self._deadline = time.monotonic() + self._limit()
+            else:
+                # Tell rank 0, before arriving: its round then clears the flag
+                # only once this arrival is visible to it.
+                store.set("e/join", "1")
+        number = self._next_number(store)
         index = store.add(f"e/{number}/n", 1)
         store.set(f"e/{number}/who/{index}", json.dumps(me))
-        members = self._close(store, number) if leads else \
-            self._wait_members(store, number, deadline)
+        members = self._close(store, number) if leads else self._wait_members(store, number)
         return store, number, members
+
+    def _full(self, store):
+        """Whether the job at ``store`` has --max-nodes members already (a
+        newcomer then waits for a place instead of asking for a meeting)."""
+        if not self.max_nodes or not store.check(["e/gen"]):
+            return False
+        key = f"e/{int(store.get('e/gen'))}/members"
+        if not store.check([key]):
+            return False
+        return len(json.loads(store.get(key)).get("members", ())) >= self.max_nodes
 
     def _next_number(self, store):
         """The round to take part in: one after the leader's last closed one
@@ -231,46 +327,70 @@ class Membership:
         return max(last, own) + 1
 
     def _close(self, store, number):
-        """The leader's side: wait for the members, then write them."""
-        expected = set() if self.generation is None else \
-            {m["id"] for m in self.generation.members}
+        """The leader's side: wait for a quorum and the members, then write them."""
+        previous = self.generation
+        expected = set() if previous is None else set(previous.ids)
         deadline = time.monotonic() + self.timeout_s
-        seen, changed = 0, time.monotonic()
+        seen, changed, probed = 0, time.monotonic(), time.monotonic()
         while True:
             arrived = self._arrivals(store, number)
             if len(arrived) != seen:
                 seen, changed = len(arrived), time.monotonic()
             ids = {m["id"] for m in arrived}
-            enough = len(arrived) >= self.min_nodes
-            if (self.max_nodes and len(arrived) >= self.max_nodes) or \
-                    (enough and expected and expected <= ids) or \
-                    (enough and time.monotonic() - changed >= SETTLE_S):
+            enough = len(arrived) >= self.min_nodes and generations.has_quorum(previous, ids)
+            if enough and ((self.max_nodes and len(arrived) >= self.max_nodes) or
+                           (expected and expected <= ids) or
+                           time.monotonic() - changed >= SETTLE_S):
                 break
             if time.monotonic() > deadline:
-                return self._stop(store, number, len(arrived))
+                return self._stop(store, number, arrived)
+            if previous is not None and time.monotonic() - probed >= PROBE_EVERY_S:
+                self._give_up_if_moved(store, number, previous)
+                probed = time.monotonic()
             time.sleep(POLL_S)
         if store.check(["e/join"]):
             store.delete_key("e/join")
-        arrived = self._arrivals(store, number)[:self.max_nodes or None]
-        return self._publish(store, number, {"members": self._ordered(arrived)})
+        return self._publish(store, number, self._decide(self._arrivals(store, number), number))
+
+    def _give_up_if_moved(self, store, number, previous):
+        """A previous member in a newer generation: the job went on without
+        this round; everyone in it follows to the newer leader."""
+        newer = self._newer(self._live([m for m in previous.members if m["id"] != self.id]))
+        if newer is not None:
+            self._publish(store, number, {"moved": newer})
+            NODE.warning("the job went on without this node (generation %d at %s:%d); joining it",
+                         newer["generation"], newer["addr"], newer["port"])
+            raise Moved(newer)
+
+    def _decide(self, arrived, number):
+        """The round's outcome: members in rank order (the first --max-nodes:
+        the others wait for a place), the source state and the new lineage."""
+        previous = self.generation
+        keep = generations.ordered(arrived, self.id, previous, self.max_nodes)
+        source, refused = generations.choose_source(
+            keep, None if previous is None else previous.lineage)
+        for member in keep:
+            if member["id"] in refused:
+                logger.warning("refused the state of %s as the source: it is not on the job's "
+                               "line", describe(member))
+        return {"members": keep, "source": source, "refused": refused,
+                "lineage": generations.new_lineage(keep[source]["lineage"], number)}
 
     def _stop(self, store, number, arrived):
-        """Too few: say so, and keep serving the store until every node
-        that arrived has read it (or it would look for a new meeting point)."""
+        """Too few, or no quorum: say so, and keep serving the store until
+        every node that arrived has read it (or it would look for a new
+        meeting point)."""
+        ids = {m["id"] for m in arrived}
+        if len(arrived) < self.min_nodes:
+            why = f"only {len(arrived)} of --min-nodes {self.min_nodes} nodes"
+        else:
+            why = f"no quorum: {generations.quorum_text(self.generation, ids)}"
         stop = self._publish(store, number, {"stop": (
-            f"only {arrived} of --min-nodes {self.min_nodes} nodes within "
-            f"--distributed-timeout {self.timeout_s:.0f} s")})
+            f"{why} within --distributed-timeout {self.timeout_s:.0f} s")})
         deadline = time.monotonic() + self.timeout_s
-        while store.add(f"e/{number}/read", 0) < arrived - 1 and time.monotonic() < deadline:
+        while store.add(f"e/{number}/read", 0) < len(arrived) - 1 and time.monotonic() < deadline:
             time.sleep(POLL_S)
         return stop
-
-    def _ordered(self, arrived):
-        lead = [m for m in arrived if m["id"] == self.id]
-        old = sorted((m for m in arrived if m["rank"] is not None and m["id"] != self.id),
-                     key=lambda m: m["rank"])
-        new = [m for m in arrived if m["rank"] is None and m["id"] != self.id]
-        return lead + old + new
 
     @staticmethod
     def _arrivals(store, number):
@@ -279,24 +399,42 @@ class Membership:
         return [json.loads(store.get(key)) for key in keys if store.check([key])]
 
     @staticmethod
-    def _publish(store, number, members):
-        store.set(f"e/{number}/members", json.dumps(members))
-        store.set("e/gen", str(number))
-        return members
+    def _publish(store, number, outcome):
+        store.set(f"e/{number}/members", json.dumps(outcome))
+        if "members" in outcome:
+            store.set("e/gen", str(number))
+        return outcome
 
-    def _wait_members(self, store, number, deadline):
+    def _wait_members(self, store, number):
         key = f"e/{number}/members"
         while not store.check([key]):
             if store.check(["e/done"]):
                 return {"done": store.get("e/done").decode()}
-            if time.monotonic() > deadline:
-                raise UserError(f"--elastic: round {number} at {self.url} did not close within "
-                                f"{2 * self.timeout_s + SETTLE_S:.0f} s")
+            if time.monotonic() > self._deadline:
+                raise NoRound(f"round {number} at the meeting point did not close within "
+                              f"{self._limit():.0f} s")
             time.sleep(POLL_S)
         members = json.loads(store.get(key))
         if members.get("stop"):
             store.add(f"e/{number}/read", 1)
         return members
+
+    def _wait_for_place(self, store):
+        """--max-nodes: the job is full. Wait at the leader's store, without
+        asking for a meeting, until the next round opens there (a member
+        lost, or leaving), then arrive in it."""
+        NODE.info("the job has --max-nodes %d members; this node waits for a place",
+                  self.max_nodes)
+        while True:
+            try:
+                if store.check(["e/done"]):
+                    raise JobDone(store.get("e/done").decode())
+                if store.add(f"e/{self._next_number(store)}/n", 0) > 0:
+                    return
+            except (RuntimeError, OSError):     # the leader was lost: look for the job again
+                self._clients.clear()
+                return
+            time.sleep(0.2)
 
     def _log_change(self, previous):
         now = self.generation
@@ -309,6 +447,13 @@ class Membership:
         log("generation %d: %d nodes, this node is rank %d; left: %s; joined: %s",
             now.number, now.world_size, now.rank, ", ".join(left) or "none",
             ", ".join(joined) or "none")
+
+    def record(self):
+        """What a checkpoint of this generation keeps: its lineage and where
+        its members serve (a node restarted from it asks them first)."""
+        gen = self.generation
+        return {"lineage": list(gen.lineage),
+                "members": [{"addr": m["addr"], "port": m["port"]} for m in gen.members]}
 
     def finish(self, updates):
         """The job is over: a node that still waits to join is told so."""
@@ -327,4 +472,3 @@ class Membership:
         dist.init_process_group(backend, store=dist.PrefixStore(f"e/{gen.number}/pg", gen.store),
                                 rank=gen.rank, world_size=gen.world_size,
                                 timeout=datetime.timedelta(seconds=self.timeout_s))
-

@@ -124,6 +124,14 @@ class VirtualCluster:
         """Unplug host ``index`` from the switch (its processes keep running)."""
         _sh("ip", "-n", self.switch, "link", "set", f"p{index}", "down")
 
+    def split(self, *apart):
+        """Cut the network in two: hosts ``apart`` on a switch of their own,
+        reaching each other but none of the rest (and the rest not them)."""
+        _sh("ip", "-n", self.switch, "link", "add", "br1", "type", "bridge")
+        _sh("ip", "-n", self.switch, "link", "set", "br1", "up")
+        for index in apart:
+            _sh("ip", "-n", self.switch, "link", "set", f"p{index}", "master", "br1")
+
     def signal_host(self, index, sig):
         """Send ``sig`` to every process on host ``index`` (SIGKILL: the machine
         is switched off; SIGSTOP: it hangs)."""

@@ -1,0 +1,118 @@
+"""The rules of an elastic job's generations, as pure functions (no network).
+
+distributed/elastic.py runs the rounds; this module decides, from what the
+round's participants said about themselves, whether a round may close, who
+gets which rank, and whose state the next generation continues from. Every
+rule is here so that it can be read, and tested, in one place.
+
+**One job, never two (the quorum).** A round for generation g+1 closes only
+with a quorum of generation g's members: a strict majority of them, or
+exactly half when that half holds generation g's rank 0 (the tie rule: of
+two halves that cannot see each other, only the one with the old rank 0
+goes on). Two rounds cannot both have a quorum, since a member takes part
+in one round at a time: a network split, a paused meeting point that wakes
+up, or a node restarted by hand leaves at most one part training. The other
+part waits for --distributed-timeout, then saves and stops (exit 3). The
+price: a job whose majority is lost at once (2 of 3 hosts switched off
+together) stops instead of going on with the last host, and a 2-node job
+goes on only while the old rank 0 lives. The first generation of a fresh
+start has no previous members and needs only --min-nodes.
+
+**Lineage.** Every generation has a token made by its leader; the lineage of
+a state is the chain of the tokens of the generations that trained it
+(``"<number>-<token>"`` strings, oldest first), and it is saved with every
+checkpoint and snapshot. A state is *on the line* of another when one
+lineage is a prefix of the other: an older or newer state of the same job.
+A state from another line (the other side of a split that should never
+have trained, a checkpoint of another run in the same --save-dir) is
+refused as the source: its holder takes the job's state like a newcomer.
+The source is the newest state on the line: the deepest lineage, then the
+most updates (an update either completed everywhere or nowhere, except the
+one in flight, which some may have finished: its holders have one more).
+"""
+
+import dataclasses
+import secrets
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One generation: its number, the members in rank order (their JSON
+    infos), this node's rank, the store it met at (the leader's), the rank
+    whose state every member takes, and the generation's lineage."""
+    number: int
+    members: tuple
+    rank: int
+    store: object
+    source: int = 0
+    lineage: tuple = ()
+
+    @property
+    def world_size(self):
+        return len(self.members)
+
+    @property
+    def ids(self):
+        return [m["id"] for m in self.members]
+
+
+def has_quorum(previous, arrived_ids):
+    """Whether the nodes ``arrived_ids`` may close a round after the
+    generation ``previous`` (None: a fresh start, no quorum needed)."""
+    if previous is None:
+        return True
+    old = previous.ids
+    present = sum(1 for i in old if i in arrived_ids)
+    return 2 * present > len(old) or (2 * present == len(old) and old[0] in arrived_ids)
+
+
+def quorum_text(previous, arrived_ids):
+    """What a round without a quorum had, for the message."""
+    old = previous.ids
+    present = sum(1 for i in old if i in arrived_ids)
+    return (f"{present} of the {len(old)} members of generation {previous.number} (a quorum is "
+            "more than half, or half with its rank 0)")
+
+
+def ordered(arrived, leader_id, previous, max_nodes=0):
+    """The members in rank order: the leader, then the previous generation's
+    members in their old order, then everyone else (newcomers, nodes back
+    from a pause) in order of arrival; then the first ``max_nodes`` (0: all).
+    Ordered first, cut second: the leader, whose store holds the round,
+    and the members that train now keep their places; newcomers wait."""
+    old_rank = {m["id"]: r for r, m in enumerate(previous.members)} if previous else {}
+    lead = [m for m in arrived if m["id"] == leader_id]
+    old = sorted((m for m in arrived if m["id"] in old_rank and m["id"] != leader_id),
+                 key=lambda m: old_rank[m["id"]])
+    new = [m for m in arrived if m["id"] not in old_rank and m["id"] != leader_id]
+    return (lead + old + new)[:max_nodes or None]
+
+
+def on_line(a, b):
+    """Whether lineages ``a`` and ``b`` are of one line (one a prefix of the other)."""
+    a, b = list(a), list(b)
+    shorter = min(len(a), len(b))
+    return a[:shorter] == b[:shorter]
+
+
+def choose_source(members, line=None):
+    """(source rank, [ids whose state is refused]) for ``members`` in rank
+    order, each with "updates" (-1: no state) and "lineage". ``line``: the
+    lineage of the previous generation (None: a fresh start, where the
+    newest state of all sets the line)."""
+    def newness(rank):
+        m = members[rank]
+        return (m["updates"] >= 0, len(m["lineage"]), m["updates"], -rank)
+    holders = [r for r, m in enumerate(members) if m["updates"] >= 0]
+    if line is None and holders:
+        line = members[max(holders, key=newness)]["lineage"]
+    refused = [members[r]["id"] for r in holders
+               if line is not None and not on_line(members[r]["lineage"], line)]
+    candidates = [r for r in range(len(members)) if members[r]["id"] not in refused]
+    return max(candidates, key=newness), refused
+
+
+def new_lineage(source_lineage, number):
+    """The lineage of generation ``number`` continuing from a state with
+    ``source_lineage``."""
+    return [*source_lineage, f"{number}-{secrets.token_hex(8)}"]
