@@ -178,9 +178,9 @@ MUTATIONS = {
         ["tests/test_startup.py::test_file_left_by_a_killed_job_is_named"]),
     "elastic-state-from-rank-0": (
         "an elastic generation takes the state of the member with the most completed updates",
-        "hetseq/distributed/elastic.py",
-        'return max(range(self.world_size), key=lambda r: (self.members[r]["updates"], -r))',
-        "return 0",
+        "hetseq/distributed/generations.py",
+        "return max(candidates, key=newness), refused",
+        "return 0, refused",
         ["tests/test_elastic.py::test_the_state_comes_from_the_member_with_the_most_updates"]),
     "elastic-snapshot-skips-the-update-in-flight": (
         "survivors drop the update in flight: its samples are trained in the next generation",
@@ -194,6 +194,42 @@ MUTATIONS = {
         "self._reconfigure = any(result.signals)",
         "self._reconfigure = False",
         ["tests/test_elastic.py::test_a_lost_host_an_intruder_and_a_late_joiner"]),
+    "elastic-rounds-without-quorum": (
+        "a round closes only with a quorum of the previous generation: a split trains one side",
+        "hetseq/distributed/generations.py",
+        "return 2 * present > len(old) or (2 * present == len(old) and old[0] in arrived_ids)",
+        "return True",
+        ["tests/test_elastic.py::test_a_split_into_halves_trains_on_one_side_only"]),
+    "elastic-paused-node-ignores-the-newer-generation": (
+        "a node that wakes up after the job went on joins it instead of leading its own",
+        "hetseq/distributed/elastic.py",
+        'newer = [s for s in said if s is not None and s["generation"] > own]',
+        "newer = []",
+        ["tests/test_elastic.py::test_a_paused_meeting_point_rejoins_the_job_and_never_trains_alone"]),
+    "elastic-max-nodes-cuts-in-arrival-order": (
+        "--max-nodes orders first (the leader, old members), then cuts",
+        "hetseq/distributed/generations.py",
+        "return (lead + old + new)[:max_nodes or None]",
+        "return [m for m in lead + old + new if m in arrived[:max_nodes or None]]",
+        ["tests/test_elastic.py::test_ranks_are_ordered_before_max_nodes_cuts"]),
+    "elastic-waiting-node-calls-meetings": (
+        "a node without a place (--max-nodes) waits without calling a meeting each update",
+        "hetseq/distributed/elastic.py",
+        "            if self._full(store):\n",
+        "            if False:\n",
+        ["tests/test_elastic.py::test_max_nodes_keeps_its_leader_and_a_waiting_node_takes_a_freed_place"]),
+    "elastic-lineage-ignored": (
+        "a state that is not on the job's line is refused as the source",
+        "hetseq/distributed/generations.py",
+        "if line is not None and not on_line(members[r][\"lineage\"], line)]",
+        "if False]",
+        ["tests/test_elastic.py::test_a_state_from_another_lineage_is_refused"]),
+    "elastic-received-state-not-checked": (
+        "every rank refuses a source state whose lineage is not the one the round agreed on",
+        "hetseq/checkpoint.py",
+        "if lineage is not None and list(got) != list(lineage):",
+        "if False:",
+        ["tests/test_checkpoint.py::test_an_elastic_state_keeps_its_lineage_and_another_line_is_refused"]),
     "torchrun-restart-sees-old-claims": (
         "a job under torchrun --max-restarts resumes after a restart",
         "hetseq/distributed/rendezvous.py",
