@@ -18,5 +18,6 @@ setup(
                     "hf": ["safetensors"],
                     "bench": ["matplotlib", "transformers>=4.40", "accelerate"]},   # plots; Trainer
     entry_points={"console_scripts": ["hetseq-train=hetseq.train:main",
-                                      "hetseq-plot=hetseq.plot:main"]},
+                                      "hetseq-plot=hetseq.plot:main",
+                                      "hetseq-secret=hetseq.secret:main"]},
 )

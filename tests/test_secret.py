@@ -5,10 +5,13 @@ import datetime
 import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 
 import pytest
 
+from hetseq import secret
 from hetseq.distributed import rendezvous, tunnel
 from hetseq.errors import UserError
 
@@ -16,7 +19,7 @@ from conftest import assert_ok, final_params, finish, max_diff, node_commands, s
 from test_parity import COMMON, EXACT, reference
 
 SECRET = "a8f3e1c97b2d4065a1e0c3b5d7f9e2a4"
-OTHER = "0000000000000000ffffffffffffffff"
+OTHER = "3c9b57e0d2a14f86b7e5c0a39d1f6284"   # valid, but not the job's
 TIMEOUT = datetime.timedelta(seconds=10)
 
 
@@ -127,10 +130,77 @@ def test_secrets_are_read_from_a_private_file_or_the_variable(tmp_path):
     path.chmod(0o644)
     with pytest.raises(UserError, match=f"chmod 600 {path}"):
         tunnel.read_secret(str(path), {})
-    with pytest.raises(UserError, match="at least 16"):
-        key("short")
     with pytest.raises(UserError, match="No such file"):
         tunnel.read_secret(str(tmp_path / "missing"), {})
+
+
+@pytest.mark.parametrize("text, why", [
+    ("", "set but empty: unset it"), (" \t\n", "set but empty: unset it"),
+    ("5f0c1d2e3b4a6978", "16 characters, about 64 bits"),        # hex: 4 bits each
+    ("Zq8-x_Lm3Rt9Vb2Kp7", "18 characters, about 108 bits"),     # base64: 6 bits each
+    ("a" * 32, "only 1 different characters"),
+    ("0123456789abcdef0000000000000000", "repeats 8 times in a row"),
+    ("0101010101010101010101010101010101010101", "only 2 different characters"),
+    ("passwordpasswordpassword", "only lowercase letters"),
+    ("correcthorsebatterystaple", "only lowercase letters"),
+])
+def test_a_secret_that_could_be_guessed_is_refused_with_the_command_that_makes_one(text, why):
+    with pytest.raises(UserError) as err:
+        key(text)
+    message = str(err.value)
+    assert why in message and "hetseq-secret" in message, message
+    assert message.startswith(tunnel.SECRET_VARIABLE) and "\n" not in message, message
+
+
+def test_hetseq_secret_makes_accepted_secrets_and_private_files(tmp_path):
+    made = subprocess.run(["hetseq-secret"], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0 and len(made.stdout.strip()) == 64, made
+    assert key(made.stdout) is not None
+    for _ in range(200):           # the rule refuses none of what it makes
+        assert key(secret.make()) is not None
+    path = tmp_path / "job-secret"
+    run = [sys.executable, "-m", "hetseq.secret", "--file", str(path)]
+    os.umask(old := os.umask(0))   # the widest umask: the file must still be 600
+    try:
+        assert subprocess.run(run, capture_output=True, timeout=60).returncode == 0
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert tunnel.read_secret(str(path), {}) is not None
+    again = subprocess.run(run, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "never overwritten" in again.stderr, again
+    assert "Traceback" not in again.stderr, again.stderr
+
+
+def test_the_secret_file_is_checked_on_what_was_opened(tmp_path, monkeypatch):
+    """Opened once without following a link; mode, owner and type come from
+    that descriptor (fstat), not from a stat of the path before opening."""
+    path = tmp_path / "secret"
+    path.write_text(SECRET)
+    path.chmod(0o600)
+    link = tmp_path / "link"
+    link.symlink_to(path)
+    with pytest.raises(UserError, match="symbolic link; give the file itself"):
+        tunnel.read_secret(str(link), {})
+    os.mkfifo(tmp_path / "fifo", 0o600)    # would block a plain open
+    with pytest.raises(UserError, match="not a regular file"):
+        tunnel.read_secret(str(tmp_path / "fifo"), {})
+    big = tmp_path / "big"
+    big.write_text(SECRET * 200)
+    big.chmod(0o600)
+    with pytest.raises(UserError, match="larger than 4096 bytes"):
+        tunnel.read_secret(str(big), {})
+    with monkeypatch.context() as patched:      # checked on the descriptor, not the path
+        patched.setattr(os, "stat", lambda *a, **k: pytest.fail("stat by path"))
+        assert tunnel.read_secret(str(path), {}) == key(SECRET)
+    path.chmod(0o640)
+    with pytest.raises(UserError, match="readable by others"):
+        tunnel.read_secret(str(path), {})
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    empty.chmod(0o600)
+    with pytest.raises(UserError, match="it is empty"):
+        tunnel.read_secret(str(empty), {})
 
 
 def test_a_secret_needs_a_tcp_meeting_point(tmp_path):

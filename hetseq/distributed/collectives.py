@@ -13,7 +13,13 @@ import io
 import torch
 import torch.distributed as dist
 
-from hetseq.errors import UserError
+from hetseq.errors import PeerLost, UserError
+
+# The largest object a peer may announce: room for a whole checkpoint of the
+# BERT models (broadcast_from carries an elastic member's state to the
+# others), and a bound on what a buggy or hostile peer can make this
+# process allocate.
+MAX_OBJECT_BYTES = 8 << 30
 
 
 def _encode(obj):
@@ -32,13 +38,24 @@ def _device(ctx):
     return ctx.device if ctx.backend == "nccl" else torch.device("cpu")
 
 
+def _checked(size, rank):
+    """``size`` (a tensor) as an int, once it is a size this process may allocate."""
+    size = int(size)
+    if not 0 <= size <= MAX_OBJECT_BYTES:
+        raise PeerLost(f"rank {rank} announced an object of {size} bytes, expected 0 to "
+                       f"{MAX_OBJECT_BYTES} (MAX_OBJECT_BYTES): a rank of another version, or "
+                       "corrupted traffic; restart the job with the same HetSeq everywhere")
+    return size
+
+
 def _padded(obj, ctx):
     """(this rank's obj as bytes padded to the longest rank's, every rank's length)."""
     device = _device(ctx)
     data = _encode(obj).to(device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ctx.world_size)]
     dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
-    padded = torch.zeros(max(int(size) for size in sizes), dtype=torch.uint8, device=device)
+    sizes = [_checked(size, rank) for rank, size in enumerate(sizes)]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
     padded[:data.numel()] = data
     return padded, sizes
 
@@ -50,7 +67,7 @@ def all_gather_object(obj, ctx):
     padded, sizes = _padded(obj, ctx)
     out = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(out, padded)
-    return [_decode(chunk[:int(size)]) for chunk, size in zip(out, sizes)]
+    return [_decode(chunk[:size]) for chunk, size in zip(out, sizes)]
 
 
 def gather_to_main(obj, ctx):
@@ -62,7 +79,7 @@ def gather_to_main(obj, ctx):
     dist.gather(padded, out, dst=0)
     if not ctx.is_main:
         return None
-    return [_decode(chunk[:int(size)]) for chunk, size in zip(out, sizes)]
+    return [_decode(chunk[:size]) for chunk, size in zip(out, sizes)]
 
 
 def broadcast_from(source, make, ctx):
@@ -80,8 +97,9 @@ def broadcast_from(source, make, ctx):
             data = _encode(("error", str(err)))
     size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)
     dist.broadcast(size, src=source)
+    size = _checked(size, source)   # on every rank, the source too: all stop, or none
     data = data.to(device) if data is not None else \
-        torch.empty(int(size), dtype=torch.uint8, device=device)
+        torch.empty(size, dtype=torch.uint8, device=device)
     dist.broadcast(data, src=source)
     status, value = _decode(data)
     if status == "error":

@@ -101,8 +101,7 @@ class Membership:
         self.binding = network.choose(host, launch.distributed_interface, backend)
         # The URL names this host (which Debian maps to 127.0.1.1): the others
         # reach it at its primary address, and so must this node's store.
-        self.names_this_host = host.lower() in {socket.gethostname().lower(),
-                                                socket.getfqdn().lower()}
+        self.names_this_host = interfaces.names_this_host(host)
         if self.names_this_host and interfaces.is_loopback(self.binding.address) and \
                 not launch.distributed_interface:
             self.binding = network.at(interfaces.primary_address(),

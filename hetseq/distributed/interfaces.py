@@ -113,6 +113,15 @@ def default_route_interface():
     return next((row[0] for row in rows if len(row) > 2 and row[1] == "00000000"), None)
 
 
+def names_this_host(host):
+    """Whether ``host`` is this machine's own name (the one other machines
+    may resolve to a real address). "localhost" is this machine too, but
+    never a name another machine could use for it."""
+    name = host.lower()
+    return not name.startswith("localhost") and \
+        name in {socket.gethostname().lower(), socket.getfqdn().lower()}
+
+
 def primary_address():
     """This host's address for peers when there is no master address to route
     to (file:// rendezvous): the default route's interface, else the first

@@ -60,12 +60,12 @@ def launch(node, backend, worker, *worker_args, identity=None):
 
     Returns the worker's result when it ran in this process (one local rank).
     """
-    tunnel.read_secret(node.launch.job_secret_file)   # a bad secret: exit 2 before spawning
+    secret = tunnel.read_secret(node.launch.job_secret_file)   # a bad one: exit 2 before spawning
     cuda_count = torch.cuda.device_count() if not node.launch.cpu else 0
     topology = resolve_topology(node.launch, os.environ, cuda_count, backend)
     if topology.nprocs == 1:
         return _run_rank(0, topology, node, identity, worker, worker_args)
-    with _hosted_store(topology) as topology:
+    with _hosted_store(topology, secret) as topology:
         try:
             mp.spawn(_spawned_rank, args=(topology, node, identity, worker, worker_args),
                      nprocs=topology.nprocs, join=True)
@@ -87,13 +87,15 @@ def _exited(rank, err):
 
 
 @contextlib.contextmanager
-def _hosted_store(topology):
+def _hosted_store(topology, secret=None):
     """A single-node job with no init method meets at a TCP store served by this
-    parent on a port the OS picks: free by construction, no guessed numbers."""
+    parent on a port the OS picks: free by construction, no guessed numbers.
+    With a job secret it is behind the gate, so other users of this host
+    cannot reach it either."""
     if topology.init_method is not None:
         yield topology
         return
-    store = rendezvous.loopback_store(topology.world_size, datetime.timedelta(seconds=60))
+    store = rendezvous.loopback_store(topology.world_size, datetime.timedelta(seconds=60), secret)
     yield dataclasses.replace(topology, init_method=f"tcp://127.0.0.1:{store.port}",
                               store_hosted=True)
     del store

@@ -9,6 +9,7 @@ with an atomic ``add`` and then waits, with a deadline, until all are there.
 
 import dataclasses
 import datetime
+import errno
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import urllib.parse
 
 import torch.distributed as dist
 
-from hetseq.distributed import health, identity, interfaces, network, tunnel
+from hetseq.distributed import health, identity, interfaces, network, store, tunnel
 from hetseq.distributed.topology import ready_backend
 from hetseq.errors import UserError
 from hetseq.logging import NODE, Every, rank_ranges
@@ -45,8 +46,8 @@ def _tcp_store(url, host, port, rank, world_size, timeout, hosted, access):
     # (single-node runs, torchrun's agent store).
     if rank == 0 and not hosted:
         return _serve(url, host, port, world_size, timeout, access)
-    if hosted and url.startswith("tcp://"):
-        access = dataclasses.replace(access, secret=None)   # our parent's loopback store
+    if not hosted:
+        host = _client_address(host, access)
     network.wait_until_reachable(host, port, timeout.total_seconds(), lambda reason: (
         f"rank {rank} could not reach the master at {_named(host)}:{port} ({url}) within "
         f"{timeout.total_seconds():.0f} s: {reason}. Check that rank 0 runs, that HOST:PORT "
@@ -54,63 +55,108 @@ def _tcp_store(url, host, port, rank, world_size, timeout, hosted, access):
     return _client(url, host, port, world_size, timeout, access.secret)
 
 
-def _client(url, host, port, world_size, timeout, secret):
-    """A store client of HOST:PORT (reachable), through the tunnel with a secret."""
-    if secret is None:
-        if tunnel.asks_for_secret((host, port)):
-            raise UserError(f"the job at {url} has a job secret and this node none: set "
-                            "HETSEQ_JOB_SECRET or --job-secret-file as on the other nodes")
-    else:
-        # Every store call goes through the tunnel: an authenticated handshake,
-        # then authenticated frames (tunnel.py).
-        tunnel.check((host, port), secret, url)
-        host, port = "127.0.0.1", tunnel.ClientRelay((host, port), secret).port
+def _client_address(host, access):
+    """HOST as a rank on rank 0's own host must reach it (``_own_address``)."""
     try:
+        own = _own_address(host, interfaces.resolve(host), access)
+    except OSError:
+        return host       # does not resolve: wait_until_reachable says so
+    return host if own is None else own
+
+
+def _client(url, host, port, world_size, timeout, secret):
+    """A store client of HOST:PORT (reachable): with a secret, the job's own
+    store through the gate (store.py: a handshake, then authenticated
+    requests); without, c10d's TCPStore."""
+    if secret is None and tunnel.asks_for_secret((host, port)):
+        raise UserError(f"the job at {url} has a job secret and this node none: set "
+                        "HETSEQ_JOB_SECRET or --job-secret-file as on the other nodes")
+    try:
+        if secret is not None:
+            tunnel.check((host, port), secret, url)    # a wrong secret: one clear message
+            return store.connect((host, port), secret, timeout)
         return dist.TCPStore(host, port, world_size, False, timeout)
-    except (RuntimeError, ValueError) as err:
+    except (RuntimeError, ValueError, OSError, tunnel.Refused) as err:
         raise UserError(f"could not reach {url} within {timeout.total_seconds():.0f} s: "
                         f"{str(err).splitlines()[0]}. Check that its node runs, that HOST:PORT "
                         "is its address and that no firewall blocks the port") from None
 
 
 def serve_meeting_point(url, address, port, secret, timeout_s):
-    """An elastic member's store (elastic.py) on ``address``: at ``port`` when
-    that is free here, else at a port the OS picks. Returns (store, port)."""
-    try:
-        listener = socket.create_server((address, port), backlog=128)
-    except OSError:
-        listener = _listen(url, address, 0)
+    """An elastic member's store (elastic.py) on ``address``: at ``port``, or,
+    when another node of this same job on this host holds that port (its
+    gate proves the job's secret), at a port the OS picks. A port held by
+    anything else (another job, a job with another secret) is an error: the
+    nodes of this job would knock there. Returns (store, port)."""
+    listener = _member_listener(url, address, port, secret)
     _LISTENERS.append(listener)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    local = _listen(url, "127.0.0.1", 0)
-    store = _store_on(local, None, timeout)
-    tunnel.Gate(listener, local.getsockname()[1], secret)
-    return store, listener.getsockname()[1]
+    served = store.serve(listener, secret, datetime.timedelta(seconds=timeout_s))
+    return served, listener.getsockname()[1]
+
+
+def _member_listener(url, address, port, secret):
+    try:
+        return _bind(address, port)
+    except OSError as err:
+        if err.errno != errno.EADDRINUSE:
+            raise UserError(f"could not serve {url} on {address}:{port}: "
+                            f"{err.strerror or err}; give this host's address") from None
+    if _holds_this_job(address, port, secret):
+        logger.info("another node of this job serves %s:%d on this host: this node's meeting "
+                    "point takes a port the OS picks", address, port)
+        return _listen(url, address, 0)
+    raise UserError(_in_use(address, port))
+
+
+def _holds_this_job(address, port, secret):
+    """Whether the listener at address:port is a gate that proves ``secret``."""
+    try:
+        sock, _, _ = tunnel.connect_as_client((address, port), secret)
+    except (OSError, tunnel.Refused):
+        return False
+    sock.close()
+    return True
+
+
+def _in_use(address, port):
+    return (f"port {port} on {address} is in use (by another job?): pick a free port in "
+            "--distributed-init-method, or stop the process holding it "
+            f"(ss -ltnp 'sport = :{port}')")
 
 
 def join_meeting_point(address, secret, timeout_s):
     """A client of another elastic member's store."""
     host, port = address
-    return _client(f"tcp://{host}:{port}", host, port, None,
+    return _client(f"tcp://{_bracketed(host)}:{port}", host, port, None,
                    datetime.timedelta(seconds=timeout_s), secret)
+
+
+def _bracketed(host):
+    return f"[{host}]" if ":" in host else host
 
 
 def _serve(url, host, port, world_size, timeout, access):
     """Rank 0's store, listening only on the job's address (TCPStore alone
-    would listen on every address of the host). With a secret the store
-    itself listens on 127.0.0.1 and the job's address has the tunnel's gate."""
+    would listen on every address of the host). With a secret it is the
+    job's own store behind the gate (store.py), and nothing listens on
+    loopback for another user of this host to reach."""
     listener = _listen(url, _listen_address(url, host, access), port)
     if access.secret is None:
         return _store_on(listener, world_size, timeout)
-    local = _listen(url, "127.0.0.1", 0)
-    store = _store_on(local, world_size, timeout)
-    tunnel.Gate(listener, local.getsockname()[1], access.secret)
-    return store
+    _LISTENERS.append(listener)
+    return store.serve(listener, access.secret, timeout)
 
 
-def loopback_store(world_size, timeout):
-    """A store served on 127.0.0.1 only, on a port the OS picks."""
-    return _store_on(_listen("tcp://127.0.0.1:0", "127.0.0.1", 0), world_size, timeout)
+def loopback_store(world_size, timeout, secret=None):
+    """A store served on 127.0.0.1 only, on a port the OS picks (``.port``);
+    with a secret, behind the gate as on the job's address."""
+    listener = _listen("tcp://127.0.0.1:0", "127.0.0.1", 0)
+    if secret is None:
+        return _store_on(listener, world_size, timeout)
+    _LISTENERS.append(listener)
+    served = store.serve(listener, secret, timeout)
+    served.port = listener.getsockname()[1]
+    return served
 
 
 def _store_on(listener, world_size, timeout):
@@ -122,40 +168,62 @@ def _store_on(listener, world_size, timeout):
 
 def _listen_address(url, host, access):
     """The address rank 0's store listens on: HOST of the URL as it resolves
-    here. This host's own name resolving to loopback while other hosts take
-    part (Debian maps it to 127.0.1.1) cannot be what they reach: then the
-    address of --distributed-interface, or every address with a warning."""
+    here, or ``_own_address`` when that cannot be what other hosts reach.
+    Never every address of the host: without a secret that would hand the
+    store to anyone who reaches any of them."""
     try:
         address = interfaces.resolve(host)
     except OSError as err:
         raise UserError(f"rank 0 could not serve {url}: {host} does not resolve here "
                         f"({err.strerror}); give this host's address") from None
-    own_name = host.lower() in {socket.gethostname().lower(), socket.getfqdn().lower()}
-    if not interfaces.is_loopback(address) or not access.spans_hosts or not own_name:
+    own = _own_address(host, address, access)
+    if own is None:
         return address    # what every rank resolves HOST to (localhost: one host)
+    logger.warning("%s resolves to %s on this host, which other hosts cannot reach: the store "
+                   "listens on %s instead (%s), and this host's ranks meet there too", host,
+                   address, own, f"--distributed-interface {access.interface}" if
+                   access.interface else "this host's primary address; --distributed-interface "
+                   "chooses another")
+    return own
+
+
+def _own_address(host, address, access):
+    """Where this host's store is when HOST is this host's own name and
+    resolves to loopback here (Debian maps it to 127.0.1.1) while other
+    hosts take part: the address of --distributed-interface, else this
+    host's primary address (its default route's). None otherwise. Rank 0
+    listens there and the other ranks of its host connect there, so both
+    sides choose the same."""
+    if not access.spans_hosts or not interfaces.is_loopback(address) or \
+            not interfaces.names_this_host(host):
+        return None
     if access.interface:
         chosen = interfaces.address_of(access.interface)
         if chosen is None:
             raise UserError(f"--distributed-interface {access.interface}: no such interface "
                             "with an address on this host")
         return chosen
-    logger.warning("%s resolves to %s on this host, which other hosts cannot reach: the store "
-                   "listens on every address of this host. Give this host's address in the URL "
-                   "or --distributed-interface to listen on that one only", host, address)
-    return "::" if socket.has_dualstack_ipv6() else "0.0.0.0"
+    return interfaces.primary_address()
 
 
 def _listen(url, address, port):
     try:
-        if address == "::":
-            return socket.create_server((address, port), family=socket.AF_INET6,
-                                        dualstack_ipv6=True, backlog=128)
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        return socket.create_server((address, port), family=family, backlog=128)
+        return _bind(address, port)
     except OSError as err:
-        raise UserError(f"rank 0 could not serve {url} on {address}: {err.strerror or err}. "
-                        "The port may be in use by another job (pick a free one) or HOST is not "
-                        "this machine's address") from None
+        if err.errno == errno.EADDRINUSE:
+            raise UserError(f"rank 0 could not serve {url}: {_in_use(address, port)}") from None
+        raise UserError(f"rank 0 could not serve {url} on {address}: {err.strerror or err}; "
+                        "give an address of this machine as HOST") from None
+
+
+def _bind(address, port):
+    """A listening socket on address:port, of the address's family ("::":
+    every address, IPv6 and IPv4)."""
+    if address == "::":
+        return socket.create_server((address, port), family=socket.AF_INET6,
+                                    dualstack_ipv6=True, backlog=128)
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    return socket.create_server((address, port), family=family, backlog=128)
 
 
 def _named(host):

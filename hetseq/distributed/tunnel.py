@@ -1,12 +1,12 @@
-"""An authenticated path to the job's store, for jobs with a secret.
+"""An authenticated door to the job's store, for jobs with a secret.
 
 c10d's TCPStore has no authentication: anyone who reaches its port can read
 and write every key (rank claims, the job identity, gloo's addresses). With a
-job secret the store is reached only through this tunnel:
+job secret the store is the job's own (store.py), reached only through this
+door:
 
-    rank k's TCPStore client -> 127.0.0.1:local (ClientRelay, same user only)
-        == authenticated frames over the job's network ==>
-    Gate on HOST:PORT (rank 0, the job's interface only) -> TCPStore on 127.0.0.1
+    rank k's RemoteStore == handshake, then sealed frames over the job's network ==>
+    Gate on HOST:PORT (the job's interface only) -> the serving process's Table
 
 Handshake (mutual, the secret never travels): the gate sends MAGIC and a
 nonce Ns; the client answers with its nonce Nc and HMAC(K, "client" Ns Nc);
@@ -14,40 +14,77 @@ the gate checks it and proves itself with HMAC(K, "server" Nc Ns). Each
 direction then has its own key, HMAC(K, "c2s"/"s2c" Ns Nc), and every frame
 carries HMAC(key, sequence number, data): a frame changed, replayed,
 reordered or injected by a process without the secret closes the connection.
-Nothing read from the network is unpickled; the payload is TCPStore's own
-byte protocol.
+Nothing read from the network is unpickled.
+
+The door stays open under a flood: at most HANDSHAKES handshakes at once,
+each for at most HANDSHAKE_S, BUSY for the rest, and failed accepts waited
+out (Gate, _serve_forever). The secret itself must resist guessing
+(read_secret).
 """
 
+import errno
 import hashlib
 import hmac
 import logging
 import os
 import secrets
 import socket
+import stat
 import struct
 import threading
+import time
 
 from hetseq.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"HETSEQ-SECRET-1\n"
+# The gate's answer when HANDSHAKES handshakes are already in progress: as
+# long as MAGIC, so that a client reads either with one recv. It costs the
+# gate no thread and no descriptor (sent, then closed at once).
+BUSY = b"HETSEQ-BUSY----\n"
 NONCE = 32
 TAG = hashlib.sha256().digest_size
-HANDSHAKE_S = 10.0        # a peer that does not finish the handshake in this time is dropped
+HANDSHAKES = 32           # handshakes in progress at once (each holds a thread and a socket)
+# A peer that has not finished the whole handshake (a few dozen bytes each
+# way) in this time is dropped: anyone may connect, so each unfinished
+# handshake must be cheap and short.
+HANDSHAKE_S = 2.0
 # The gate greets as soon as it accepts: one round trip. A listener silent for
 # this long is a plain TCPStore (a job without a secret).
 GREETING_S = 3.0
+# How long a client keeps asking a gate that answers "busy" (a flood) before
+# it gives up with a message.
+BUSY_WAIT_S = 20.0
+PAUSES_S = (0.05, 1.0)    # back-off after a busy answer or a failed accept: doubling, at most
+POLL_S = 1.0              # an accept loop notices its listener closed within this
 CHUNK = 1 << 16
+
+_WARNED = set()
+
+
+def _warn_once(kind, message, *args):
+    """A warning that would repeat at every connection (a flood, a machine
+    without /proc) is logged once per process."""
+    if kind not in _WARNED:
+        _WARNED.add(kind)
+        logger.warning(message, *args)
 
 
 def _mac(key, *parts):
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
-def _recv_exact(sock, n):
+def _recv_exact(sock, n, deadline=None):
+    """``n`` bytes; with ``deadline`` (time.monotonic()) the whole read must
+    end by then (socket.timeout), however slowly the bytes trickle in."""
     data = bytearray()
     while len(data) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("the handshake took too long")
+            sock.settimeout(left)
         got = sock.recv(n - len(data))
         if not got:
             raise ConnectionError("connection closed")
@@ -59,31 +96,41 @@ class Refused(Exception):
     """The other side does not know the secret (or speaks another protocol)."""
 
 
+class Busy(Refused):
+    """The gate has HANDSHAKES handshakes in progress (a flood?): ask again later.
+    A Refused, so that code that does not retry fails closed."""
+
+
 def _session_keys(secret, ns, nc):
     return _mac(secret, b"c2s", ns, nc), _mac(secret, b"s2c", ns, nc)
 
 
-def handshake_as_client(sock, secret):
-    """Returns (send key, receive key); raises Refused or ConnectionError."""
-    hello = _recv_exact(sock, len(MAGIC) + NONCE)
-    if not hello.startswith(MAGIC):
+def handshake_as_client(sock, secret, deadline=None):
+    """Returns (send key, receive key); raises Busy, Refused or ConnectionError
+    (socket.timeout past ``deadline``, a time.monotonic())."""
+    greeting = _recv_exact(sock, len(MAGIC), deadline)
+    if greeting == BUSY:
+        raise Busy("it has too many connections waiting in the handshake")
+    if greeting != MAGIC:
         raise Refused("the other side is not a HetSeq job with a secret")
-    ns, nc = hello[len(MAGIC):], secrets.token_bytes(NONCE)
+    ns, nc = _recv_exact(sock, NONCE, deadline), secrets.token_bytes(NONCE)
     sock.sendall(nc + _mac(secret, b"client", ns, nc))
-    answer = _recv_exact(sock, 2)
+    answer = _recv_exact(sock, 2, deadline)
     if answer != b"OK":
         raise Refused("its secret differs from this node's")
-    if not hmac.compare_digest(_recv_exact(sock, TAG), _mac(secret, b"server", nc, ns)):
+    if not hmac.compare_digest(_recv_exact(sock, TAG, deadline),
+                               _mac(secret, b"server", nc, ns)):
         raise Refused("it could not prove that it knows the secret (not the job you meant?)")
     c2s, s2c = _session_keys(secret, ns, nc)
     return c2s, s2c
 
 
-def handshake_as_server(sock, secret):
-    """Returns (send key, receive key); raises Refused or ConnectionError."""
+def handshake_as_server(sock, secret, deadline=None):
+    """Returns (send key, receive key); raises Refused or ConnectionError
+    (socket.timeout past ``deadline``, a time.monotonic())."""
     ns = secrets.token_bytes(NONCE)
     sock.sendall(MAGIC + ns)
-    reply = _recv_exact(sock, NONCE + TAG)
+    reply = _recv_exact(sock, NONCE + TAG, deadline)
     nc, proof = reply[:NONCE], reply[NONCE:]
     if not hmac.compare_digest(proof, _mac(secret, b"client", ns, nc)):
         sock.sendall(b"NO")
@@ -93,12 +140,38 @@ def handshake_as_server(sock, secret):
     return s2c, c2s
 
 
+def connect_as_client(address, secret, patience_s=BUSY_WAIT_S):
+    """A connection to the gate at ``address`` past the handshake: (socket,
+    send key, receive key). A busy gate is asked again after a pause that
+    doubles (PAUSES_S) until ``patience_s`` have passed, then Busy is raised;
+    also Refused, or OSError (socket.timeout: no greeting within GREETING_S)."""
+    give_up, pause = time.monotonic() + patience_s, PAUSES_S[0]
+    while True:
+        sock = socket.create_connection(address, timeout=GREETING_S)
+        try:
+            send_key, receive_key = handshake_as_client(sock, secret,
+                                                        time.monotonic() + GREETING_S)
+        except Busy:
+            sock.close()
+            if time.monotonic() + pause > give_up:
+                raise
+            time.sleep(pause)
+            pause = min(2 * pause, PAUSES_S[1])
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(None)
+        return sock, send_key, receive_key
+
+
 def _seal(sock, key, seq, data):
     sock.sendall(struct.pack(">I", len(data)) + _mac(key, struct.pack(">Q", seq), data) + data)
 
 
 def _open(sock, key, seq):
-    """The next frame's data, or b"" at a clean end; raises Refused if forged."""
+    """The next frame's data, or b"" at a clean end; raises Refused if forged.
+    Its length is checked (at most CHUNK) before anything is read into memory."""
     head = sock.recv(4, socket.MSG_WAITALL)
     if not head:
         return b""
@@ -113,40 +186,6 @@ def _open(sock, key, seq):
     return data
 
 
-def _pump_plain_to_sealed(plain, sealed, key, stop):
-    seq = 0
-    try:
-        while not stop.is_set():
-            data = plain.recv(CHUNK)
-            if not data:
-                break
-            _seal(sealed, key, seq, data)
-            seq += 1
-    except OSError:
-        pass
-    finally:
-        stop.set()
-        _close(plain, sealed)
-
-
-def _pump_sealed_to_plain(sealed, plain, key, stop, where):
-    seq = 0
-    try:
-        while not stop.is_set():
-            data = _open(sealed, key, seq)
-            if not data:
-                break
-            plain.sendall(data)
-            seq += 1
-    except Refused as err:
-        logger.warning("closed a store connection from %s: %s", where, err)
-    except OSError:
-        pass
-    finally:
-        stop.set()
-        _close(plain, sealed)
-
-
 def _close(*socks):
     for sock in socks:
         try:
@@ -156,104 +195,105 @@ def _close(*socks):
         sock.close()
 
 
-def _relay(plain, sealed, send_key, receive_key, where):
-    """Pump both ways until either side closes."""
-    stop = threading.Event()
-    for target, args in ((_pump_plain_to_sealed, (plain, sealed, send_key, stop)),
-                         (_pump_sealed_to_plain, (sealed, plain, receive_key, stop, where))):
-        threading.Thread(target=target, args=args, daemon=True).start()
-
-
-def _serve_forever(listener, handle, name):
+def _serve_forever(listener, handle, name, admit=None):
     """Accept connections on ``listener`` and hand each to ``handle(sock, peer)``
-    in a thread of its own, until the listener is closed."""
+    in a thread of its own, until the listener is closed on purpose.
+    ``admit(sock)``, called in the accepting thread, may refuse one (it then
+    closes it). A failed accept (out of descriptors: EMFILE, ENFILE; a peer
+    that reset: ECONNABORTED; ENOBUFS, ENOMEM) is logged once and waited out
+    with a growing pause: were it the end of the loop, a flood of idle
+    connections would close the door for good."""
+    listener.settimeout(POLL_S)   # to notice a close: it does not wake a blocked accept
+
     def accept():
-        while True:
+        pause = PAUSES_S[0]
+        while listener.fileno() != -1:
             try:
                 sock, peer = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=handle, args=(sock, peer), daemon=True).start()
+            except socket.timeout:
+                continue
+            except OSError as err:
+                if listener.fileno() == -1:
+                    return
+                _warn_once((name, err.errno), "%s: accepting a connection failed (%s); it keeps "
+                           "trying, with pauses of up to %.0f s", name, err, PAUSES_S[1])
+                time.sleep(pause)
+                pause = min(2 * pause, PAUSES_S[1])
+                continue
+            pause = PAUSES_S[0]
+            if admit is None or admit(sock):
+                threading.Thread(target=handle, args=(sock, peer), daemon=True).start()
     threading.Thread(target=accept, daemon=True, name=name).start()
 
 
-class Gate:
-    """Rank 0's listener on the job's address: authenticates each connection,
-    then relays it to the store on 127.0.0.1:``store_port``."""
+# Every gate, so that it lives as long as the job whatever holds it (as
+# rendezvous._LISTENERS for the sockets under the stores).
+_GATES = []
 
-    def __init__(self, listener, store_port, secret):
-        self.listener, self.store_port, self.secret = listener, store_port, secret
-        _serve_forever(listener, self._admit, "hetseq-gate")
+
+class Gate:
+    """A listener on the job's address that authenticates each connection and
+    then calls ``serve(sock, send_key, receive_key, where)`` in that
+    connection's thread (store.serve_connection: the job's store). At most
+    ``handshakes`` handshakes run at once, each for at most HANDSHAKE_S; a
+    connection beyond them is answered BUSY and closed at once, so that
+    connections from anyone (no secret needed) cannot use up the process's
+    threads or descriptors."""
+
+    def __init__(self, listener, secret, serve, handshakes=HANDSHAKES):
+        self.listener, self.secret, self.serve = listener, secret, serve
+        self._slots = threading.BoundedSemaphore(handshakes)
+        self.handshakes = handshakes
+        _GATES.append(self)
+        _serve_forever(listener, self._admit, "hetseq-gate", self._take_slot)
+
+    def _take_slot(self, sock):
+        if self._slots.acquire(blocking=False):
+            return True
+        _warn_once(("busy", id(self)), "more than %d connections at once are in the secret "
+                   "handshake of the job's port %s (a flood?): the others are answered 'busy'",
+                   self.handshakes, self.listener.getsockname()[1])
+        try:
+            sock.setblocking(False)
+            sock.send(BUSY)
+        except OSError:
+            pass
+        sock.close()
+        return False
 
     def _admit(self, sock, peer):
         where = f"{peer[0]}:{peer[1]}"
-        sock.settimeout(HANDSHAKE_S)
         try:
-            send_key, receive_key = handshake_as_server(sock, self.secret)
+            try:
+                keys = handshake_as_server(sock, self.secret, time.monotonic() + HANDSHAKE_S)
+            finally:
+                self._slots.release()
         except Refused as err:
             logger.warning("refused a connection to the job's store from %s: %s", where, err)
             sock.close()
             return
-        except OSError:       # a reachability probe, or a peer that gave up
+        except OSError:       # a reachability probe, a peer that gave up or was too slow
             sock.close()
             return
         sock.settimeout(None)
-        store = socket.create_connection(("127.0.0.1", self.store_port))
-        _relay(store, sock, send_key, receive_key, where)
-
-
-class ClientRelay:
-    """A listener on 127.0.0.1 for this process's TCPStore client: each
-    connection is carried to the gate at ``address`` through the handshake.
-    Only processes of this user may use it (the gate trusts whoever it lets in)."""
-
-    def __init__(self, address, secret):
-        self.address, self.secret = address, secret
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        _serve_forever(self.listener, self._carry, "hetseq-relay")
-
-    def _carry(self, sock, peer):
-        if not same_user(peer, self.port):
-            logger.warning("refused a local connection from port %d: another user", peer[1])
-            sock.close()
-            return
         try:
-            remote = socket.create_connection(self.address, timeout=HANDSHAKE_S)
-            send_key, receive_key = handshake_as_client(remote, self.secret)
-            remote.settimeout(None)
-        except (OSError, Refused) as err:
-            logger.warning("could not carry a store connection to %s:%d: %s", *self.address, err)
+            self.serve(sock, *keys, where)
+        except OSError as err:
+            logger.warning("could not serve a connection from %s: %s", where, err)
             sock.close()
-            return
-        _relay(sock, remote, send_key, receive_key, "%s:%d" % self.address)
 
 
-def same_user(peer, local_port):
-    """Whether the loopback connection from ``peer`` to ``local_port`` belongs to
-    a process of this user (Linux: /proc/net/tcp and tcp6 list each socket's
-    uid; TCPStore connects over IPv6, with IPv4-mapped loopback addresses)."""
-    ends = (f":{peer[1]:04X}", f":{local_port:04X}")
-    found = False
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = [line.split() for line in f.readlines()[1:]]
-        except OSError:
-            continue
-        found = True
-        for row in rows:
-            if row[1].endswith(ends[0]) and row[2].endswith(ends[1]):
-                return int(row[7]) == os.geteuid()
-    return not found      # no /proc: nothing to check with
-
-
-def check(address, secret, url):
+def check(address, secret, url, patience_s=BUSY_WAIT_S):
     """Handshake once before any store call, so that a wrong secret is one
     clear message here (exit 2) and not a closed connection inside TCPStore."""
     try:
-        with socket.create_connection(address, timeout=GREETING_S) as sock:
-            handshake_as_client(sock, secret)
+        sock, _, _ = connect_as_client(address, secret, patience_s)
+        sock.close()
+    except Busy:
+        raise UserError(f"the job at {url} answered 'busy' for {patience_s:.0f} s: its port is "
+                        f"flooded (more than {HANDSHAKES} connections at once waiting in the "
+                        "secret handshake, a scan or an attack?); try again, and let only the "
+                        "job's nodes reach the port (a firewall)") from None
     except Refused as err:
         raise UserError(f"the job at {url} refused this node: {err}. Every node of a job needs "
                         "the same secret (HETSEQ_JOB_SECRET or --job-secret-file)") from None
@@ -269,18 +309,45 @@ def check(address, secret, url):
 
 def asks_for_secret(address):
     """Whether the listener at ``address`` greets with the handshake (a job
-    with a secret); a plain TCPStore says nothing until asked."""
+    with a secret, busy or not); a plain TCPStore says nothing until asked."""
     try:
         with socket.create_connection(address, timeout=HANDSHAKE_S) as sock:
             sock.settimeout(GREETING_S / 6)
-            return sock.recv(len(MAGIC), socket.MSG_WAITALL) == MAGIC
+            return sock.recv(len(MAGIC), socket.MSG_WAITALL) in (MAGIC, BUSY)
     except OSError:
         return False
 
 
 SECRET_VARIABLE = "HETSEQ_JOB_SECRET"
-MIN_SECRET = 16
-MAKE_ONE = "python -c \"import secrets; print(secrets.token_hex(32))\""
+MAKE_ONE = "hetseq-secret"   # hetseq/secret.py; also python -m hetseq.secret
+MIN_BITS = 128
+MIN_DISTINCT = 8
+MAX_RUN = 8
+MAX_FILE = 4096
+HEX = set(b"0123456789abcdef")
+RULE = (f"a secret needs {MIN_BITS} bits counted conservatively (4 per character when all are "
+        f"hex digits, else 6), {MIN_DISTINCT} different characters, no character {MAX_RUN} "
+        "times in a row, and not only lowercase letters")
+
+
+def weakness(text):
+    """Why the secret ``text`` (bytes) could be guessed, or None. The count is
+    what a random secret of that alphabet would hold; hand-typed text holds
+    far less, hence the other rules. The secret's strength is the whole
+    protection: a recorded handshake lets anyone test guesses offline at the
+    speed of HMAC-SHA-256, and no key stretching makes a weak secret safe."""
+    if not text:
+        return "it is empty"
+    bits = len(text) * (4 if set(text.lower()) <= HEX else 6)
+    if bits < MIN_BITS:
+        return f"it has {len(text)} characters, about {bits} bits"
+    if len(set(text)) < MIN_DISTINCT:
+        return f"it uses only {len(set(text))} different characters"
+    if any(text[i:i + MAX_RUN] == text[i:i + 1] * MAX_RUN for i in range(len(text))):
+        return f"a character repeats {MAX_RUN} times in a row"
+    if text.isalpha() and text.islower():
+        return "it is only lowercase letters (words?)"
+    return None
 
 
 def read_secret(path, env=os.environ):
@@ -288,23 +355,55 @@ def read_secret(path, env=os.environ):
     read) or HETSEQ_JOB_SECRET; None when neither is given. The key is a hash
     of the secret, so the secret's text is never held or logged."""
     if path is not None:
-        try:
-            info = os.stat(path)
-            with open(path, "rb") as f:
-                text = f.read().strip()
-        except OSError as err:
-            raise UserError(f"--job-secret-file {path}: {err.strerror}") from None
+        text, where = _read_secret_file(path), f"--job-secret-file {path}"
+    elif SECRET_VARIABLE in env:
+        text, where = env[SECRET_VARIABLE].strip().encode(), SECRET_VARIABLE
+        if not text:
+            raise UserError(f"{SECRET_VARIABLE} is set but empty: unset it for a job without a "
+                            f"secret, or give one made with {MAKE_ONE}")
+    else:
+        return None
+    why = weakness(text)
+    if why is not None:
+        raise UserError(f"{where}: the secret could be guessed ({why}); {RULE}. Make one "
+                        f"with: {MAKE_ONE} (or python -m hetseq.secret)")
+    return hashlib.sha256(b"hetseq job secret\0" + text).digest()
+
+
+def _read_secret_file(path):
+    """The stripped text of the secret file, opened once (not through a
+    symbolic link, nor a FIFO that would block) and checked on that
+    descriptor, so it cannot be swapped between the check and the read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UserError(f"--job-secret-file {path}: a symbolic link; give the file "
+                            "itself") from None
+        raise UserError(f"--job-secret-file {path}: {err.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UserError(f"--job-secret-file {path}: not a regular file; give a file made "
+                            f"with: {MAKE_ONE} --file PATH")
         if info.st_mode & 0o077 or info.st_uid != os.geteuid():
             raise UserError(f"--job-secret-file {path}: readable by others (mode "
                             f"{info.st_mode & 0o777:o}, owner uid {info.st_uid}); it must be "
                             f"yours and private: chmod 600 {path}")
-        where = f"--job-secret-file {path}"
-    elif env.get(SECRET_VARIABLE):
-        text, where = env[SECRET_VARIABLE].strip().encode(), SECRET_VARIABLE
-    else:
-        return None
-    if len(text) < MIN_SECRET:
-        raise UserError(f"{where}: the secret has {len(text)} characters, expected at least "
-                        f"{MIN_SECRET} (a short one can be guessed from a recorded handshake); "
-                        f"make one with: {MAKE_ONE}")
-    return hashlib.sha256(b"hetseq job secret\0" + text).digest()
+        data = _read_at_most(fd, MAX_FILE + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_FILE:
+        raise UserError(f"--job-secret-file {path}: larger than {MAX_FILE} bytes, so not a "
+                        f"secret file; make one with: {MAKE_ONE} --file PATH")
+    return data.strip()
+
+
+def _read_at_most(fd, limit):
+    data = b""
+    while len(data) < limit:
+        got = os.read(fd, limit - len(data))
+        if not got:
+            break
+        data += got
+    return data

@@ -1,0 +1,288 @@
+"""The gate of a job with a secret stays open under a flood (tunnel.py);
+meeting points refuse a taken port, serve IPv6 and never listen everywhere
+without a secret (rendezvous.py); sizes read from peers are bounded
+(collectives.py). That no other user of a host reaches a store with a
+secret is tests/test_store.py's."""
+
+import datetime
+import errno
+import logging
+import os
+import resource
+import socket
+import subprocess
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from hetseq.distributed import collectives, rendezvous, tunnel
+from hetseq.errors import PeerLost, UserError
+
+from conftest import (RUN_DIR, UPDATE_LINE, Watched, child_env, free_port, node_commands,
+                      require, train_cmd)
+from test_parity import COMMON
+
+SECRET = "c41e9a07d3b25f68e1a4c7093bd2f5e6"
+TIMEOUT = datetime.timedelta(seconds=10)
+FLOOD = 2000
+SOFT_LIMIT = 1024        # most hosts' default soft limit of open files
+HELD = 40                # sockets a flood may hold in rank 0: tunnel.HANDSHAKES (32), and slack
+
+
+def key(text=SECRET):
+    return tunnel.read_secret(None, {tunnel.SECRET_VARIABLE: text})
+
+
+def serve(secret=None):
+    url = f"tcp://127.0.0.1:{free_port()}"
+    store = rendezvous.open_store(url, 0, 2, TIMEOUT, access=rendezvous.Access(secret or key()))
+    return store, int(url.rsplit(":", 1)[1])
+
+
+def wait_until(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.02)
+
+
+def open_gate(handshakes=tunnel.HANDSHAKES, listener=None):
+    """A gate on 127.0.0.1 (port) whose ``serve`` echoes one sealed frame back."""
+    listener = listener or socket.create_server(("127.0.0.1", 0))
+
+    def echo(sock, send_key, receive_key, where):
+        with sock:
+            tunnel._seal(sock, send_key, 0, tunnel._open(sock, receive_key, 0))
+    tunnel.Gate(listener, key(), echo, handshakes)
+    return listener.getsockname()[1]
+
+
+def echoed(port, patience_s=tunnel.BUSY_WAIT_S):
+    sock, send_key, receive_key = tunnel.connect_as_client(("127.0.0.1", port), key(), patience_s)
+    with sock:
+        tunnel._seal(sock, send_key, 0, b"ping")
+        return tunnel._open(sock, receive_key, 0)
+
+
+def test_a_handshake_that_trickles_is_dropped_at_its_deadline():
+    """HANDSHAKE_S bounds the whole handshake, not each read: a byte every
+    0.2 s would otherwise hold the slot for 64 x 0.2 s."""
+    port = open_gate()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        assert tunnel._recv_exact(sock, len(tunnel.MAGIC) + tunnel.NONCE).startswith(tunnel.MAGIC)
+        start, sent = time.monotonic(), 0
+        sock.settimeout(0.2)
+        while time.monotonic() - start < tunnel.HANDSHAKE_S + 3:
+            try:
+                if sock.recv(1) == b"":
+                    break                          # the gate closed it
+            except socket.timeout:
+                sock.sendall(b"x")
+                sent += 1
+            except ConnectionResetError:
+                break
+        took = time.monotonic() - start
+    assert took < tunnel.HANDSHAKE_S + 1 and sent < tunnel.NONCE + tunnel.TAG, (took, sent)
+
+
+def test_over_its_cap_the_gate_answers_busy_at_once_and_a_member_gets_its_turn():
+    port = open_gate(handshakes=2)
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+    for sock in idle:                                # both hold a handshake slot
+        assert tunnel._recv_exact(sock, len(tunnel.MAGIC)) == tunnel.MAGIC
+    threads = threading.active_count()
+    over = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(50)]
+    for sock in over:                                # answered and closed, no thread kept
+        sock.settimeout(5)
+        assert tunnel._recv_exact(sock, len(tunnel.BUSY)) == tunnel.BUSY
+        assert sock.recv(1) == b""
+    assert threading.active_count() <= threads + 1
+    # A member that cannot wait is told what happened, not "no secret".
+    with pytest.raises(UserError, match="answered 'busy' for 0 s: its port is flooded"):
+        tunnel.check(("127.0.0.1", port), key(), f"tcp://127.0.0.1:{port}", patience_s=0.3)
+    # One that can gets in once a slot frees (the idle ones' deadline).
+    start = time.monotonic()
+    assert echoed(port) == b"ping"
+    assert time.monotonic() - start < tunnel.HANDSHAKE_S + 2
+    for sock in idle + over:
+        sock.close()
+
+
+class FailingListener:
+    """A listener whose first ``failures`` accepts fail as out of descriptors."""
+
+    def __init__(self, failures):
+        self.real, self.failures = socket.create_server(("127.0.0.1", 0)), failures
+
+    def accept(self):
+        if self.failures:
+            self.failures -= 1
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return self.real.accept()
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_failed_accepts_are_waited_out_and_only_a_close_ends_the_gate(caplog):
+    listener = FailingListener(failures=4)
+    before = set(threading.enumerate())
+    with caplog.at_level(logging.WARNING, logger=tunnel.__name__):
+        port = open_gate(listener=listener)
+        loop, = [t for t in set(threading.enumerate()) - before if t.name == "hetseq-gate"]
+        assert echoed(port) == b"ping"
+    assert listener.failures == 0
+    assert caplog.text.count("accepting a connection failed") == 1, caplog.text
+    listener.real.close()
+    loop.join(timeout=tunnel.POLL_S + 2)
+    assert not loop.is_alive()
+
+
+def open_files(pid):
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:      # it ended (the test then says why)
+        return 0
+
+
+def sample(pid, peak, flood):
+    """Append ``pid``'s number of open files to ``peak`` every 5 ms while
+    the flood is opened and for HANDSHAKE_S after (60 s at most)."""
+    end, give_up = None, time.monotonic() + 60
+    while time.monotonic() < (end or give_up):
+        peak.append(open_files(pid))
+        if end is None and len(flood) == FLOOD:
+            end = time.monotonic() + tunnel.HANDSHAKE_S
+        time.sleep(0.005)
+
+
+def test_a_flood_of_idle_connections_neither_stops_the_job_nor_shuts_its_door():
+    """A 2-rank job with a secret, its rank 0 (the gate) under a soft limit of
+    1024 open files; 2000 idle connections from a process without the secret
+    are opened and held. The job keeps training, rank 0 holds at most HELD
+    sockets more than before (its handshakes in progress), and while the flood is
+    still held a member with the secret gets in and uses the store."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    require(hard == resource.RLIM_INFINITY or hard >= FLOOD + 100,
+            f"needs {FLOOD + 100} open files in the test process (ulimit -n)")
+    port = free_port()
+    commands = node_commands([*COMMON, "--max-update", 10**6, "--no-save", "--toy-sample-ms", 2,
+                              "--distributed-timeout", 30], [["--max-sentences", 16]] * 2,
+                             f"tcp://127.0.0.1:{port}")
+    options = dict(cwd=RUN_DIR, env=child_env({tunnel.SECRET_VARIABLE: SECRET}), text=True,
+                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    limit = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT_LIMIT, hard))  # noqa: E731
+    rank0 = Watched(subprocess.Popen(train_cmd(*commands[0]), preexec_fn=limit, **options))
+    rank1 = Watched(subprocess.Popen(train_cmd(*commands[1]), **options))
+    flood = []
+    try:
+        rank0.wait_for(UPDATE_LINE, timeout=60)
+        before = open_files(rank0.proc.pid)
+        peak = [before]
+        sampler = threading.Thread(target=sample, args=(rank0.proc.pid, peak, flood), daemon=True)
+        sampler.start()
+        for _ in range(FLOOD):
+            try:
+                flood.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            except OSError as err:
+                pytest.fail(f"the gate stopped accepting after {len(flood)} idle connections "
+                            f"({err})\n{rank0.output()[-3000:]}")
+        updates = len([line for line in rank0.lines if "| update" in line])
+        deadline = time.monotonic() + 20
+        while len([line for line in rank0.lines if "| update" in line]) < updates + 20:
+            assert time.monotonic() < deadline and rank0.proc.poll() is None, \
+                rank0.output()[-3000:]
+            time.sleep(0.05)
+        sampler.join(timeout=tunnel.HANDSHAKE_S + 5)
+        assert max(peak) <= before + HELD, (before, max(peak))
+        # The flood is still held: a member with the secret gets in.
+        member = rendezvous.join_meeting_point(("127.0.0.1", port), key(), 10)
+        member.set("test/member", "in")
+        assert member.get("test/member") == b"in"
+        assert "Too many open files" not in rank0.output(), rank0.output()[-3000:]
+    finally:
+        for sock in flood:
+            sock.close()
+        for node in (rank0, rank1):
+            if node.proc.poll() is None:
+                node.proc.kill()
+            node.finish(timeout=30)
+
+
+# ---- meeting points -------------------------------------------------------------------
+
+def test_an_elastic_member_serves_an_ipv6_address_at_the_urls_port():
+    require(socket.has_ipv6, "needs IPv6")
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError as err:
+        require(False, f"needs IPv6 loopback (::1): {err}")
+    port = free_port()
+    store, served = rendezvous.serve_meeting_point(f"tcp://[::1]:{port}", "::1", port, key(), 10)
+    assert served == port
+    rendezvous.join_meeting_point(("::1", port), key(), 10).set("k", "v")
+    assert store.get("k") == b"v"
+
+
+def test_a_taken_port_is_an_error_unless_a_node_of_this_job_holds_it():
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    with socket.create_server(("127.0.0.1", port)):          # another program
+        with pytest.raises(UserError, match=f"port {port} on 127.0.0.1 is in use .*"
+                                            f"ss -ltnp 'sport = :{port}'"):
+            rendezvous.serve_meeting_point(url, "127.0.0.1", port, key(), 10)
+    _, served = rendezvous.serve_meeting_point(url, "127.0.0.1", port, key(), 10)
+    assert served == port
+    other = key("7d2b9f41c6e80a35b1f4d9e27c6a0b83")
+    with pytest.raises(UserError, match=f"port {port} on 127.0.0.1 is in use"):
+        rendezvous.serve_meeting_point(url, "127.0.0.1", port, other, 10)   # another job's
+    _, second = rendezvous.serve_meeting_point(url, "127.0.0.1", port, key(), 10)
+    assert second not in (port, 0)                           # this job's second node here
+
+
+def test_a_store_never_listens_on_every_address(monkeypatch):
+    """A URL naming this host, which resolves to loopback here (Debian's
+    127.0.1.1), with ranks on other hosts: rank 0 listens on this host's
+    primary address, never on every address (which would hand a store
+    without a secret to anyone), and the ranks of its host connect there
+    too; --distributed-interface chooses another; localhost is one host."""
+    monkeypatch.setattr(socket, "gethostname", lambda: "thishost")
+    monkeypatch.setattr(socket, "getfqdn", lambda: "localhost")
+    monkeypatch.setattr(rendezvous.interfaces, "resolve", lambda host: "127.0.1.1")
+    monkeypatch.setattr(rendezvous.interfaces, "primary_address", lambda: "10.9.8.7")
+    monkeypatch.setattr(rendezvous.interfaces, "address_of",
+                        lambda name: {"side0": "10.1.1.1"}.get(name))
+    url = "tcp://thishost:1"
+    for secret in (None, key()):
+        access = rendezvous.Access(secret)
+        assert rendezvous._listen_address(url, "thishost", access) == "10.9.8.7"
+        assert rendezvous._client_address("thishost", access) == "10.9.8.7"
+    side = rendezvous.Access(None, "side0")
+    assert rendezvous._listen_address(url, "thishost", side) == "10.1.1.1"
+    assert rendezvous._client_address("thishost", side) == "10.1.1.1"
+    one_host = rendezvous.Access(None, spans_hosts=False)
+    assert rendezvous._listen_address(url, "thishost", one_host) == "127.0.1.1"
+    assert rendezvous._listen_address("tcp://localhost:1", "localhost",
+                                      rendezvous.Access(None)) == "127.0.1.1"
+    assert rendezvous._client_address("otherhost", rendezvous.Access(None)) == "otherhost"
+
+
+# ---- collectives ----------------------------------------------------------------------
+
+def test_sizes_announced_by_peers_are_bounded_before_anything_is_allocated(monkeypatch):
+    ctx = types.SimpleNamespace(distributed=True, backend="gloo", device=torch.device("cpu"),
+                                world_size=2, rank=0, is_main=True)
+
+    def gather(out, mine):
+        out[0].copy_(mine)
+        out[1].fill_(announced)
+    monkeypatch.setattr(collectives.dist, "all_gather", gather)
+    monkeypatch.setattr(collectives.dist, "broadcast", lambda tensor, src: tensor.fill_(announced))
+    for announced in (collectives.MAX_OBJECT_BYTES + 1, -1):
+        with pytest.raises(PeerLost, match=f"rank 1 announced an object of {announced} bytes"):
+            collectives.all_gather_object({"x": 1}, ctx)
+        with pytest.raises(PeerLost, match=f"rank 1 announced an object of {announced} bytes"):
+            collectives.broadcast_from(1, dict, ctx)

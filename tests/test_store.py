@@ -1,0 +1,507 @@
+"""The store of jobs with a secret (hetseq/distributed/store.py): served only
+through the tunnel's handshake, never on an unauthenticated listener."""
+
+import datetime
+import gc
+import json
+import logging
+import os
+import secrets
+import select
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from hetseq.distributed import store, tunnel
+
+from conftest import require
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET = secrets.token_hex(32)
+OTHER = secrets.token_hex(32)
+
+
+def key(text):
+    return tunnel.read_secret(None, {tunnel.SECRET_VARIABLE: text})
+
+
+KEY = key(SECRET)
+
+
+class Served:
+    """A store served on 127.0.0.1 behind tunnel.Gate, with each connection's
+    socket and thread recorded (to see one end)."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+        self.table = store.Table()
+        self.local = store.LocalStore(self.table, 10)
+        self.sockets, self.threads, self.clients = [], [], []
+        handle = store.serve_connection(self.table)
+
+        def tracked(sock, send_key, receive_key, where):
+            self.sockets.append(sock)
+            self.threads.append(threading.current_thread())
+            handle(sock, send_key, receive_key, where)
+        self.gate = tunnel.Gate(self.listener, KEY, tracked)
+
+    def client(self, timeout=10, secret_key=KEY):
+        remote = store.connect(self.address, secret_key, timeout)
+        self.clients.append(remote)
+        return remote
+
+    def go_away(self):
+        """The serving side ends: no listener, every connection shut."""
+        self.listener.close()
+        for sock in self.sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def served():
+    server = Served()
+    try:
+        yield server
+    finally:
+        for remote in server.clients:
+            remote.close()
+        server.go_away()
+
+
+def logged(caplog, text, within=3.0):
+    """Whether ``text`` is logged within ``within`` s (servers log from their threads)."""
+    deadline = time.monotonic() + within
+    while text not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return text in caplog.text
+
+
+def outcome(call):
+    try:
+        return repr(call())
+    except Exception as err:
+        return type(err).__name__
+
+
+def script(s):
+    """What a sequence of calls returns (or raises) on store ``s``."""
+    s.set_timeout(datetime.timedelta(seconds=0.1))
+    calls = [
+        lambda: s.num_keys(),
+        lambda: s.get("missing"),
+        lambda: s.wait(["missing"], datetime.timedelta(seconds=0.05)),
+        lambda: s.set("a", "text"), lambda: s.get("a"),
+        lambda: s.set("b", b"\x00\xff"), lambda: s.get("b"),
+        lambda: s.set("e", b""), lambda: s.get("e"),
+        lambda: s.add("c", 5), lambda: s.add("c", -7), lambda: s.get("c"),
+        lambda: s.add("a", 1),                        # not a number
+        lambda: s.set("n", " 7x"), lambda: s.add("n", 1),
+        lambda: s.add("big", 2**62), lambda: s.add("big", 2**62),   # int64 wraps
+        lambda: s.check(["a", "c"]), lambda: s.check(["a", "zz"]), lambda: s.check([]),
+        lambda: s.wait(["a", "c"]),
+        lambda: s.compare_set("k", "", "v1"), lambda: s.get("k"),
+        lambda: s.compare_set("k2", "x", "v2"), lambda: s.check(["k2"]),
+        lambda: s.compare_set("k", "wrong", "v3"), lambda: s.compare_set("k", "v1", "v3"),
+        lambda: s.compare_set("k", "", "v4"), lambda: s.compare_set("e", "", "q"),
+        lambda: s.num_keys(),
+        lambda: s.delete_key("a"), lambda: s.delete_key("a"), lambda: s.check(["a"]),
+        lambda: s.num_keys(),
+        lambda: s.append("ap", b"12"), lambda: s.append("ap", "34"), lambda: s.get("ap"),
+        lambda: s.multi_set(["m1", "m2"], [b"1", "2"]), lambda: s.multi_get(["m1", "m2"]),
+        lambda: s.multi_get(["m1", "zz"]),
+        lambda: s.set("", b"empty key"), lambda: s.get(""),
+        lambda: s.num_keys(),
+    ]
+    return [outcome(call) for call in calls]
+
+
+@pytest.mark.parametrize("kind", ["local", "remote", "local-prefix", "remote-prefix"])
+def test_semantics_match_hashstore(served, kind):
+    reference = dist.HashStore()
+    mine = served.local if kind.startswith("local") else served.client()
+    if kind.endswith("prefix"):
+        reference, mine = dist.PrefixStore("pg", reference), dist.PrefixStore("pg", mine)
+    expected = script(reference)
+    assert "'DistStoreError'" not in expected and "DistStoreError" in expected
+    assert script(mine) == expected
+
+
+def test_large_values_span_frames_and_bounds_hold(served):
+    remote = served.client()
+    value = secrets.token_bytes(3 * tunnel.CHUNK + 7)
+    remote.set("big", value)
+    assert remote.get("big") == value and served.local.get("big") == value
+    with pytest.raises(ValueError):
+        remote.set("x" * (store.MAX_KEY + 1), b"v")        # refused before sending
+    with pytest.raises(ValueError):
+        remote.set("huge", bytes(store.MAX_VALUE + 1))
+    assert remote.get("big") == value                      # the connection lives on
+
+
+def test_gloo_job_of_three_processes():
+    """Rank 0 serves (store.serve); ranks 1-2 connect (store.connect); gloo
+    meets through PrefixStore("pg", store), all-reduces, makes a new group."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    env = dict(os.environ, HETSEQ_JOB_SECRET=SECRET, GLOO_SOCKET_IFNAME="lo",
+               PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    procs = []
+    try:
+        for rank in range(3):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", RANK, str(rank), str(port), str(listener.fileno())],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                pass_fds=[listener.fileno()] if rank == 0 else []))
+        listener.close()
+        outputs = [proc.communicate(timeout=60)[0] for proc in procs]
+    finally:
+        listener.close()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    results = []
+    for rank, (proc, output) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"rank {rank}:\n{output}"
+        results.append(json.loads(output.split("RESULT ", 1)[1].splitlines()[0]))
+    for result in results:
+        assert result["sum"] == 6.0 and result["group_sum"] == 60.0
+    assert results[0]["kind"] == "LocalStore" and results[1]["kind"] == "RemoteStore"
+
+
+RANK = r"""
+import datetime, json, os, socket, sys, time
+import torch, torch.distributed as dist
+from hetseq.distributed import store, tunnel
+rank, port, fd = map(int, sys.argv[1:4])
+secret = tunnel.read_secret(None, os.environ)
+timeout = datetime.timedelta(seconds=20)
+if rank == 0:
+    s = store.serve(socket.socket(fileno=fd), secret, timeout)
+else:
+    s = store.connect(("127.0.0.1", port), secret, timeout)
+dist.init_process_group("gloo", store=dist.PrefixStore("pg", s), rank=rank, world_size=3,
+                        timeout=timeout)
+total = torch.tensor([float(rank + 1)])
+dist.all_reduce(total)
+group = dist.new_group()
+group_total = torch.tensor([10.0 * (rank + 1)])
+dist.all_reduce(group_total, group=group)
+dist.destroy_process_group()
+s.add("left", 1)
+deadline = time.monotonic() + 20
+while rank == 0 and s.add("left", 0) < 3 and time.monotonic() < deadline:
+    time.sleep(0.01)      # the server stays until every client is done with it
+print("RESULT " + json.dumps({"sum": total.item(), "group_sum": group_total.item(),
+                              "kind": type(s).__name__}), flush=True)
+"""
+
+
+def test_wrong_secret_gets_nothing_and_others_are_served(served, caplog):
+    served.local.set("hetseq/claim/0", b"mine")
+    with caplog.at_level(logging.WARNING, logger="hetseq.distributed.tunnel"):
+        with pytest.raises(tunnel.Refused):
+            store.connect(served.address, key(OTHER), 5)
+        assert logged(caplog, "wrong secret")
+    assert served.client().get("hetseq/claim/0") == b"mine"
+
+
+def bounded(call, within=5.0):
+    """(what ``call()`` raised, seconds it took); fails if it takes over
+    ``within`` s (so that a call that would hang ends the test instead)."""
+    box = {}
+
+    def run():
+        start = time.monotonic()
+        try:
+            call()
+        except Exception as err:
+            box["error"] = err
+        box["took"] = time.monotonic() - start
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(within)
+    assert not thread.is_alive(), f"still blocked after {within} s"
+    return box.get("error"), box["took"]
+
+
+def elapsed(call):
+    error, took = bounded(call)
+    assert isinstance(error, dist.DistStoreError), repr(error)
+    return took
+
+
+@pytest.mark.parametrize("kind", ["local", "remote"])
+def test_get_and_wait_time_out_with_dist_store_error(served, kind):
+    s = served.local if kind == "local" else served.client()
+    s.set_timeout(datetime.timedelta(seconds=0.3))
+    assert 0.25 < elapsed(lambda: s.get("never")) < 3
+    assert 0.15 < elapsed(lambda: s.wait(["never"], datetime.timedelta(seconds=0.2))) < 3
+    assert 0.25 < elapsed(lambda: s.multi_get(["never"])) < 3
+    prefixed = dist.PrefixStore("pg", s)            # through c10d's C++ side
+    prefixed.set_timeout(datetime.timedelta(seconds=0.2))
+    assert 0.15 < elapsed(lambda: prefixed.get("never")) < 3
+    s.set("late", b"1")
+    assert s.get("late") == b"1"                    # the connection outlives a timeout
+
+
+def test_a_server_that_goes_away_ends_a_blocked_call(served):
+    remote = served.client(timeout=30)
+    threading.Timer(0.3, served.go_away).start()
+    error, took = bounded(lambda: remote.get("never"))
+    assert isinstance(error, dist.DistNetworkError) and took < 3, repr(error)
+    error, _ = bounded(lambda: remote.set("k", b"v"))
+    assert isinstance(error, dist.DistNetworkError), repr(error)
+
+
+def test_a_frozen_server_does_not_hang_a_call():
+    """A server that takes requests but never answers (a frozen rank 0, a cut
+    link): a call ends after the store's timeout."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def frozen(sock, send_key, receive_key, where):
+        while sock.recv(1 << 16):
+            pass
+    tunnel.Gate(listener, KEY, frozen)
+    remote = store.connect(listener.getsockname()[:2], KEY, 0.3)
+    try:
+        error, took = bounded(lambda: remote.set("k", b"v"))
+        assert isinstance(error, dist.DistStoreError) and 0.25 < took < 3, repr(error)
+        error, _ = bounded(lambda: remote.add("k", 1))
+        assert isinstance(error, dist.DistNetworkError), repr(error)    # that connection is done
+    finally:
+        remote.close()
+        listener.close()
+
+
+def test_a_waiting_server_thread_ends_when_its_client_leaves(served):
+    remote = served.client(timeout=60)
+    errors = []
+
+    def blocked():
+        try:
+            remote.get("never")
+        except dist.DistError as err:
+            errors.append(err)
+    waiter = threading.Thread(target=blocked)
+    waiter.start()
+    time.sleep(0.3)
+    remote._sock.shutdown(socket.SHUT_RDWR)        # the client process goes away
+    waiter.join(5)
+    assert not waiter.is_alive() and isinstance(errors[0], dist.DistNetworkError)
+    served.threads[0].join(store.POLL_S + 2)
+    assert not served.threads[0].is_alive()
+
+
+def test_a_blocked_get_does_not_block_other_connections(served):
+    waiting, setter = served.client(), served.client()
+    got = []
+    reader = threading.Thread(target=lambda: got.append(waiting.get("late")))
+    reader.start()
+    time.sleep(0.2)
+    assert setter.add("counter", 2) == 2
+    setter.set("late", b"here")
+    reader.join(5)
+    assert got == [b"here"]
+
+
+def test_clones_have_their_own_connection_and_outlive_python_references(served):
+    remote = served.client()
+    clone = dist.PrefixStore("x", remote).clone()   # c10d's C++ side calls RemoteStore.clone
+    gc.collect()
+    clone.set("a", b"1")
+    assert remote.get("x/a") == b"1"
+    assert type(clone.underlying_store) is store.RemoteStore
+    assert clone.underlying_store is not remote and len(served.sockets) == 2
+
+
+def message(body, total=None):
+    """A message's first frame: its length (``total`` to lie about it), then ``body``."""
+    return struct.pack(">I", len(body) if total is None else total) + body
+
+
+def blob(data):
+    return struct.pack(">I", len(data)) + data
+
+
+MALFORMED = {
+    "unknown op": message(b"\xee"),
+    "empty request": message(b""),
+    "oversized message": message(b"\x01", total=store.MAX_MESSAGE + 1),
+    "oversized key": message(bytes([store.SET]) + blob(b"k" * (store.MAX_KEY + 1)) + blob(b"")),
+    "too many keys": message(bytes([store.CHECK]) + struct.pack(">I", store.MAX_KEYS + 1)
+                             + blob(b"") * (store.MAX_KEYS + 1)),
+    "field past the end": message(bytes([store.DELETE_KEY]) + struct.pack(">I", 100) + b"abcd"),
+    "trailing bytes": message(bytes([store.DELETE_KEY]) + blob(b"a") + b"!"),
+    "longer than announced": message(bytes([store.NUM_KEYS]) + b"\0\0\0\0", total=1),
+    "a counter of 9 bytes": message(bytes([store.ADD]) + blob(b"n") + b"\0" * 9),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_requests_close_only_their_connection(served, case, caplog):
+    other = served.client()
+    other.set("kept", b"yes")
+    sock, send_key, receive_key = tunnel.connect_as_client(served.address, KEY)
+    try:
+        with caplog.at_level(logging.WARNING, logger="hetseq.distributed.store"):
+            tunnel._seal(sock, send_key, 0, MALFORMED[case])
+            sock.settimeout(5)
+            assert sock.recv(1 << 16) == b""    # closed, nothing answered
+            assert logged(caplog, "closed a store connection from 127.0.0.1")
+        assert caplog.text.count("closed a store connection") == 1
+    finally:
+        sock.close()
+    assert other.get("kept") == b"yes" and served.client().get("kept") == b"yes"
+
+
+def test_a_forged_frame_closes_the_connection(served):
+    sock, send_key, receive_key = tunnel.connect_as_client(served.address, KEY)
+    try:
+        tunnel._seal(sock, key(OTHER), 0, message(bytes([store.NUM_KEYS])))
+        sock.settimeout(5)
+        assert sock.recv(1 << 16) == b""
+    finally:
+        sock.close()
+
+
+def listening(pid):
+    """(host, port) of each TCP socket that process ``pid`` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    for table, any_address in (("/proc/net/tcp", "0.0.0.0"), ("/proc/net/tcp6", "::")):
+        with open(table) as f:
+            for row in (line.split() for line in f.readlines()[1:]):
+                if row[3] == "0A" and row[9] in inodes:
+                    hex_address, hex_port = row[1].split(":")
+                    raw = b"".join(struct.pack("=I", int(hex_address[i:i + 8], 16))
+                                   for i in range(0, len(hex_address), 8))
+                    address = socket.inet_ntop(socket.AF_INET if len(raw) == 4
+                                               else socket.AF_INET6, raw)
+                    if address in (any_address, "::ffff:0.0.0.0"):
+                        address = "127.0.0.1"
+                    found.append((address, int(hex_port, 16)))
+    return found
+
+
+def as_nobody():
+    os.setgid(65534)
+    os.setuid(65534)
+
+
+def runnable_as_nobody():
+    for exe in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        try:
+            subprocess.run([exe, "-c", "pass"], preexec_fn=as_nobody, cwd="/", timeout=10,
+                           check=True, capture_output=True)
+            return exe
+        except (OSError, subprocess.SubprocessError):
+            continue
+    return None
+
+
+def test_another_uid_cannot_reach_the_store_without_the_handshake():
+    """As another uid (nobody), speak TCPStore's protocol to every port the
+    serving process listens on: only the gate answers, and it gives nothing
+    without the secret. A TCPStore on 127.0.0.1 (the control) does give the
+    key to that same probe."""
+    require(os.geteuid() == 0, "needs root (to run a probe as another uid)")
+    python = runnable_as_nobody()
+    require(python is not None, "needs a Python that uid 65534 may run")
+    value = secrets.token_hex(8)
+    control = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10),
+                            wait_for_workers=False)
+    control.set("hetseq/claim/0", value)
+    listener = socket.create_server(("127.0.0.1", 0))
+    served_port = listener.getsockname()[1]
+    env = dict(os.environ, HETSEQ_JOB_SECRET=SECRET, PYTHONPATH=str(ROOT))
+    server = subprocess.Popen([sys.executable, "-c", SERVE, str(listener.fileno()), value],
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, pass_fds=[listener.fileno()])
+    try:
+        listener.close()
+        ready, _, _ = select.select([server.stdout], [], [], 30)
+        assert ready and server.stdout.readline().strip() == "READY"
+        ports = listening(server.pid)
+        assert ("127.0.0.1", served_port) in ports
+        targets = ports + [("127.0.0.1", control.port)]
+        probe = subprocess.run([python, "-c", PROBE, json.dumps(targets), "hetseq/claim/0"],
+                               preexec_fn=as_nobody, cwd="/", capture_output=True, text=True,
+                               timeout=60, env={})
+    finally:
+        server.kill()
+        server.wait()
+    report = json.loads(probe.stdout)
+    assert report["uid"] == 65534
+    assert report["ports"].pop(f"127.0.0.1:{control.port}").get("value") == value
+    assert report["ports"] and all("value" not in seen for seen in report["ports"].values()), \
+        report
+    assert all(bytes.fromhex(seen["greeting"]).startswith(tunnel.MAGIC)
+               for seen in report["ports"].values()), report
+
+
+SERVE = r"""
+import os, socket, sys, time
+from hetseq.distributed import store, tunnel
+s = store.serve(socket.socket(fileno=int(sys.argv[1])), tunnel.read_secret(None, os.environ), 10)
+s.set("hetseq/claim/0", sys.argv[2])
+print("READY", flush=True)
+sys.stdin.read()
+"""
+
+PROBE = r"""
+import json, os, socket, struct, sys
+targets, key = json.loads(sys.argv[1]), sys.argv[2].encode()
+
+def string(data):
+    return struct.pack("<Q", len(data)) + data
+
+def exactly(sock, n):
+    data = b""
+    while len(data) < n:
+        got = sock.recv(n - len(data))
+        if not got:
+            raise ConnectionError("closed")
+        data += got
+    return data
+
+out = {"uid": os.getuid(), "ports": {}}
+for host, port in targets:
+    seen = {}
+    try:
+        sock = socket.create_connection((host, port), timeout=3)
+        sock.settimeout(0.3)
+        try:
+            seen["greeting"] = sock.recv(64).hex()
+        except socket.timeout:
+            seen["greeting"] = ""
+        sock.settimeout(3)
+        # TCPStore's protocol: VALIDATE, CHECK [key], GET key.
+        sock.sendall(bytes([0]) + struct.pack("<I", 0x3C85F7CE))
+        for name in (key, b"/" + key):    # TCPStore's Python API adds the "/"
+            sock.sendall(bytes([5]) + struct.pack("<Q", 1) + string(name))
+            if exactly(sock, 1) == b"\0":
+                sock.sendall(bytes([3]) + string(name))
+                seen["value"] = exactly(sock, struct.unpack("<Q", exactly(sock, 8))[0]).decode()
+    except Exception as err:
+        seen["error"] = f"{type(err).__name__}: {err}"
+    out["ports"][f"{host}:{port}"] = seen
+print(json.dumps(out))
+"""
