@@ -329,18 +329,18 @@ MUTATIONS = {
     'store-server-wait-ignores-departure': (
         'a waiting server thread ends when its client leaves',
         'hetseq/distributed/store.py',
-        '_execute(table, op, args, lambda: _client_gone(sock))',
-        '_execute(table, op, args, None)',
+        'execute(table, op, args, lambda: _client_gone(sock))',
+        'execute(table, op, args, None)',
         ['tests/test_store.py::test_a_waiting_server_thread_ends_when_its_client_leaves']),
     'store-message-bound': (
         'a message over MAX_MESSAGE is refused from its header',
-        'hetseq/distributed/store.py',
+        'hetseq/distributed/store_wire.py',
         '    if total > MAX_MESSAGE:',
         '    if False:',
         ['tests/test_store.py::test_malformed_requests_close_only_their_connection']),
     'store-key-bound': (
         'keys over MAX_KEY close the connection',
-        'hetseq/distributed/store.py',
+        'hetseq/distributed/store_wire.py',
         'return self.blob(MAX_KEY, "key")',
         'return self.blob(MAX_VALUE, "key")',
         ['tests/test_store.py::test_malformed_requests_close_only_their_connection']),
@@ -348,7 +348,7 @@ MUTATIONS = {
         'an unknown op closes the connection',
         'hetseq/distributed/store.py',
         '        raise Malformed(f"unknown op {request[0] if request else None}")',
-        '        return bytes([INVALID]) + _blob(b"unknown op")',
+        '        return bytes([INVALID]) + blob(b"unknown op")',
         ['tests/test_store.py::test_malformed_requests_close_only_their_connection']),
     'store-no-socket-bound': (
         'a call on a server that never answers ends after the store timeout',

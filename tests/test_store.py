@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from hetseq.distributed import store, tunnel
+from hetseq.distributed import store, store_table, tunnel
 
 from conftest import require
 
@@ -182,7 +182,7 @@ def test_gloo_job_of_three_processes():
 RANK = r"""
 import datetime, json, os, socket, sys, time
 import torch, torch.distributed as dist
-from hetseq.distributed import store, tunnel
+from hetseq.distributed import store, store_table, tunnel
 rank, port, fd = map(int, sys.argv[1:4])
 secret = tunnel.read_secret(None, os.environ)
 timeout = datetime.timedelta(seconds=20)
@@ -299,7 +299,7 @@ def test_a_waiting_server_thread_ends_when_its_client_leaves(served):
     remote._sock.shutdown(socket.SHUT_RDWR)        # the client process goes away
     waiter.join(5)
     assert not waiter.is_alive() and isinstance(errors[0], dist.DistNetworkError)
-    served.threads[0].join(store.POLL_S + 2)
+    served.threads[0].join(store_table.POLL_S + 2)
     assert not served.threads[0].is_alive()
 
 
@@ -459,7 +459,7 @@ def test_another_uid_cannot_reach_the_store_without_the_handshake():
 
 SERVE = r"""
 import os, socket, sys, time
-from hetseq.distributed import store, tunnel
+from hetseq.distributed import store, store_table, tunnel
 s = store.serve(socket.socket(fileno=int(sys.argv[1])), tunnel.read_secret(None, os.environ), 10)
 s.set("hetseq/claim/0", sys.argv[2])
 print("READY", flush=True)

@@ -8,7 +8,7 @@ still leaves two unauthenticated listeners on every host of the job: any local
 user could connect to them and read or rewrite rank claims, the elastic
 membership and gloo's addresses. So with a secret no TCPStore runs at all:
 
-    rank 0:  Table (a dict in memory) <- LocalStore (its own view, no network)
+    rank 0:  Table (a dict in memory, store_table.py) <- LocalStore (its own view, no network)
                    ^
                    | serve_connection(table): one thread per connection
              Gate on HOST:PORT (tunnel.py: handshake, then sealed frames)
@@ -19,21 +19,11 @@ membership and gloo's addresses. So with a secret no TCPStore runs at all:
 Both stores are ``torch.distributed.Store`` subclasses, so gloo, PrefixStore
 and HetSeq's own code use them as they use a TCPStore.
 
-Protocol (inside tunnel's sealed frames, each direction with its own key and a
-sequence number per frame): a message is a 4-byte big-endian length followed
-by its body, split over as many frames as tunnel.CHUNK needs. A request body
-is an op code (1 byte) and the op's fields; a response body is a status byte
-(OK, TIMEOUT, INVALID) and the result's fields. Fields: a key or value is a
-4-byte length and its bytes, a list is a 4-byte count and its items, an
-integer is 8 bytes signed, a timeout is 8 bytes of milliseconds (0: none, as
-in c10d). One request is in flight per connection. Nothing from the network
-is unpickled or evaluated.
-
-Bounds: a key at most MAX_KEY bytes, a value at most MAX_VALUE, a list at most
-MAX_KEYS items, a message at most MAX_MESSAGE bytes (checked from the length
-header, before anything is gathered). A request that breaks them, an unknown
-op or a malformed field closes that connection with one WARNING naming the
-peer; other connections go on.
+The data (store_table.py) has c10d's semantics; the protocol
+(store_wire.py) runs inside tunnel's sealed frames, one request in flight
+per connection, every length bounded before anything is gathered, nothing
+unpickled. A request that breaks it closes that connection with one WARNING
+naming the peer; other connections go on.
 
 Timeouts follow c10d: ``get``/``wait``/``multi_get`` wait for their keys up to
 the store's timeout (``set_timeout``, or the timeout given to ``wait``) and
@@ -50,278 +40,25 @@ store they were cloned from.
 
 import datetime
 import logging
-import re
 import select
 import socket
 import struct
 import threading
-import time
 
 import torch.distributed as dist
 
 from hetseq.distributed import tunnel
+from hetseq.distributed.store_table import Gone, Table, WaitTimeout, execute
+from hetseq.distributed.store_wire import (ADD, APPEND, CHECK, COMPARE_SET, DELETE_KEY, GET,
+                                           INVALID, MAX_KEY, MAX_KEYS, MAX_MESSAGE, MAX_VALUE,
+                                           MULTI_GET, MULTI_SET, NUM_KEYS, OK, REQUEST, RESPONSE,
+                                           SET, TIMEOUT, WAIT, Malformed, Reader, blob, encode,
+                                           receive_message, send_message)
 
 logger = logging.getLogger(__name__)
 
-MAX_KEY = 4 << 10
-MAX_VALUE = 64 << 20
-MAX_KEYS = 1 << 12
-MAX_MESSAGE = MAX_VALUE + (1 << 20)    # one value at its largest, plus keys and headers
 ANSWER_S = 10.0         # a server answers this long after a wait's timeout at the latest
-POLL_S = 1.0            # how often a waiting server thread looks for its client's departure
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)   # c10d's default store timeout
-
-SET, GET, ADD, CHECK, WAIT, COMPARE_SET, DELETE_KEY, NUM_KEYS, APPEND, MULTI_GET, MULTI_SET = \
-    range(1, 12)
-OK, TIMEOUT, INVALID = range(3)
-
-# The fields of each op's request and of its OK response: k key, v value,
-# i signed 64-bit integer, t timeout, b boolean, K list of keys, V list of values.
-REQUEST = {SET: "kv", GET: "tk", ADD: "ki", CHECK: "K", WAIT: "tK", COMPARE_SET: "kvv",
-           DELETE_KEY: "k", NUM_KEYS: "", APPEND: "kv", MULTI_GET: "tK", MULTI_SET: "KV"}
-RESPONSE = {SET: "", GET: "v", ADD: "i", CHECK: "b", WAIT: "", COMPARE_SET: "v",
-            DELETE_KEY: "b", NUM_KEYS: "i", APPEND: "", MULTI_GET: "V", MULTI_SET: ""}
-
-
-class WaitTimeout(TimeoutError):
-    """Keys a caller waited for were not all set within its timeout."""
-
-
-class Malformed(Exception):
-    """A message that breaks the protocol or its bounds."""
-
-
-class _Gone(Exception):
-    """The client of a waiting request went away."""
-
-
-# --- the data -----------------------------------------------------------------
-
-_STOLL = re.compile(rb"\s*([+-]?[0-9]+)")
-
-
-def _counter(value):
-    """A counter's value as c10d reads it (std::stoll: leading blanks, a sign,
-    digits, anything after ignored); ValueError like HashStore otherwise."""
-    match = _STOLL.match(value)
-    if match is None or not -2**63 <= int(match.group(1)) < 2**63:
-        raise ValueError("stoll")
-    return int(match.group(1))
-
-
-def _wrap64(number):
-    """c10d adds in int64_t, which wraps around."""
-    return (number + 2**63) % 2**64 - 2**63
-
-
-class Table:
-    """The store's data in the serving process: bytes -> bytes, and a condition
-    that wakes waiters whenever a key changes. Waits take seconds (None: no
-    limit) and an optional ``gone()`` that ends a wait whose client left."""
-
-    def __init__(self):
-        self._data = {}
-        self._changed = threading.Condition()
-
-    def _wait_for(self, ready, timeout, gone):
-        """Wait (holding the condition) until ``ready()``; WaitTimeout after
-        ``timeout`` seconds, _Gone as soon as ``gone()`` says so."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not ready():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise WaitTimeout(f"wait timeout after {timeout * 1000:.0f}ms")
-            if gone is not None:
-                if gone():
-                    raise _Gone()
-                left = POLL_S if left is None else min(left, POLL_S)
-            self._changed.wait(left)
-
-    def set(self, key, value):
-        with self._changed:
-            self._data[key] = value
-            self._changed.notify_all()
-
-    def get(self, key, timeout=None, gone=None):
-        with self._changed:
-            self._wait_for(lambda: key in self._data, timeout, gone)
-            return self._data[key]
-
-    def add(self, key, amount):
-        """The counter at ``key`` plus ``amount`` (a missing key counts 0),
-        stored as ASCII decimal as TCPStore does."""
-        with self._changed:
-            value = _wrap64(_counter(self._data.get(key, b"0")) + amount)
-            self._data[key] = str(value).encode()
-            self._changed.notify_all()
-            return value
-
-    def check(self, keys):
-        with self._changed:
-            return all(key in self._data for key in keys)
-
-    def wait(self, keys, timeout=None, gone=None):
-        with self._changed:
-            self._wait_for(lambda: all(key in self._data for key in keys), timeout, gone)
-
-    def compare_set(self, key, expected, desired):
-        """c10d's compare-and-set: a missing key is created only when
-        ``expected`` is empty; returns the value after the operation (for a
-        missing key left alone: ``expected``, as HashStore and TCPStore do)."""
-        with self._changed:
-            current = self._data.get(key)
-            if current is None and expected != b"":
-                return expected
-            if current is None or current == expected:
-                self._data[key] = desired
-                self._changed.notify_all()
-                return desired
-            return current
-
-    def delete_key(self, key):
-        with self._changed:
-            return self._data.pop(key, None) is not None
-
-    def num_keys(self):
-        with self._changed:
-            return len(self._data)
-
-    def append(self, key, value):
-        with self._changed:
-            joined = self._data.get(key, b"") + value
-            if len(joined) > MAX_VALUE:
-                raise ValueError(f"appending would make a value of {len(joined)} bytes "
-                                 f"(at most {MAX_VALUE})")
-            self._data[key] = joined
-            self._changed.notify_all()
-
-    def multi_get(self, keys, timeout=None, gone=None):
-        with self._changed:
-            self._wait_for(lambda: all(key in self._data for key in keys), timeout, gone)
-            return [self._data[key] for key in keys]
-
-    def multi_set(self, keys, values):
-        if len(keys) != len(values):
-            raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        with self._changed:
-            self._data.update(zip(keys, values))
-            self._changed.notify_all()
-
-
-def _execute(table, op, args, gone=None):
-    """One request's result against ``table``; WaitTimeout, ValueError."""
-    if op in (GET, WAIT, MULTI_GET):
-        timeout, keys = args
-        return getattr(table, {GET: "get", WAIT: "wait", MULTI_GET: "multi_get"}[op])(
-            keys, timeout, gone)
-    method = {SET: table.set, ADD: table.add, CHECK: table.check, COMPARE_SET: table.compare_set,
-              DELETE_KEY: table.delete_key, NUM_KEYS: table.num_keys, APPEND: table.append,
-              MULTI_SET: table.multi_set}[op]
-    return method(*args)
-
-
-# --- encoding -----------------------------------------------------------------
-
-def _blob(data):
-    return struct.pack(">I", len(data)) + data
-
-
-def _encode(kinds, values):
-    """Fields ``values`` laid out as ``kinds`` says (see REQUEST)."""
-    out = []
-    for kind, value in zip(kinds, values):
-        if kind in "kv":
-            out.append(_blob(value))
-        elif kind in "KV":
-            out.append(struct.pack(">I", len(value)) + b"".join(map(_blob, value)))
-        elif kind == "i":
-            out.append(struct.pack(">q", value))
-        elif kind == "b":
-            out.append(b"\1" if value else b"\0")
-        else:   # t: seconds or None -> milliseconds, 0 for none
-            out.append(struct.pack(">Q", 0 if value is None else max(1, round(value * 1000))))
-    return b"".join(out)
-
-
-class _Reader:
-    """Fields of a received body; every length is checked against its bound
-    and against what is left before anything is sliced."""
-
-    def __init__(self, data):
-        self.data, self.at = data, 0
-
-    def take(self, n):
-        if n > len(self.data) - self.at:
-            raise Malformed(f"a field of {n} bytes runs past the message's end")
-        self.at += n
-        return self.data[self.at - n:self.at]
-
-    def blob(self, limit, what):
-        (n,) = struct.unpack(">I", self.take(4))
-        if n > limit:
-            raise Malformed(f"a {what} of {n} bytes (at most {limit})")
-        return self.take(n)
-
-    def field(self, kind):
-        if kind == "k":
-            return self.blob(MAX_KEY, "key")
-        if kind == "v":
-            return self.blob(MAX_VALUE, "value")
-        if kind in "KV":
-            (n,) = struct.unpack(">I", self.take(4))
-            if n > MAX_KEYS:
-                raise Malformed(f"a list of {n} items (at most {MAX_KEYS})")
-            return [self.field(kind.lower()) for _ in range(n)]
-        if kind == "i":
-            return struct.unpack(">q", self.take(8))[0]
-        if kind == "b":
-            flag = self.take(1)
-            if flag not in (b"\0", b"\1"):
-                raise Malformed("a boolean that is neither 0 nor 1")
-            return flag == b"\1"
-        (ms,) = struct.unpack(">Q", self.take(8))
-        return ms / 1000 if ms else None
-
-    def fields(self, kinds):
-        values = [self.field(kind) for kind in kinds]
-        if self.at != len(self.data):
-            raise Malformed(f"{len(self.data) - self.at} bytes after the last field")
-        return values
-
-
-def _send_message(sock, key, seq, body):
-    """Send ``body`` as one message over sealed frames; returns the next seq."""
-    data = struct.pack(">I", len(body)) + body
-    for start in range(0, len(data), tunnel.CHUNK):
-        tunnel._seal(sock, key, seq, data[start:start + tunnel.CHUNK])
-        seq += 1
-    return seq
-
-
-def _receive_message(sock, key, seq):
-    """(body, next seq) of the next message; body None at a clean end.
-    Raises Malformed for a message over MAX_MESSAGE (read from its header,
-    before gathering it), tunnel.Refused for a forged frame, OSError."""
-    first = tunnel._open(sock, key, seq)
-    if not first:
-        return None, seq
-    seq += 1
-    if len(first) < 4:
-        raise Malformed("a message without its length")
-    (total,) = struct.unpack(">I", first[:4])
-    if total > MAX_MESSAGE:
-        raise Malformed(f"a message of {total} bytes (at most {MAX_MESSAGE})")
-    body = bytearray(first[4:])
-    while len(body) < total:
-        more = tunnel._open(sock, key, seq)
-        if not more:
-            raise ConnectionError("connection closed mid-message")
-        seq += 1
-        body += more
-    if len(body) != total:
-        raise Malformed(f"a message of {len(body)} bytes announced as {total}")
-    return bytes(body), seq
-
 
 # --- the server side ----------------------------------------------------------
 
@@ -334,22 +71,22 @@ def _client_gone(sock):
 
 
 def _answer(table, request, sock):
-    """The response body to one request body; raises Malformed, _Gone."""
+    """The response body to one request body; raises Malformed, Gone."""
     if not request or request[0] not in REQUEST:
         raise Malformed(f"unknown op {request[0] if request else None}")
     op = request[0]
-    reader = _Reader(request)
+    reader = Reader(request)
     reader.take(1)
     args = reader.fields(REQUEST[op])
     try:
-        result = _execute(table, op, args, lambda: _client_gone(sock))
+        result = execute(table, op, args, lambda: _client_gone(sock))
     except WaitTimeout:
         return bytes([TIMEOUT])
     except ValueError as err:
-        return bytes([INVALID]) + _blob(str(err).encode()[:MAX_KEY])
-    body = bytes([OK]) + _encode(RESPONSE[op], [result])
+        return bytes([INVALID]) + blob(str(err).encode()[:MAX_KEY])
+    body = bytes([OK]) + encode(RESPONSE[op], [result])
     if len(body) > MAX_MESSAGE:
-        return bytes([INVALID]) + _blob(b"the answer would exceed the message bound")
+        return bytes([INVALID]) + blob(b"the answer would exceed the message bound")
     return body
 
 
@@ -362,13 +99,13 @@ def serve_connection(table):
         send_seq = receive_seq = 0
         try:
             while True:
-                request, receive_seq = _receive_message(sock, receive_key, receive_seq)
+                request, receive_seq = receive_message(sock, receive_key, receive_seq)
                 if request is None:
                     return
-                send_seq = _send_message(sock, send_key, send_seq, _answer(table, request, sock))
+                send_seq = send_message(sock, send_key, send_seq, _answer(table, request, sock))
         except (Malformed, tunnel.Refused) as err:
             logger.warning("closed a store connection from %s: %s", where, err)
-        except (_Gone, OSError):
+        except (Gone, OSError):
             pass
         except Exception:   # a bug here must not take the serving process down
             logger.exception("closed a store connection from %s after an error", where)
@@ -505,7 +242,7 @@ class LocalStore(_Front):
         self.table = Table() if table is None else table
 
     def _request(self, op, args):
-        return _execute(self.table, op, args)
+        return execute(self.table, op, args)
 
     def _twin(self):
         return LocalStore(self.table, self.timeout)
@@ -549,7 +286,7 @@ class RemoteStore(_Front):
         return RemoteStore(self.address, self._secret, self.timeout)
 
     def _request(self, op, args):
-        body = bytes([op]) + _encode(REQUEST[op], args)
+        body = bytes([op]) + encode(REQUEST[op], args)
         if len(body) > MAX_MESSAGE:     # refused here, not by the server closing the connection
             raise ValueError(f"a store request of {len(body)} bytes (at most {MAX_MESSAGE})")
         if op in (GET, WAIT, MULTI_GET):    # the server answers by the wait's end
@@ -577,8 +314,8 @@ class RemoteStore(_Front):
                                         f"{self._lost}")
         try:
             _limit_socket(self._sock, limit)
-            self._send_seq = _send_message(self._sock, self._send_key, self._send_seq, body)
-            response, self._receive_seq = _receive_message(self._sock, self._receive_key,
+            self._send_seq = send_message(self._sock, self._send_key, self._send_seq, body)
+            response, self._receive_seq = receive_message(self._sock, self._receive_key,
                                                            self._receive_seq)
             if response is None:
                 raise ConnectionError("the server closed the connection")
@@ -598,7 +335,7 @@ class RemoteStore(_Front):
 
     def _result(self, op, response):
         try:
-            reader = _Reader(response)
+            reader = Reader(response)
             status = reader.take(1)[0]
             if status == TIMEOUT:
                 reader.fields("")
