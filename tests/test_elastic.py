@@ -350,3 +350,57 @@ def test_max_nodes_keeps_its_leader_and_a_waiting_node_takes_a_freed_place(tmp):
     assert "generation 2: 2 nodes, this node is rank 1" in out_c, out_c[-3000:]
     expected = run_alone([*COMMON, "--max-update", 40, "--max-sentences", 48, "--no-save"])
     assert max_diff(expected["model"], final_params(tmp / "ab"[first.index(a)])) < EXACT
+
+
+@pytest.mark.parametrize("fooled", [(1, 3), (2, 3)])
+def test_two_rounds_of_one_generation_meet_at_the_lower_ranked_leader(fooled):
+    """Five members, rank 4 lost; for a moment rank 0 looks lost to two
+    others. (1, 3): rank 1 leads a round with rank 3 while rank 0 leads one
+    with rank 2: 2 and 2 of 5, no quorum either way, unless rank 1 sees rank
+    0's round of the same number and moves there. (2, 3): they meet at rank
+    1's store, which is not leading (rank 1 is in rank 0's round) and says
+    where it meets. Either way one generation of four forms. (One process:
+    each Membership serves its own store on 127.0.0.1.)"""
+    import secrets
+    import threading
+    import types
+    from hetseq.distributed import elastic, tunnel
+    secret = tunnel.read_secret(None, {tunnel.SECRET_VARIABLE: secrets.token_hex(32)})
+    launch = types.SimpleNamespace(distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+                                   distributed_timeout=10.0, distributed_interface=None)
+    nodes = [elastic.Membership(launch, "gloo", secret, 1, 0) for _ in range(5)]
+
+    def meet(group):
+        results = {}
+
+        def one(node):
+            try:
+                results[node.id] = node.meet(0, ["1-x"])
+            except Exception as err:      # the test reports what each node got
+                results[node.id] = err
+        threads = [threading.Thread(target=one, args=(node,)) for node in group]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(90)
+        return results
+    first = meet(nodes)
+    assert {g.world_size for g in first.values()} == {5}, first
+    by_id = {node.id: node for node in nodes}
+    ranked = [by_id[i] for i in next(iter(first.values())).ids]
+    ranked[4].store.gate.listener.close()                    # rank 4 is lost
+    leader = ranked[0].id
+    for node in (ranked[i] for i in fooled):                 # rank 0 looks lost, once
+        real, done = node._live, [False]
+
+        def live(members, real=real, done=done):
+            answer = real(members)
+            if not done[0] and any(m["id"] == leader for m in members):
+                done[0] = True
+                return [m for m in answer if m["id"] != leader]
+            return answer
+        node._live = live
+    second = meet(ranked[:4])
+    assert all(isinstance(g, Generation) for g in second.values()), second
+    assert {g.number for g in second.values()} == {2}
+    assert {tuple(g.ids) for g in second.values()} == {tuple(n.id for n in ranked[:4])}

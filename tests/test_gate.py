@@ -111,6 +111,27 @@ def test_over_its_cap_the_gate_answers_busy_at_once_and_a_member_gets_its_turn()
         sock.close()
 
 
+def test_one_address_cannot_take_every_place_in_the_handshake():
+    """A machine that holds its handshakes open to the deadline, again and
+    again, gets at most PER_SOURCE places: a member from another address
+    is greeted at once and gets in while they are held."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    tunnel.Gate(listener, key(), lambda sock, *_: sock.close(), handshakes=8, per_source=2)
+    held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+    for sock in held:
+        assert tunnel._recv_exact(sock, len(tunnel.MAGIC)) == tunnel.MAGIC
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as third:
+        assert tunnel._recv_exact(third, len(tunnel.BUSY)) == tunnel.BUSY
+    # 127.0.0.2 is this host too: another source address.
+    with socket.create_connection(("127.0.0.1", port), timeout=5,
+                                  source_address=("127.0.0.2", 0)) as member:
+        member.settimeout(5)
+        tunnel.handshake_as_client(member, key(), time.monotonic() + 5)
+    for sock in held:
+        sock.close()
+
+
 class FailingListener:
     """A listener whose first ``failures`` accepts fail as out of descriptors."""
 

@@ -1,13 +1,16 @@
 """Only invited nodes: a job secret guards the meeting point (tunnel.py), and
 rank 0's store listens only on the job's address."""
 
+import base64
 import datetime
 import os
+import random
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import uuid
 
 import pytest
 
@@ -141,14 +144,22 @@ def test_secrets_are_read_from_a_private_file_or_the_variable(tmp_path):
     ("a" * 32, "only 1 different characters"),
     ("0123456789abcdef0000000000000000", "repeats 8 times in a row"),
     ("0101010101010101010101010101010101010101", "only 2 different characters"),
-    ("passwordpasswordpassword", "only lowercase letters"),
-    ("correcthorsebatterystaple", "only lowercase letters"),
+    ("passwordpasswordpassword", "only 7 different characters"),
+    ("correcthorsebatterystaple", "lowercase words"),
+    ("hetseq-job-secret-2024", "lowercase words"),
+    ("correct horse battery staple", "spaces or punctuation"),
+    ("hetseq-job-secret-2024!", "spaces or punctuation"),
+    ("Password1Password1Password1", "a shorter part repeated"),
+    ("0123456789abcdef0123456789abcdef", "counts up for 8 characters"),
+    ("12345678901234567890123456789012", "counts up for 8 characters"),
 ])
 def test_a_secret_that_could_be_guessed_is_refused_with_the_command_that_makes_one(text, why):
     with pytest.raises(UserError) as err:
         key(text)
     message = str(err.value)
-    assert why in message and "hetseq-secret" in message, message
+    # The reason given, not the rule that follows it (which names every shape).
+    reason = message.split("could be guessed (", 1)[-1].split("); ", 1)[0]
+    assert why in reason and "hetseq-secret" in message, message
     assert message.startswith(tunnel.SECRET_VARIABLE) and "\n" not in message, message
 
 
@@ -158,6 +169,13 @@ def test_hetseq_secret_makes_accepted_secrets_and_private_files(tmp_path):
     assert key(made.stdout) is not None
     for _ in range(200):           # the rule refuses none of what it makes
         assert key(secret.make()) is not None
+    # ... nor what other generators print (hex, base64, URL-safe, uuid4), 128 bits and up.
+    draw = random.Random(0)
+    for _ in range(2000):
+        raw = draw.getrandbits(256).to_bytes(32, "big")
+        for made in (raw[:16].hex(), base64.urlsafe_b64encode(raw[:16]).rstrip(b"=").decode(),
+                     base64.b64encode(raw).decode(), str(uuid.UUID(bytes=raw[:16], version=4))):
+            assert tunnel.weakness(made.encode()) is None, made
     path = tmp_path / "job-secret"
     run = [sys.executable, "-m", "hetseq.secret", "--file", str(path)]
     os.umask(old := os.umask(0))   # the widest umask: the file must still be 600

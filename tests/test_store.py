@@ -505,3 +505,21 @@ for host, port in targets:
     out["ports"][f"{host}:{port}"] = seen
 print(json.dumps(out))
 """
+
+
+def test_a_small_request_cannot_make_the_server_build_a_huge_answer(served):
+    """multi_get of one large value named 64 times: refused from the sizes
+    it would have, before the answer is built (it would be 256 MiB here)."""
+    import tracemalloc
+    big = secrets.token_bytes(4 << 20)
+    served.local.set("big", big)
+    client = served.client()
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match="exceed the message bound"):
+            client.multi_get(["big"] * 64)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20, peak
+    assert client.multi_get(["big"] * 2) == [big, big]      # the connection goes on

@@ -267,8 +267,9 @@ class Membership:
         return self._enter(store, number, members)
 
     def _limit(self):
-        """How long one meeting may take: a round's wait, a lost leader's timeout."""
-        return 2 * self.timeout_s + SETTLE_S
+        """How long one meeting may take: a lost or stuck leader's round, then
+        a round at the next member."""
+        return 3 * self.timeout_s + 2 * SETTLE_S
 
     def _enter(self, store, number, published):
         """This node is a member of generation ``number``: record it."""
@@ -303,10 +304,23 @@ class Membership:
                 # only once this arrival is visible to it.
                 store.set("e/join", "1")
         number = self._next_number(store)
+        # Where this node meets, in its own store: a node that took it for the
+        # leader (it saw the real leader as lost for a moment) follows there.
+        at = f"e/{number}/at"
+        if leads:
+            self.store.delete_key(at)
+        else:
+            self.store.set(at, json.dumps(self._where(store)))
         index = store.add(f"e/{number}/n", 1)
         store.set(f"e/{number}/who/{index}", json.dumps(me))
         members = self._close(store, number) if leads else self._wait_members(store, number)
         return store, number, members
+
+    def _where(self, store):
+        """{"addr", "port", "generation"} of the store this node meets at."""
+        address = next(a for a, client in self._clients.items() if client is store)
+        return {"addr": address[0], "port": address[1],
+                "generation": 0 if self.generation is None else self.generation.number}
 
     def _full(self, store):
         """Whether the job at ``store`` has --max-nodes members already (a
@@ -344,22 +358,50 @@ class Membership:
             if time.monotonic() > deadline:
                 return self._stop(store, number, arrived)
             if previous is not None and time.monotonic() - probed >= PROBE_EVERY_S:
-                self._give_up_if_moved(store, number, previous)
+                self._give_up_if_elsewhere(store, number, previous)
                 probed = time.monotonic()
             time.sleep(POLL_S)
         if store.check(["e/join"]):
             store.delete_key("e/join")
         return self._publish(store, number, self._decide(self._arrivals(store, number), number))
 
-    def _give_up_if_moved(self, store, number, previous):
-        """A previous member in a newer generation: the job went on without
-        this round; everyone in it follows to the newer leader."""
-        newer = self._newer(self._live([m for m in previous.members if m["id"] != self.id]))
+    def _give_up_if_elsewhere(self, store, number, previous):
+        """The job is elsewhere: a previous member is in a newer generation
+        (the job went on without this round), or a lower-ranked previous
+        member holds a round of this same number (two leaders, each seeing
+        the other as lost for a moment: without this, neither round might
+        reach its quorum). Everyone in this round follows to that leader,
+        so the rounds of one generation end up at the lowest-ranked one."""
+        live = self._live([m for m in previous.members if m["id"] != self.id])
+        newer = self._newer(live)
+        target = newer or self._lower_round(live, number, previous)
+        if target is None:
+            return
+        self._publish(store, number, {"moved": target})
         if newer is not None:
-            self._publish(store, number, {"moved": newer})
-            NODE.warning("the job went on without this node (generation %d at %s:%d); joining it",
-                         newer["generation"], newer["addr"], newer["port"])
-            raise Moved(newer)
+            NODE.warning("the job went on without this node (generation %d at %s:%d); joining "
+                         "it", newer["generation"], newer["addr"], newer["port"])
+        else:
+            logger.warning("round %d is also held at %s:%d, a lower-ranked member: meeting "
+                           "there", number, target["addr"], target["port"])
+        raise Moved(target)
+
+    def _lower_round(self, live, number, previous):
+        """The meeting point of a round ``number`` held by a live previous
+        member ranked before this node, or None."""
+        ids = previous.ids
+        mine = ids.index(self.id) if self.id in ids else len(ids)
+        for member in live:
+            if member["id"] not in ids or ids.index(member["id"]) >= mine:
+                continue
+            try:
+                other = self._connect((member["addr"], member["port"]))
+                if other.add(f"e/{number}/n", 0) > 0:
+                    return {"addr": member["addr"], "port": member["port"],
+                            "generation": previous.number}
+            except (RuntimeError, OSError, NoRound):
+                self._clients.pop((member["addr"], member["port"]), None)
+        return None
 
     def _decide(self, arrived, number):
         """The round's outcome: members in rank order (the first --max-nodes:
@@ -405,13 +447,19 @@ class Membership:
         return outcome
 
     def _wait_members(self, store, number):
-        key = f"e/{number}/members"
+        """What the leader published for round ``number``. A leader that
+        publishes nothing for longer than its own wait (--distributed-timeout)
+        plus its probes is stuck: look again while the meeting has time."""
+        key, waited = f"e/{number}/members", self.timeout_s + SETTLE_S + 2 * tunnel.GREETING_S
+        deadline = min(self._deadline, time.monotonic() + waited)
         while not store.check([key]):
             if store.check(["e/done"]):
                 return {"done": store.get("e/done").decode()}
-            if time.monotonic() > self._deadline:
+            if store.check([f"e/{number}/at"]):      # not the leader: it meets elsewhere
+                return {"moved": json.loads(store.get(f"e/{number}/at"))}
+            if time.monotonic() > deadline:
                 raise NoRound(f"round {number} at the meeting point did not close within "
-                              f"{self._limit():.0f} s")
+                              f"{waited:.0f} s")
             time.sleep(POLL_S)
         members = json.loads(store.get(key))
         if members.get("stop"):

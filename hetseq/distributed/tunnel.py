@@ -16,8 +16,8 @@ carries HMAC(key, sequence number, data): a frame changed, replayed,
 reordered or injected by a process without the secret closes the connection.
 Nothing read from the network is unpickled.
 
-The door stays open under a flood: at most HANDSHAKES handshakes at once,
-each for at most HANDSHAKE_S, BUSY for the rest, and failed accepts waited
+The door stays open under a flood: at most HANDSHAKES handshakes at once
+(PER_SOURCE from one address), each for at most HANDSHAKE_S, BUSY for the rest, and failed accepts waited
 out (Gate, _serve_forever). The secret itself must resist guessing
 (read_secret).
 """
@@ -27,6 +27,7 @@ import hashlib
 import hmac
 import logging
 import os
+import re
 import secrets
 import socket
 import stat
@@ -46,6 +47,10 @@ BUSY = b"HETSEQ-BUSY----\n"
 NONCE = 32
 TAG = hashlib.sha256().digest_size
 HANDSHAKES = 32           # handshakes in progress at once (each holds a thread and a socket)
+# ... and from one source address: one machine that holds its handshakes
+# open to the deadline, over and over, must not take every place (members
+# come from other addresses). A loopback job's nodes share an address.
+PER_SOURCE = 8
 # A peer that has not finished the whole handshake (a few dozen bytes each
 # way) in this time is dropped: anyone may connect, so each unfinished
 # handshake must be cheap and short.
@@ -235,24 +240,36 @@ class Gate:
     """A listener on the job's address that authenticates each connection and
     then calls ``serve(sock, send_key, receive_key, where)`` in that
     connection's thread (store.serve_connection: the job's store). At most
-    ``handshakes`` handshakes run at once, each for at most HANDSHAKE_S; a
-    connection beyond them is answered BUSY and closed at once, so that
-    connections from anyone (no secret needed) cannot use up the process's
-    threads or descriptors."""
+    ``handshakes`` handshakes run at once (``per_source`` from one address),
+    each for at most HANDSHAKE_S; a connection beyond them is answered BUSY
+    and closed at once, so that connections from anyone (no secret needed)
+    cannot use up the process's threads or descriptors, and one machine
+    cannot keep the members out."""
 
-    def __init__(self, listener, secret, serve, handshakes=HANDSHAKES):
+    def __init__(self, listener, secret, serve, handshakes=HANDSHAKES, per_source=PER_SOURCE):
         self.listener, self.secret, self.serve = listener, secret, serve
-        self._slots = threading.BoundedSemaphore(handshakes)
-        self.handshakes = handshakes
+        self.handshakes, self.per_source = handshakes, per_source
+        self._lock, self._busy = threading.Lock(), {}    # source address: handshakes in progress
         _GATES.append(self)
         _serve_forever(listener, self._admit, "hetseq-gate", self._take_slot)
 
     def _take_slot(self, sock):
-        if self._slots.acquire(blocking=False):
-            return True
-        _warn_once(("busy", id(self)), "more than %d connections at once are in the secret "
-                   "handshake of the job's port %s (a flood?): the others are answered 'busy'",
-                   self.handshakes, self.listener.getsockname()[1])
+        """Whether ``sock`` may start its handshake: fewer than ``handshakes``
+        in progress, and fewer than ``per_source`` from its address."""
+        try:
+            source = sock.getpeername()[0]
+        except OSError:
+            sock.close()
+            return False
+        with self._lock:
+            if sum(self._busy.values()) < self.handshakes and \
+                    self._busy.get(source, 0) < self.per_source:
+                self._busy[source] = self._busy.get(source, 0) + 1
+                return True
+        _warn_once(("busy", id(self)), "more than %d connections at once (or %d from one "
+                   "address) are in the secret handshake of the job's port %s (a flood?): the "
+                   "others are answered 'busy'", self.handshakes, self.per_source,
+                   self.listener.getsockname()[1])
         try:
             sock.setblocking(False)
             sock.send(BUSY)
@@ -261,13 +278,19 @@ class Gate:
         sock.close()
         return False
 
+    def _release(self, source):
+        with self._lock:
+            self._busy[source] -= 1
+            if not self._busy[source]:
+                del self._busy[source]
+
     def _admit(self, sock, peer):
         where = f"{peer[0]}:{peer[1]}"
         try:
             try:
                 keys = handshake_as_server(sock, self.secret, time.monotonic() + HANDSHAKE_S)
             finally:
-                self._slots.release()
+                self._release(peer[0])
         except Refused as err:
             logger.warning("refused a connection to the job's store from %s: %s", where, err)
             sock.close()
@@ -325,9 +348,14 @@ MIN_DISTINCT = 8
 MAX_RUN = 8
 MAX_FILE = 4096
 HEX = set(b"0123456789abcdef")
+# What generators print: hex, base64 and its URL-safe variant (hetseq-secret,
+# openssl rand -hex/-base64, secrets.token_urlsafe, uuidgen, pwgen -s).
+GENERATED = set(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=-_")
+WORD = re.compile(rb"[a-z]+|[0-9]+")
 RULE = (f"a secret needs {MIN_BITS} bits counted conservatively (4 per character when all are "
-        f"hex digits, else 6), {MIN_DISTINCT} different characters, no character {MAX_RUN} "
-        "times in a row, and not only lowercase letters")
+        "hex digits, else 6) in the characters generators print (letters, digits, + / = - _), "
+        f"{MIN_DISTINCT} different characters, and nothing typed: no character {MAX_RUN} times "
+        "in a row, no counting run, no repeated part, not lowercase words")
 
 
 def weakness(text):
@@ -345,8 +373,18 @@ def weakness(text):
         return f"it uses only {len(set(text))} different characters"
     if any(text[i:i + MAX_RUN] == text[i:i + 1] * MAX_RUN for i in range(len(text))):
         return f"a character repeats {MAX_RUN} times in a row"
-    if text.isalpha() and text.islower():
-        return "it is only lowercase letters (words?)"
+    if not set(text) <= GENERATED:
+        return "it has spaces or punctuation that generators do not print (typed words?)"
+    if any(all(text[i + k + 1] - text[i + k] == 1 for k in range(MAX_RUN - 1))
+           for i in range(len(text) - MAX_RUN + 1)):
+        return f"it counts up for {MAX_RUN} characters (like 12345678 or abcdefgh)"
+    if any(text == (text[:k] * (len(text) // k + 1))[:len(text)]
+           for k in range(1, len(text) // 2 + 1)):
+        return "it is a shorter part repeated"
+    parts = re.split(rb"[-_]", text)
+    if (text.isalpha() and text.islower()) or \
+            (len(parts) >= 3 and all(WORD.fullmatch(part) for part in parts)):
+        return "it is lowercase words (like my-job-secret-2024)"
     return None
 
 
