@@ -164,7 +164,11 @@ def test_a_secret_that_could_be_guessed_is_refused_with_the_command_that_makes_o
 
 
 def test_hetseq_secret_makes_accepted_secrets_and_private_files(tmp_path):
-    made = subprocess.run(["hetseq-secret"], capture_output=True, text=True, timeout=60)
+    # The console script pip installed beside this interpreter (PATH may
+    # reach it only through a shim that is made later).
+    script = os.path.join(os.path.dirname(sys.executable), "hetseq-secret")
+    assert os.path.exists(script), f"{script}: pip install -e . installs it"
+    made = subprocess.run([script], capture_output=True, text=True, timeout=60)
     assert made.returncode == 0 and len(made.stdout.strip()) == 64, made
     assert key(made.stdout) is not None
     for _ in range(200):           # the rule refuses none of what it makes
