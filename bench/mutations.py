@@ -376,8 +376,8 @@ MUTATIONS = {
         ['tests/test_store.py::test_another_uid_cannot_reach_the_store_without_the_handshake']),
     "elastic-rounds-of-one-generation-stay-apart": (
         "two rounds of one generation meet at the lower-ranked leader",
-        "hetseq/distributed/elastic.py",
-        "        target = newer or self._lower_round(live, number, previous)\n",
+        "hetseq/distributed/rounds.py",
+        "        target = newer or self._lower_round(live, previous)\n",
         "        target = newer\n",
         ["tests/test_elastic.py::test_two_rounds_of_one_generation_meet_at_the_lower_ranked_leader"]),
     "elastic-non-leader-hides-where-it-meets": (

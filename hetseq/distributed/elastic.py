@@ -23,16 +23,11 @@ handshake: the lowest-ranked survivor.
 One round (generation g, keys ``e/<g>/...`` in the leader's store): every
 participant ``add``s itself to ``e/<g>/n`` and writes what it brings
 (``e/<g>/who/<i>``: its id, addresses, the generation it was in, and the
-updates and lineage of the state it holds). The leader closes the round
-once it has a quorum of the previous generation (generations.has_quorum)
-and --min-nodes, when all previous members are there, when --max-nodes
-arrived, or when nobody new arrived for ``SETTLE_S``. It orders the
-participants (itself, the previous members, the others), keeps the first
---max-nodes, picks the source state, and writes all of it to
-``e/<g>/members``. While it waits, it keeps asking the previous members
-which generation they are in; if one is newer, it gives up the round
-(``moved``: everyone in it follows to the newer leader). Without a quorum
-for --distributed-timeout, everyone in the round saves and stops (exit 3).
+updates and lineage of the state it holds). The leader runs the round
+(rounds.py: a quorum, the ranks, the source, or ``moved``/``stop``) and the
+others wait for what it publishes in ``e/<g>/members``; a participant that
+is not leading writes where it meets into its own store (``e/<g>/at``), so
+a node that took it for the leader follows.
 
 A node with no place (--max-nodes) waits at the leader's store, without
 asking for a new meeting, and arrives in the next round that opens there.
@@ -51,16 +46,14 @@ import uuid
 
 import torch.distributed as dist
 
-from hetseq.distributed import generations, identity, interfaces, network, rendezvous, tunnel
+from hetseq.distributed import identity, interfaces, network, rendezvous, tunnel
 from hetseq.distributed.generations import Generation
+from hetseq.distributed.rounds import POLL_S, SETTLE_S, LeadRound, Moved, NoRound, describe
 from hetseq.errors import UserError
 from hetseq.logging import NODE
 
 logger = logging.getLogger(__name__)
 
-SETTLE_S = 3.0     # a round with enough members closes when nobody new came for this long
-POLL_S = 0.05
-PROBE_EVERY_S = 2.0   # a waiting leader asks the previous members again this often
 PROBE_THREADS = 16
 
 
@@ -70,23 +63,6 @@ class TooFew(Exception):
 
 class JobDone(Exception):
     """The job finished while this node waited to join."""
-
-
-class NoRound(Exception):
-    """No round could be held where this node looked (a leader lost or
-    paused, nobody answering): look again until the meeting's deadline."""
-
-
-class Moved(Exception):
-    """The job went on at a newer generation: meet at ``leader`` as a late joiner."""
-
-    def __init__(self, leader):
-        super().__init__(f"the job went on at {leader['addr']}:{leader['port']}")
-        self.leader = leader
-
-
-def describe(member):
-    return f"{member['host']} ({member['addr']}, pid {member['pid']})"
 
 
 class Membership:
@@ -313,7 +289,8 @@ class Membership:
             self.store.set(at, json.dumps(self._where(store)))
         index = store.add(f"e/{number}/n", 1)
         store.set(f"e/{number}/who/{index}", json.dumps(me))
-        members = self._close(store, number) if leads else self._wait_members(store, number)
+        members = LeadRound(self, store, number).close() if leads else \
+            self._wait_members(store, number)
         return store, number, members
 
     def _where(self, store):
@@ -338,113 +315,6 @@ class Membership:
         last = int(store.get("e/gen")) if store.check(["e/gen"]) else 0
         own = self.generation.number if self.generation is not None else 0
         return max(last, own) + 1
-
-    def _close(self, store, number):
-        """The leader's side: wait for a quorum and the members, then write them."""
-        previous = self.generation
-        expected = set() if previous is None else set(previous.ids)
-        deadline = time.monotonic() + self.timeout_s
-        seen, changed, probed = 0, time.monotonic(), time.monotonic()
-        while True:
-            arrived = self._arrivals(store, number)
-            if len(arrived) != seen:
-                seen, changed = len(arrived), time.monotonic()
-            ids = {m["id"] for m in arrived}
-            enough = len(arrived) >= self.min_nodes and generations.has_quorum(previous, ids)
-            if enough and ((self.max_nodes and len(arrived) >= self.max_nodes) or
-                           (expected and expected <= ids) or
-                           time.monotonic() - changed >= SETTLE_S):
-                break
-            if time.monotonic() > deadline:
-                return self._stop(store, number, arrived)
-            if previous is not None and time.monotonic() - probed >= PROBE_EVERY_S:
-                self._give_up_if_elsewhere(store, number, previous)
-                probed = time.monotonic()
-            time.sleep(POLL_S)
-        if store.check(["e/join"]):
-            store.delete_key("e/join")
-        return self._publish(store, number, self._decide(self._arrivals(store, number), number))
-
-    def _give_up_if_elsewhere(self, store, number, previous):
-        """The job is elsewhere: a previous member is in a newer generation
-        (the job went on without this round), or a lower-ranked previous
-        member holds a round of this same number (two leaders, each seeing
-        the other as lost for a moment: without this, neither round might
-        reach its quorum). Everyone in this round follows to that leader,
-        so the rounds of one generation end up at the lowest-ranked one."""
-        live = self._live([m for m in previous.members if m["id"] != self.id])
-        newer = self._newer(live)
-        target = newer or self._lower_round(live, number, previous)
-        if target is None:
-            return
-        self._publish(store, number, {"moved": target})
-        if newer is not None:
-            NODE.warning("the job went on without this node (generation %d at %s:%d); joining "
-                         "it", newer["generation"], newer["addr"], newer["port"])
-        else:
-            logger.warning("round %d is also held at %s:%d, a lower-ranked member: meeting "
-                           "there", number, target["addr"], target["port"])
-        raise Moved(target)
-
-    def _lower_round(self, live, number, previous):
-        """The meeting point of a round ``number`` held by a live previous
-        member ranked before this node, or None."""
-        ids = previous.ids
-        mine = ids.index(self.id) if self.id in ids else len(ids)
-        for member in live:
-            if member["id"] not in ids or ids.index(member["id"]) >= mine:
-                continue
-            try:
-                other = self._connect((member["addr"], member["port"]))
-                if other.add(f"e/{number}/n", 0) > 0:
-                    return {"addr": member["addr"], "port": member["port"],
-                            "generation": previous.number}
-            except (RuntimeError, OSError, NoRound):
-                self._clients.pop((member["addr"], member["port"]), None)
-        return None
-
-    def _decide(self, arrived, number):
-        """The round's outcome: members in rank order (the first --max-nodes:
-        the others wait for a place), the source state and the new lineage."""
-        previous = self.generation
-        keep = generations.ordered(arrived, self.id, previous, self.max_nodes)
-        source, refused = generations.choose_source(
-            keep, None if previous is None else previous.lineage)
-        for member in keep:
-            if member["id"] in refused:
-                logger.warning("refused the state of %s as the source: it is not on the job's "
-                               "line", describe(member))
-        return {"members": keep, "source": source, "refused": refused,
-                "lineage": generations.new_lineage(keep[source]["lineage"], number)}
-
-    def _stop(self, store, number, arrived):
-        """Too few, or no quorum: say so, and keep serving the store until
-        every node that arrived has read it (or it would look for a new
-        meeting point)."""
-        ids = {m["id"] for m in arrived}
-        if len(arrived) < self.min_nodes:
-            why = f"only {len(arrived)} of --min-nodes {self.min_nodes} nodes"
-        else:
-            why = f"no quorum: {generations.quorum_text(self.generation, ids)}"
-        stop = self._publish(store, number, {"stop": (
-            f"{why} within --distributed-timeout {self.timeout_s:.0f} s")})
-        deadline = time.monotonic() + self.timeout_s
-        while store.add(f"e/{number}/read", 0) < len(arrived) - 1 and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-        return stop
-
-    @staticmethod
-    def _arrivals(store, number):
-        count = store.add(f"e/{number}/n", 0)
-        keys = [f"e/{number}/who/{i}" for i in range(1, count + 1)]
-        return [json.loads(store.get(key)) for key in keys if store.check([key])]
-
-    @staticmethod
-    def _publish(store, number, outcome):
-        store.set(f"e/{number}/members", json.dumps(outcome))
-        if "members" in outcome:
-            store.set("e/gen", str(number))
-        return outcome
 
     def _wait_members(self, store, number):
         """What the leader published for round ``number``. A leader that

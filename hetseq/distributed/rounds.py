@@ -1,0 +1,163 @@
+"""A round of an elastic job as its leader runs it (distributed/elastic.py
+runs the rest: finding the leader, arriving, waiting for the outcome).
+
+The leader waits at its own store for a quorum of the previous generation
+and --min-nodes (generations.has_quorum), then for all previous members,
+--max-nodes, or SETTLE_S without a newcomer; it orders and cuts the
+arrivals, picks the source state and the lineage, and publishes them in
+``e/<number>/members``. While it waits it asks the previous members every
+PROBE_EVERY_S whether the job is elsewhere (a newer generation, or this
+round held by a lower-ranked member) and then gives the round up: it
+publishes ``moved`` for everyone in it and raises Moved. Without a quorum
+for --distributed-timeout it publishes ``stop``.
+"""
+
+import json
+import logging
+import time
+
+from hetseq.distributed import generations
+from hetseq.logging import NODE
+
+logger = logging.getLogger("hetseq.distributed.elastic")
+
+SETTLE_S = 3.0     # a round with enough members closes when nobody new came for this long
+POLL_S = 0.05
+PROBE_EVERY_S = 2.0   # a waiting leader asks the previous members again this often
+
+
+class NoRound(Exception):
+    """No round could be held where this node looked (a leader lost or
+    paused, nobody answering): look again until the meeting's deadline."""
+
+
+class Moved(Exception):
+    """The job is elsewhere (a newer generation, or this round held by a
+    lower-ranked member): meet at ``leader``, arriving late."""
+
+    def __init__(self, leader):
+        super().__init__(f"the job went on at {leader['addr']}:{leader['port']}")
+        self.leader = leader
+
+
+def describe(member):
+    return f"{member['host']} ({member['addr']}, pid {member['pid']})"
+
+
+class LeadRound:
+    """Round ``number`` led by ``membership`` (a Membership) at ``store``, its own."""
+
+    def __init__(self, membership, store, number):
+        self.m, self.store, self.number = membership, store, number
+
+    def close(self):
+        """Wait for a quorum and the members, then write them; what was published."""
+        previous = self.m.generation
+        expected = set() if previous is None else set(previous.ids)
+        deadline = time.monotonic() + self.m.timeout_s
+        seen, changed, probed = 0, time.monotonic(), time.monotonic()
+        while True:
+            arrived = self._arrivals()
+            if len(arrived) != seen:
+                seen, changed = len(arrived), time.monotonic()
+            ids = {m["id"] for m in arrived}
+            enough = len(arrived) >= self.m.min_nodes and generations.has_quorum(previous, ids)
+            if enough and ((self.m.max_nodes and len(arrived) >= self.m.max_nodes) or
+                           (expected and expected <= ids) or
+                           time.monotonic() - changed >= SETTLE_S):
+                break
+            if time.monotonic() > deadline:
+                return self._stop(arrived)
+            if previous is not None and time.monotonic() - probed >= PROBE_EVERY_S:
+                self._give_up_if_elsewhere(previous)
+                probed = time.monotonic()
+            time.sleep(POLL_S)
+        if self.store.check(["e/join"]):
+            self.store.delete_key("e/join")
+        return self._publish(self._decide(self._arrivals()))
+
+    def _give_up_if_elsewhere(self, previous):
+        """The job is elsewhere: a previous member is in a newer generation
+        (the job went on without this round), or a lower-ranked previous
+        member holds a round of this same number (two leaders, each seeing
+        the other as lost for a moment: without this, neither round might
+        reach its quorum). Everyone in this round follows to that leader,
+        so the rounds of one generation end up at the lowest-ranked one."""
+        live = self.m._live([m for m in previous.members if m["id"] != self.m.id])
+        newer = self.m._newer(live)
+        target = newer or self._lower_round(live, previous)
+        if target is None:
+            return
+        self._publish({"moved": target})
+        if newer is not None:
+            NODE.warning("the job went on without this node (generation %d at %s:%d); joining "
+                         "it", newer["generation"], newer["addr"], newer["port"])
+        else:
+            logger.warning("round %d is also held at %s:%d, a lower-ranked member: meeting "
+                           "there", self.number, target["addr"], target["port"])
+        raise Moved(target)
+
+    def _lower_round(self, live, previous):
+        """The meeting point of a round ``number`` held by a live previous
+        member ranked before this node, or None."""
+        ids = previous.ids
+        mine = ids.index(self.m.id) if self.m.id in ids else len(ids)
+        for member in live:
+            if member["id"] not in ids or ids.index(member["id"]) >= mine:
+                continue
+            try:
+                other = self.m._connect((member["addr"], member["port"]))
+                if other.add(f"e/{self.number}/n", 0) > 0:
+                    return {"addr": member["addr"], "port": member["port"],
+                            "generation": previous.number}
+            except (RuntimeError, OSError, NoRound):
+                self.m._clients.pop((member["addr"], member["port"]), None)
+        return None
+
+    def _decide(self, arrived):
+        """The round's outcome: members in rank order (the first --max-nodes:
+        the others wait for a place), the source state and the new lineage."""
+        previous = self.m.generation
+        keep = generations.ordered(arrived, self.m.id, previous, self.m.max_nodes)
+        source, refused = generations.choose_source(
+            keep, None if previous is None else previous.lineage)
+        for member in keep:
+            if member["id"] in refused:
+                logger.warning("refused the state of %s as the source: it is not on the job's "
+                               "line", describe(member))
+        return {"members": keep, "source": source, "refused": refused,
+                "lineage": generations.new_lineage(keep[source]["lineage"], self.number)}
+
+    def _stop(self, arrived):
+        """Too few, or no quorum: say so, and keep serving the store until
+        every node that arrived has read it (or it would look for a new
+        meeting point)."""
+        ids = {m["id"] for m in arrived}
+        if len(arrived) < self.m.min_nodes:
+            why = f"only {len(arrived)} of --min-nodes {self.m.min_nodes} nodes"
+        else:
+            why = f"no quorum: {generations.quorum_text(self.m.generation, ids)}"
+        stop = self._publish({"stop": (
+            f"{why} within --distributed-timeout {self.m.timeout_s:.0f} s")})
+        deadline = time.monotonic() + self.m.timeout_s
+        while self.store.add(f"e/{self.number}/read", 0) < len(arrived) - 1 and \
+                time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        return stop
+
+    def _arrivals(self):
+        store, number = self.store, self.number
+        count = store.add(f"e/{number}/n", 0)
+        keys = [f"e/{number}/who/{i}" for i in range(1, count + 1)]
+        return [json.loads(store.get(key)) for key in keys if store.check([key])]
+
+    def _publish(self, outcome):
+        return publish(self.store, self.number, outcome)
+
+
+def publish(store, number, outcome):
+    """Write a round's outcome (members, stop or moved) into the leader's store."""
+    store.set(f"e/{number}/members", json.dumps(outcome))
+    if "members" in outcome:
+        store.set("e/gen", str(number))
+    return outcome
