@@ -288,8 +288,13 @@ def _measure(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size
     """This rank's (samples/s, micro-batch cap) on the real model and task:
     forward and backward passes that make no update (``Controller.probe``,
     which returns their compute seconds)."""
+    from hetseq.randomness import KeyedBatch, sample_keys
+
     def run(size):
-        return controller.probe(collate_fn([dataset[i % len(dataset)] for i in range(size)]))
+        indices = [i % len(dataset) for i in range(size)]
+        # Keyed as training batches are, so the probe times the same draws.
+        return controller.probe(KeyedBatch(collate_fn([dataset[i] for i in indices]),
+                                           sample_keys(0, 0, indices)))
     # Profile at about the share this rank will get: per-step overheads make
     # a tiny probe batch under-estimate the rate.
     even_share = (cfg.global_batch_size or 8 * ctx.world_size) // ctx.world_size

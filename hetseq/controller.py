@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from hetseq import precision, sharding
+from hetseq import precision, randomness, sharding
 from hetseq.distributed.collectives import gather_to_main
 from hetseq.errors import TrainingFailed, UserError
 from hetseq.local_steps import LocalSteps
@@ -159,6 +159,7 @@ class Controller:
         # FSDP moves each shard to the device itself: the whole model never
         # has to fit there (with --cpu-offload the shards stay on the host).
         self.model = model if self.sharding.shards_grads else model.to(ctx.device)
+        randomness.name_sites(self.model)   # before wrapping: the names every rank shares
         if job.sharding.compile:
             # The forward, in place: the parameters and their names, hence
             # checkpoints, stay those of the plain model (torch.compile(model)
@@ -240,10 +241,9 @@ class Controller:
             last = i == len(samples) - 1
             backward = Backward(stats, weight=0.0 if sample is None else 1.0, last=last,
                                 loss_scale=loss_scale, clock=clock if last else None)
-            with self.sharding.sync(self.wrapped, last), self.autocast:
-                loss, n, logs = self.task.train_step(
-                    self.wrapped, move_to(dummy if sample is None else sample, self.ctx.device),
-                    backward=backward)
+            sample, keys = self._keyed(dummy if sample is None else sample)
+            with self.sharding.sync(self.wrapped, last), self.autocast, randomness.using(keys):
+                loss, n, logs = self.task.train_step(self.wrapped, sample, backward=backward)
             if not backward.called:
                 raise UserError(f"train_step of task '{type(self.task).__name__}' did not call "
                                 "the backward it was given; call backward(loss, sample_size, "
@@ -257,6 +257,13 @@ class Controller:
         updated, norm = self._apply_update(totals["sample_size"])
         return StepResult(totals, rank_times, rank_samples, checksums, signals, self.lr, updated,
                           norm)
+
+    def _keyed(self, batch):
+        """(the sample on this rank's device, its samples' keys there, or None
+        for a batch that comes without them: a caller of train_step's own)."""
+        if isinstance(batch, randomness.KeyedBatch):
+            return move_to(batch.sample, self.ctx.device), move_to(batch.keys, self.ctx.device)
+        return move_to(batch, self.ctx.device), None
 
     def _inner_step(self, stats, seconds, checksum, signal, boundary):
         """--local-steps: this rank's own update (the gradient of its mean
@@ -355,8 +362,9 @@ class Controller:
         Under FSDP its forward communicates: every rank must probe as often."""
         clock = ComputeClock(self.sharding.waited)
         self._mode(True)
-        with self.autocast:
-            self.task.train_step(self.model, move_to(sample, self.ctx.device))
+        sample, keys = self._keyed(sample)
+        with self.autocast, randomness.using(keys):
+            self.task.train_step(self.model, sample)
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
         seconds = clock.seconds()
@@ -367,8 +375,9 @@ class Controller:
         """Add one validation batch's stats to ``stats`` (a StatsExchange);
         ``weight`` 0: a padding batch that only keeps the collectives matched."""
         self._mode(False)
+        sample, _ = self._keyed(sample)     # evaluation draws nothing
         with self.autocast:
-            loss, n, logs = self.task.valid_step(self.model, move_to(sample, self.ctx.device))
+            loss, n, logs = self.task.valid_step(self.model, sample)
         stats.add(loss, n, logs, weight)
 
     # ---- state ----

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hetseq.data import GlobalBatches, GlobalBatchIterator, split_sizes
+from hetseq.randomness import sample_keys
 
 
 class Indices(torch.utils.data.Dataset):
@@ -26,7 +27,7 @@ def collate(items):
 
 def flat(step):
     """A step's micro-batches joined (None when the rank had nothing)."""
-    return None if step == [None] else sum(step, [])
+    return None if step == [None] else sum((micro.sample for micro in step), [])
 
 
 def run_epoch(size, batch, shares, seed=3, epoch=1, cap=0):
@@ -110,8 +111,8 @@ def test_micro_batches_respect_the_cap_and_keep_order():
     batches = GlobalBatches(100, 32, seed=0)
     it = GlobalBatchIterator(Indices(100), collate, batches, [24, 8], 0, micro_cap=10)
     steps = list(it.next_epoch_itr())
-    assert [len(m) for m in steps[0]] == [8, 8, 8]           # 24 in three near-equal parts
-    assert all(len(m) <= 10 for step in steps for m in step if m)
+    assert [len(m.sample) for m in steps[0]] == [8, 8, 8]    # 24 in three near-equal parts
+    assert all(len(m.sample) <= 10 for step in steps for m in step if m)
     assert [flat(s) for s in steps] == run_epoch(100, 32, [24, 8], seed=0)[0]
 
 
@@ -139,3 +140,22 @@ def test_position_is_kept_in_samples_and_old_checkpoints_still_load():
     old = GlobalBatchIterator(Indices(100), collate, batches, [10], 0)
     old.load_state_dict({"epoch": 1, "iterations_in_epoch": 3})
     assert old.samples_in_epoch == 30
+
+
+@pytest.mark.parametrize("shares,cap", [([32], 0), ([24, 8], 5), ([20, 8, 4], 3)])
+def test_each_micro_batch_carries_the_keys_of_its_own_samples(shares, cap):
+    """A sample's key is made from (seed, epoch, its index) alone: whichever
+    rank and micro-batch holds it (hetseq/randomness.py draws from it)."""
+    batches = GlobalBatches(70, 32, seed=5)
+    keys = {}
+    for rank in range(len(shares)):
+        it = GlobalBatchIterator(Indices(70), collate, batches, shares, rank, micro_cap=cap)
+        it.epoch = 2
+        for step in it.next_epoch_itr():
+            for micro in step:
+                if micro is not None:
+                    assert len(micro.keys) == len(micro.sample)
+                    keys.update(zip(micro.sample, micro.keys.tolist()))
+    assert sorted(keys) == list(range(70))
+    assert [keys[i] for i in range(70)] == sample_keys(5, 2, range(70)).tolist()
+    assert sample_keys(5, 3, range(70)).tolist() != sample_keys(5, 2, range(70)).tolist()

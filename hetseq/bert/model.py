@@ -1,6 +1,9 @@
 """BERT encoder with masked-LM and next-sentence heads (pretraining) or a
 classification head (fine-tuning), from a Google/NVIDIA ``bert_config.json``
-or a Hugging Face ``config.json``. Attention runs through ``scaled_dot_product_attention``.
+or a Hugging Face ``config.json``. Attention runs through ``scaled_dot_product_attention``,
+except while training with attention dropout under HetSeq: each sample's mask
+is then drawn from its own stream (hetseq/randomness.py), which needs the
+probabilities as a tensor (SDPA draws its mask inside).
 
 Parameter names follow Hugging Face's ``BertForPreTraining`` except that the
 query/key/value projections are fused into one ``qkv`` matrix (one GEMM
@@ -14,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hetseq import randomness
 from hetseq.errors import UserError
+from hetseq.nn import Dropout
 
 ACTIVATIONS = {
     "gelu": F.gelu,
@@ -91,7 +96,7 @@ class BertEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size)
         self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.dropout = nn.Dropout(c.hidden_dropout_prob)
+        self.dropout = Dropout(c.hidden_dropout_prob)
 
     def forward(self, input_ids, token_type_ids):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -107,7 +112,7 @@ class DenseLayerNorm(nn.Module):
         super().__init__()
         self.dense = nn.Linear(d_in, c.hidden_size)
         self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.dropout = nn.Dropout(c.hidden_dropout_prob)
+        self.dropout = Dropout(c.hidden_dropout_prob)
 
     def forward(self, x, residual):
         return self.LayerNorm(self.dropout(self.dense(x)) + residual)
@@ -118,15 +123,27 @@ class BertAttention(nn.Module):
         super().__init__()
         self.heads = c.num_attention_heads
         self.qkv = nn.Linear(c.hidden_size, 3 * c.hidden_size)
-        self.dropout_p = c.attention_probs_dropout_prob
+        self.probs_dropout = Dropout(c.attention_probs_dropout_prob)
         self.output = DenseLayerNorm(c.hidden_size, c)
 
     def forward(self, x, attn_mask):
         B, L, H = x.shape
         q, k, v = self.qkv(x).view(B, L, 3, self.heads, H // self.heads).permute(2, 0, 3, 1, 4)
-        context = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=self.dropout_p if self.training else 0.0)
+        p = self.probs_dropout.p if self.training else 0.0
+        if p > 0 and randomness.active():
+            context = self._keyed(q, k, v, attn_mask)
+        else:   # fused; dropout (outside HetSeq's training step) is torch's
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
         return self.output(context.transpose(1, 2).reshape(B, L, H), x)
+
+    def _keyed(self, q, k, v, attn_mask):
+        """SDPA's arithmetic with the probabilities' dropout drawn per sample.
+        A padded key's probability is 0 whatever its mask, and a real
+        position's draw does not depend on the padded length, so a sample's
+        result does not depend on what it was batched with."""
+        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+        return self.probs_dropout(scores.softmax(-1)) @ v
 
 
 class Intermediate(nn.Module):
@@ -248,7 +265,7 @@ class BertForSequenceClassification(nn.Module):
         self.config = config
         self.num_labels = num_labels
         self.bert = BertModel(config)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob)
         self.classifier = nn.Linear(config.hidden_size, num_labels)
         self.apply(lambda module: init_weights(module, config.initializer_range))
 

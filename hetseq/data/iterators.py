@@ -8,11 +8,16 @@ contiguous slice of each global batch whose size is proportional to its share
 (b_i for full batches, so sum(b_i) = B). Every index is used exactly once per
 epoch. A rank whose slice is empty (the short last batch) still takes part,
 with no samples: the iterator yields ``None`` for it.
+
+Each micro-batch comes with its samples' keys (hetseq/randomness.py): the
+random draws made for a sample depend on (seed, epoch, its index) only.
 """
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
+
+from hetseq.randomness import KeyedBatch, sample_keys
 
 
 def split_sizes(total, weights):
@@ -118,7 +123,8 @@ class GlobalBatchIterator:
     """This rank's batches, step by step, with the state needed to resume.
 
     Each step yields a list: this rank's slice of the global batch cut into
-    micro-batches of at most ``micro_cap`` samples, or ``[None]`` when the
+    micro-batches (``KeyedBatch``: the collated samples and their keys) of
+    at most ``micro_cap`` samples, or ``[None]`` when the
     slice is empty (padded with None to ``min_micro_batches``). ``shares``
     (one weight per rank) may change between steps
     (rebalancing); the data loader is then rebuilt from the current position.
@@ -157,9 +163,11 @@ class GlobalBatchIterator:
             self._shares_changed = True
 
     def dummy_batch(self):
-        """A one-sample batch for steps where this rank has no samples."""
+        """A one-sample batch for steps where this rank has no samples (its
+        draws are keyed too, so no rank ever draws from torch's generators)."""
         if self._dummy is None:
-            self._dummy = self.collate_fn([self.dataset[0]])
+            self._dummy = KeyedBatch(self.collate_fn([self.dataset[0]]),
+                                     sample_keys(self.batches.seed, 0, [0]))
         return self._dummy
 
     def next_epoch_itr(self):
@@ -170,8 +178,8 @@ class GlobalBatchIterator:
             local, cap = self._local_slicer(), self.micro_cap
             loaded = iter(self._loader(_LocalSlices(batches, local, cap)))
             for global_batch in batches:
-                count = len(micro_split(local(global_batch), cap))
-                micro = [next(loaded) for _ in range(count)]
+                micro = [KeyedBatch(next(loaded), sample_keys(self.batches.seed, self.epoch, part))
+                         for part in micro_split(local(global_batch), cap)]
                 micro += [None] * (max(1, self.min_micro_batches) - len(micro))
                 self.samples_in_epoch += len(global_batch)
                 yield micro

@@ -1,7 +1,9 @@
-"""A deterministic regression task: tiny MLP, no dropout, fixed synthetic data.
+"""A regression task: tiny MLP with dropout, fixed synthetic data.
 
 Parity tests need a task whose result depends only on which samples form each
-global batch, never on how they were split across ranks.
+global batch, never on how they were split across ranks. The hidden layer's
+dropout (--toy-dropout, 0.2 by default) draws each sample's mask from its own
+stream (hetseq/randomness.py), so every exactness test is one with dropout.
 """
 
 import sys
@@ -12,7 +14,19 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from hetseq.errors import UserError
+from hetseq.nn import Dropout
 from hetseq.tasks import Task, register_task
+
+
+class TanhDropout(nn.Module):
+    """tanh, then dropout: one module, so the parameter names stay 0.* and 2.*."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.drop = Dropout(p)
+
+    def forward(self, x):
+        return self.drop(torch.tanh(x))
 
 
 class ToyData(Dataset):
@@ -45,6 +59,8 @@ class ToyTask(Task):
         parser.add_argument("--toy-dtype", choices=["float64", "float32"], default="float64",
                             help="float64: only the order of summation differs between runs "
                                  "(exact comparisons); float32: what autocast acts on")
+        parser.add_argument("--toy-dropout", type=float, default=0.2,
+                            help="dropout on the hidden layer while training")
         parser.add_argument("--toy-mean-loss", action="store_true",
                             help="return the per-rank MEAN loss with sample_size 1: the "
                                  "controller then averages ranks with equal weights (plain DDP)")
@@ -91,7 +107,8 @@ class ToyTask(Task):
     def build_model(self):
         torch.manual_seed(0)
         width = self.args.toy_width
-        model = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 1)).to(
+        model = nn.Sequential(nn.Linear(8, width), TanhDropout(self.args.toy_dropout),
+                              nn.Linear(width, 1)).to(
             getattr(torch, self.args.toy_dtype))
         if self.args.toy_nan_bias_grad_after:
             model[2].register_forward_hook(self._nan_bias_grad)
