@@ -104,12 +104,43 @@ MUTATIONS = {
         "    if cfg.reduce_dtype == \"float32\":\n        return None\n    dtype = DTYPES",
         "    return None\n    dtype = DTYPES",
         ["tests/test_precision.py::test_gradients_summed_in_bfloat16_when_asked"]),
-    "rng-not-restored": (
-        "a resumed run is bit-identical (every rank's RNG state is restored)",
-        "hetseq/checkpoint.py",
-        "            set_rng_state(rng[self.ctx.rank])",
-        "            pass",
-        ["tests/test_checkpoint.py::test_resume_mid_epoch_is_bit_exact"]),
+    "dropout-drawn-per-rank": (
+        "dropout masks are drawn per sample, not from each rank's generator",
+        "hetseq/randomness.py",
+        """    if not active():
+        return F.dropout(x, p, training=True)""",
+        """    if True:
+        return F.dropout(x, p, training=True)""",
+        ["tests/test_randomness.py::test_dropout_models_split_over_ranks_match_one_process",
+         "tests/test_parity.py::test_two_uneven_ranks_match_one_process",
+         "tests/test_checkpoint.py::test_resume_on_another_world_size_is_exact_with_dropout"]),
+    "attention-dropout-drawn-per-rank": (
+        "BERT's attention-probability dropout is drawn per sample too",
+        "hetseq/bert/model.py",
+        "        if p > 0 and randomness.active():",
+        "        if False:",
+        ["tests/test_randomness.py::test_dropout_models_split_over_ranks_match_one_process"]),
+    "draws-keyed-by-batch-position": (
+        "a sample's key is made from its index in the dataset, not its place in the batch",
+        "hetseq/data/iterators.py",
+        "sample_keys(self.batches.seed, self.epoch, part)",
+        "sample_keys(self.batches.seed, self.epoch, range(len(part)))",
+        ["tests/test_global_batches.py::test_each_micro_batch_carries_the_keys_of_its_own_samples",
+         "tests/test_parity.py::test_two_uneven_ranks_match_one_process"]),
+    "draws-depend-on-padding": (
+        "a position's draw does not depend on the length a sequence is padded to",
+        "hetseq/randomness.py",
+        "words = _absorb_(words.unsqueeze(-1).expand(*words.shape, size).clone(), index)",
+        "words = _absorb_(words.unsqueeze(-1).expand(*words.shape, size).clone(), index + size)",
+        ["tests/test_randomness.py::test_a_samples_mask_does_not_depend_on_its_batch_or_its_padding",
+         "tests/test_randomness.py::test_dropout_models_split_over_ranks_match_one_process"]),
+    "draws-ignore-the-epoch": (
+        "each epoch draws new masks for a sample",
+        "hetseq/randomness.py",
+        "    for word in (seed % WORD, seed // WORD % WORD, epoch % WORD):",
+        "    for word in (seed % WORD, seed // WORD % WORD):",
+        ["tests/test_randomness.py::test_the_hash_on_tensors_equals_the_hash_on_python_integers",
+         "tests/test_randomness.py::test_every_key_part_changes_the_draw"]),
     "data-position-lost": (
         "the data position is kept in samples: the epoch goes on from the saved sample",
         "hetseq/data/iterators.py",

@@ -68,6 +68,9 @@ class Run:
     def __init__(self, args, job, node, ctx, inputs=None, restore=None, membership=None):
         self.job, self.node, self.ctx = job, node, ctx
         self.membership = membership
+        # The model's initial weights, the same on every rank. No draw made
+        # while training comes from these generators (randomness.py keys them
+        # by sample), so seeding them again each elastic generation changes none.
         set_seed(job.training.seed)
         self.task = build_task(args, inputs)
         if job.checkpoint.export_hf and type(self.task).export_hf is Task.export_hf:

@@ -165,6 +165,14 @@ def build_controller(argv, ctx):
     return Controller(job, task, task.build_model(), ctx), task
 
 
+def keyed(toy_data, rows, seed=1, epoch=1):
+    """Rows of the toy's dataset as the training iterator gives them: a
+    KeyedBatch, whose dropout draws belong to those rows (hetseq/randomness.py)."""
+    from hetseq.randomness import KeyedBatch, sample_keys
+    return KeyedBatch({"x": toy_data.x[rows], "y": toy_data.y[rows]},
+                      sample_keys(seed, epoch, rows))
+
+
 def portable(obj):
     """``obj`` as bytes a spawned worker can put on a queue and exit: tensors
     sent as they are would live in the worker's shared memory, gone with it."""

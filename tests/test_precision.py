@@ -43,8 +43,12 @@ def test_bf16_trains_close_to_fp32_with_fp32_master_weights(mnist_data, tmp_path
 
 
 F32 = ["--toy-dtype", "float32"]       # what autocast acts on (float64 it leaves alone)
-SGD_RUN = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--clip-norm",
-           "0", "--disable-validation", "--toy-size", "100", "--no-save", "--max-update", 3]
+# SGD: its update is linear in the gradient, so fp16's rounding shows at its
+# size (AdamW's first steps are sign(g): a gradient within fp16's rounding of
+# zero moves a weight by 2 lr whichever way it rounds).
+SGD_BASE = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--clip-norm",
+            "0", "--disable-validation", "--toy-size", "100", "--no-save"]
+SGD_RUN = [*SGD_BASE, "--max-update", 3]
 
 
 def job(base, *extra):
@@ -54,10 +58,9 @@ def job(base, *extra):
 @pytest.fixture(scope="module")
 def precision_jobs(tmp_path_factory):
     fp16 = [*F32, "--fp16", "--fp16-scale-window", 2]
-    jobs = {"fp32": job(TOY_RUN, "--max-update", 5, "--no-save", *F32),
-            "fp16 from 128": job(TOY_RUN, "--max-update", 5, "--no-save", *fp16),
-            "fp16 from 1024": job(TOY_RUN, "--max-update", 5, "--no-save", *fp16,
-                                  "--fp16-init-scale", 1024),
+    jobs = {"fp32": job(SGD_BASE, "--max-update", 5, *F32),
+            "fp16 from 128": job(SGD_BASE, "--max-update", 5, *fp16),
+            "fp16 from 1024": job(SGD_BASE, "--max-update", 5, *fp16, "--fp16-init-scale", 1024),
             **{f"zero{zero} {dtype}": job(SGD_RUN, "--zero", zero, "--reduce-dtype", dtype)
                for zero in (0, 3) for dtype in ("float32", "bfloat16")}}
     with pytest.MonkeyPatch.context() as env:
@@ -71,7 +74,8 @@ def test_fp16_loss_scaling_is_exact(precision_jobs):
     autocast active (a float32 model: the weights differ from fp32's)."""
     low, high = (precision_jobs[f"fp16 from {s}"].state for s in (128, 1024))
     assert max_diff(low["model"], high["model"]) == 0
-    assert 0 < max_diff(low["model"], precision_jobs["fp32"].state["model"]) < 1e-2
+    # fp16 against fp32: 1.3e-4 after 5 updates (measured; dropout on).
+    assert 0 < max_diff(low["model"], precision_jobs["fp32"].state["model"]) < 1e-3
     # 5 clean updates with a window of 2: the scale doubled twice, and is saved.
     assert low["loss_scaler"] == {"scale": 512.0, "clean_updates": 5}
     assert high["loss_scaler"] == {"scale": 4096.0, "clean_updates": 5}

@@ -9,8 +9,8 @@ import torch
 
 from test_parity import EXACT
 
-from conftest import (TOY, assert_ok, build_controller, leave_process_group, max_diff, portable,
-                      run_job, run_nodes, run_train, unpack)
+from conftest import (TOY, assert_ok, build_controller, keyed, leave_process_group, max_diff,
+                      portable, run_job, run_nodes, run_train, unpack)
 
 BASE = [*TOY, "--optimizer", "adamw", "--lr", "0.05", "--weight-decay", "0.01",
         "--lr-scheduler", "fixed", "--clip-norm", "0.5", "--disable-validation",
@@ -92,7 +92,7 @@ def _load_fresh_state(rank, world, init, zero, state, out):
     data = task.load_dataset("train")
     for step in range(3):
         rows = list(range(4 * step, 4 * step + 3)) if rank == 0 else [4 * step + 3]
-        batch = {"x": data.x[rows], "y": data.y[rows]}
+        batch = keyed(data, rows)
         controller.train_step([batch], batch)
     weights = controller.sharding.model_state(controller.model)
     if rank == 0:
@@ -116,7 +116,7 @@ def test_an_optimizer_saved_before_its_first_step_resumes_in_every_mode(tmp_path
     assert state["optimizer"]["state"] == {}
     data = task.load_dataset("train")
     for step in range(3):
-        batch = {"x": data.x[4 * step:4 * step + 4], "y": data.y[4 * step:4 * step + 4]}
+        batch = keyed(data, list(range(4 * step, 4 * step + 4)))
         alone.train_step([batch], batch)
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_load_fresh_state, args=(2, f"file://{tmp_path / 'meet'}", zero, state,

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from hetseq.errors import UserError
+from hetseq.nn import Dropout
 from hetseq.tasks import Task, register_task
 
 from .idx import read_idx
@@ -44,14 +45,17 @@ class IdxImages(Dataset):
 
 
 class Net(nn.Module):
-    """The CNN of PyTorch's MNIST example (HetSeq's MNIST model)."""
+    """The CNN of PyTorch's MNIST example (HetSeq's MNIST model). Its dropout
+    is ``hetseq.nn.Dropout``: each image's masks come from its own stream
+    (seed, epoch, its index, the module), so the update does not depend on
+    which rank trained the image (docs/tasks.md)."""
 
     def __init__(self):
         super().__init__()
         self.conv1 = nn.Conv2d(1, 32, 3, 1)
         self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.dropout1 = nn.Dropout(0.25)
-        self.dropout2 = nn.Dropout(0.5)
+        self.dropout1 = Dropout(0.25)
+        self.dropout2 = Dropout(0.5)
         self.fc1 = nn.Linear(9216, 128)
         self.fc2 = nn.Linear(128, 10)
 
