@@ -42,7 +42,7 @@ def compare(flags, inputs, steps):
             ctrl.train_step([batch], batch)
             if i >= 2:
                 spent[name] += time.perf_counter() - start
-    timed = (len(steps) - 3) * len(steps[0]["input_ids"])
+    timed = (len(steps) - 3) * len(steps[0].keys)
     return {"plain_samples_per_s": round(timed / spent["plain"], 2),
             "compiled_samples_per_s": round(timed / spent["compiled"], 2),
             "compile_speedup": round(spent["plain"] / spent["compiled"], 3),

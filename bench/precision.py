@@ -42,11 +42,16 @@ def controller(flags, inputs, updates):
 
 
 def batches(task, count, size=32):
+    """``count`` training batches as the iterator gives them: keyed, so
+    dropout draws per sample (hetseq/randomness.py), as in a run."""
+    from hetseq.randomness import KeyedBatch, sample_keys
     data = task.load_dataset("train")
     collate = task.collater(data)
     g = torch.Generator().manual_seed(0)
     order = torch.randperm(len(data), generator=g).tolist()
-    return [collate([data[i] for i in order[k * size:(k + 1) * size]]) for k in range(count)]
+    parts = [order[k * size:(k + 1) * size] for k in range(count)]
+    return [KeyedBatch(collate([data[i] for i in part]), sample_keys(1, 1, part))
+            for part in parts]
 
 
 def loss_curve(flags, inputs, steps):
@@ -66,7 +71,7 @@ def speed(inputs, steps):
             ctrl.train_step([batch], batch)
             if i >= 2:   # the first two pairs warm up
                 spent[name] += time.perf_counter() - start
-    timed = (len(steps) - 2) * len(steps[0]["input_ids"])
+    timed = (len(steps) - 2) * len(steps[0].keys)
     return {"fp32_samples_per_s": round(timed / spent["fp32"], 2),
             "bf16_samples_per_s": round(timed / spent["bf16"], 2),
             "bf16_speedup": round(spent["fp32"] / spent["bf16"], 3)}
