@@ -1,32 +1,34 @@
 """Modules that draw per sample (hetseq/randomness.py): drop-in for torch's."""
 
+import torch.nn.functional as F
 from torch import nn
 
 from hetseq import randomness
 
 
-class Dropout(nn.Module):
-    """``torch.nn.Dropout`` whose mask for each sample comes from that
-    sample's own stream while HetSeq trains (the first dimension must be the
-    sample), so the update does not depend on which rank held the sample.
-    Outside a training step (evaluation, a model run by hand) it is torch's.
+class Dropout(nn.Dropout):
+    """``torch.nn.Dropout`` (a subclass: code that looks for dropout layers
+    finds it) whose mask for each sample comes from that sample's own stream
+    while HetSeq trains, so the update does not depend on which rank held
+    the sample. The first dimension of the input must be the sample.
+    Outside a training step (evaluation, a model run by hand) it is torch's,
+    ``inplace`` included; keyed, it never works in place.
 
     ``site`` names the draw; left None, the Controller names it after the
     module's path in the model (``randomness.name_sites``)."""
 
-    def __init__(self, p=0.5, site=None):
-        super().__init__()
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"dropout probability must be in [0, 1], got {p}")
-        self.p = p
+    def __init__(self, p=0.5, inplace=False, *, site=None):
+        super().__init__(p, inplace)
         self.site = site
 
     def forward(self, x):
-        if self.training and self.p > 0 and randomness.active() and self.site is None:
+        if not (self.training and self.p > 0 and randomness.active()):
+            return F.dropout(x, self.p, self.training, self.inplace)
+        if self.site is None:
             raise RuntimeError("a hetseq.nn.Dropout without a site draws in a training step: "
                                "build it as part of the task's model (the Controller names "
                                "every one it holds) or pass site='name'")
-        return randomness.dropout(x, self.p, self.site, self.training)
+        return randomness.dropout(x, self.p, self.site)
 
     def extra_repr(self):
-        return f"p={self.p}" + (f", site={self.site!r}" if self.site else "")
+        return super().extra_repr() + (f", site={self.site!r}" if self.site else "")

@@ -38,14 +38,14 @@ A task draws through this module inside ``Task.loss`` (``uniform``,
 Controller opens ``using(keys)`` around each micro-batch's forward; outside
 it (a model run by hand, evaluation) nothing is keyed and ``dropout`` is
 torch's. A site draws once per call: a module called twice in a forward
-draws twice, in call order, which an activation-checkpointing recompute
-would repeat differently (HetSeq does not recompute).
+draws twice, in call order. An activation-checkpointing recompute (inside
+backward) is refused unless ``checkpoint_context`` replays the forward's
+call counts.
 """
 
 import contextlib
 import dataclasses
 import functools
-import threading
 import zlib
 
 import numpy as np
@@ -164,23 +164,41 @@ class KeyedBatch:
 
 
 class _Draws:
-    def __init__(self, keys):
+    """The keys of the forward under way and how often each site drew in it."""
+
+    def __init__(self, keys, calls=None, replaying=False):
         self.keys = keys
-        self.calls = {}
+        self.calls = dict(calls or {})
+        self.replaying = replaying
 
     def next_call(self, site):
+        # A draw inside backward is a recompute (activation checkpointing): it
+        # must draw what the forward drew, which only checkpoint_context knows.
+        if not self.replaying and torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(
+                f"hetseq.randomness: '{site}' draws again during backward: activation "
+                "checkpointing recomputes the forward, and a keyed draw counts its calls. "
+                "Pass context_fn=hetseq.randomness.checkpoint_context to "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) so the "
+                "recompute draws the forward's masks")
         call = self.calls.get(site, 0)
         self.calls[site] = call + 1
         return call
 
 
-_current = threading.local()
+class _Current:
+    # Process-wide, not per thread: autograd recomputes a checkpointed
+    # forward on its own threads. One training forward runs at a time.
+    draws = None
+
+
+_current = _Current()
 
 
 @contextlib.contextmanager
 def using(keys):
     """Draws inside the block are keyed by ``keys`` (None: not keyed)."""
-    previous = getattr(_current, "draws", None)
+    previous = _current.draws
     _current.draws = None if keys is None else _Draws(keys)
     try:
         yield
@@ -188,13 +206,34 @@ def using(keys):
         _current.draws = previous
 
 
+@contextlib.contextmanager
+def _replaying(draws):
+    previous = _current.draws
+    _current.draws = draws
+    try:
+        yield
+    finally:
+        _current.draws = previous
+
+
+def checkpoint_context():
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(fn, ...,
+    use_reentrant=False, context_fn=checkpoint_context)``: the recompute in
+    backward makes the draws the forward made (the same keys, each site's
+    call count as it was when the checkpointed segment began)."""
+    draws = _current.draws
+    if draws is None:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return contextlib.nullcontext(), _replaying(_Draws(draws.keys, draws.calls, replaying=True))
+
+
 def active():
     """Whether draws are keyed here (inside the Controller's training forward)."""
-    return getattr(_current, "draws", None) is not None
+    return _current.draws is not None
 
 
 def _draws(what):
-    draws = getattr(_current, "draws", None)
+    draws = _current.draws
     if draws is None:
         raise RuntimeError(f"hetseq.randomness.{what} draws per sample and works inside a "
                            "training step only (Task.loss while the Controller trains); "
@@ -244,21 +283,16 @@ def dropout(x, p, site, training=True):
 def _keyed_dropout(x, p, site):
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability must be in [0, 1], got {p}")
-    if p == 1.0:
+    threshold = round(p * WORD) - (1 << 31)
+    if threshold >= 1 << 31:      # p within 2**-33 of 1: nothing is kept
         return x * 0.0
     draws = _draws("dropout")
     _check_batch(x.shape[0], draws, "dropout")
     bits = _bits(draws.keys, site, draws.next_call(site), x.shape[1:], x.device)
-    keep = bits >= drop_threshold(p)
+    keep = bits >= threshold     # kept with probability 1 - p, to 2**-32
     # x * keep / (1 - p) in one kernel that saves only the boolean mask for
     # backward: the op torch's own dropout backward uses.
     return torch.ops.aten.native_dropout_backward(x, keep, 1.0 / (1.0 - p))
-
-
-def drop_threshold(p):
-    """Bits (int32, uniform over its range) at or above this are kept: with
-    probability 1 - p, to 2**-32."""
-    return min(round(p * WORD) - (1 << 31), (1 << 31) - 1)
 
 
 def name_sites(model):

@@ -129,6 +129,40 @@ def test_sites_are_named_after_the_modules_path_and_a_nameless_one_is_refused():
             randomness.dropout(torch.ones(2, 3), 0.5, "s")
 
 
+def test_a_checkpointed_forward_draws_again_what_it_drew_or_is_refused():
+    """Activation checkpointing recomputes the forward inside backward: with
+    checkpoint_context the recompute draws the forward's masks (the
+    gradient of the plain forward); without it the draw is refused, never
+    a different mask silently."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    layer, drop = nn.Linear(8, 8).double(), Dropout(0.5, site="block.drop")
+    x = torch.randn(4, 8, dtype=torch.float64)
+
+    def block(v):
+        return drop(torch.tanh(layer(drop(v))))      # one module called twice
+
+    def gradient(run):
+        layer.zero_grad()
+        with randomness.using(randomness.sample_keys(7, 1, [0, 1, 2, 3])):
+            run(x).pow(2).sum().backward()
+        return layer.weight.grad.clone()
+    plain = gradient(block)
+    replayed = gradient(lambda v: checkpoint(block, v, use_reentrant=False,
+                                             context_fn=randomness.checkpoint_context))
+    assert torch.equal(plain, replayed)
+    with pytest.raises(RuntimeError, match="checkpoint_context"):
+        gradient(lambda v: checkpoint(block, v, use_reentrant=False))
+
+
+def test_dropout_is_a_drop_in_for_torchs():
+    drop = Dropout(0.1, True)                 # torch's positional inplace
+    assert isinstance(drop, nn.Dropout) and drop.inplace and drop.site is None
+    with randomness.using(randomness.sample_keys(0, 1, [0, 1])):
+        assert torch.equal(randomness.dropout(torch.ones(2, 9), 1 - 2 ** -40, "s"),
+                           torch.zeros(2, 9))   # beyond 32 bits of p: nothing is kept
+
+
 def test_evaluation_draws_nothing():
     from hetseq.bert import BertConfig, BertForSequenceClassification
     torch.manual_seed(0)

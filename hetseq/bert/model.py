@@ -142,7 +142,9 @@ class BertAttention(nn.Module):
         position's draw does not depend on the padded length, so a sample's
         result does not depend on what it was batched with."""
         scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
+        # The lowest finite score, not -inf: a sample with no real token gets
+        # even weights instead of NaN (softmax of a row of -inf).
+        scores = scores.masked_fill(~attn_mask, torch.finfo(scores.dtype).min)
         return self.probs_dropout(scores.softmax(-1)) @ v
 
 
