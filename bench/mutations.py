@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """Proof that the tests bite: break each promise of the README on purpose,
-one at a time, and run the tests that pin it; every one must fail.
+one at a time, and run the tests that pin it; every one must fail, on an
+assertion (a mutation that only makes a fixture or a worker crash is not
+counted as caught: the crash could have another cause).
 
 Each mutation replaces one piece of text in a copy of the repository (the
 committed tree, in a temporary folder) and runs the named tests there.
@@ -14,7 +16,6 @@ the unchanged tree, which must pass) included.
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -141,6 +142,18 @@ MUTATIONS = {
         "    for word in (seed % WORD, seed // WORD % WORD):",
         ["tests/test_randomness.py::test_the_hash_on_tensors_equals_the_hash_on_python_integers",
          "tests/test_randomness.py::test_every_key_part_changes_the_draw"]),
+    "checkpoint-unpickles-code": (
+        "a checkpoint carrying pickled code is refused and the code never runs",
+        "hetseq/checkpoint.py",
+        'state = torch.load(path, map_location="cpu", weights_only=True)',
+        'state = torch.load(path, map_location="cpu", weights_only=False)',
+        ["tests/test_untrusted.py::test_a_checkpoint_carrying_code_is_refused_and_the_code_never_runs"]),
+    "peer-payload-unpickles-code": (
+        "a collective's payload carrying pickled code is refused and the code never runs",
+        "hetseq/distributed/collectives.py",
+        "                      weights_only=True)",
+        "                      weights_only=False)",
+        ["tests/test_untrusted.py::test_a_payload_from_a_peer_carrying_code_is_refused_and_the_code_never_runs"]),
     "data-position-lost": (
         "the data position is kept in samples: the epoch goes on from the saved sample",
         "hetseq/data/iterators.py",
@@ -498,6 +511,36 @@ MUTATIONS = {
 }
 
 
+def applies(path, text, root=ROOT):
+    """Whether ``text`` occurs exactly once in ``path`` (a mutation that no
+    longer applies would prove nothing)."""
+    with open(os.path.join(root, path)) as f:
+        return f.read().count(text) == 1
+
+
+def verdict(junit_xml, tests):
+    """(caught, why) from pytest's JUnit XML: caught only when one of the
+    named tests FAILED on an assertion (an assert, pytest.raises or
+    pytest.fail), not when a fixture, a worker or the collection errored."""
+    import xml.etree.ElementTree as ET
+    named = {(t.split("::", 1)[0], t.split("::", 1)[1].split("[", 1)[0])
+             for t in tests if "::" in t}
+    files = {t for t in tests if "::" not in t}
+    why = []
+    for case in ET.parse(junit_xml).iter("testcase"):
+        failure = case.find("failure")
+        if failure is None:
+            continue
+        name = case.get("name", "").split("[", 1)[0]
+        module = case.get("classname", "").replace(".", "/") + ".py"
+        message = failure.get("message", "")
+        asserted = message.startswith(("assert", "AssertionError", "Failed", "Failed:")) or \
+            "DID NOT RAISE" in message or failure.text and "AssertionError" in failure.text
+        if asserted and ((module, name) in named or module in files):
+            why.append(f"{case.get('name')}: {message.splitlines()[0][:200] if message else ''}")
+    return bool(why), why[:2]
+
+
 def run(name, promise, path, text, replacement, tests):
     """Runs ``tests`` in a copy of HEAD where ``text`` in ``path`` reads ``replacement``
     (``path`` None: the copy unchanged, the control run)."""
@@ -506,23 +549,22 @@ def run(name, promise, path, text, replacement, tests):
                                  check=True).stdout
         subprocess.run(["tar", "-x", "-C", copy], input=archive, check=True)
         if path is not None:
+            if not applies(path, text, copy):
+                return {"name": name, "promise": promise, "error": f"text not found once in {path}"}
             target = os.path.join(copy, path)
             with open(target) as f:
                 source = f.read()
-            if source.count(text) != 1:
-                return {"name": name, "promise": promise, "error": f"text not found once in {path}"}
             with open(target, "w") as f:
                 f.write(source.replace(text, replacement))
         start = time.time()
+        junit = os.path.join(copy, "junit.xml")
         done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                               *tests], cwd=copy, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": copy}, timeout=1800)
+                               f"--junitxml={junit}", *tests], cwd=copy, capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": copy}, timeout=1800)
         lines = done.stdout.strip().splitlines() or [""]
-        # pytest's "E   ..." lines: the assertion that caught it (it must be
-        # the promise's, not an import error the mutation made).
-        why = [line[1:].strip() for line in lines if line.startswith("E ")][:2]
+        caught, why = verdict(junit, tests) if os.path.exists(junit) else (False, [])
         return {"name": name, "promise": promise, "file": path, "tests": tests,
-                "caught": done.returncode != 0, "pytest": lines[-1], "why": why,
+                "caught": caught, "returncode": done.returncode, "pytest": lines[-1], "why": why,
                 "seconds": round(time.time() - start, 1)}
 
 
@@ -537,7 +579,7 @@ def main():
     tests = sorted({t for name in names for t in MUTATIONS[name][4]})
     control = run("control", "the unchanged tree passes the same tests", None, None, None, tests)
     results = [run(name, *MUTATIONS[name]) for name in names]
-    emit({"control_passed": not control["caught"], "control": control, "mutations": results,
+    emit({"control_passed": control["returncode"] == 0, "control": control, "mutations": results,
           "caught": sum(bool(r.get("caught")) for r in results), "of": len(results)}, opts.out)
 
 

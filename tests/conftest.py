@@ -1,3 +1,4 @@
+import datetime
 import importlib
 import io
 import os
@@ -16,6 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TOY = ["--task", "toy", "--user-dir", str(ROOT / "tests" / "tasks")]
 # Fast, quiet defaults for every test run of train.py.
 QUIET = ["--cpu", "--no-progress-bar", "--distributed-timeout", "60"]
+# Every process group a test starts gives up after this (gloo's default is
+# 30 minutes: a hung test would hold CI that long).
+GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 # Set by .ci/run: a test whose needs (root, namespaces, Open MPI, a tmpfs, the
 # [test] packages) are missing fails instead of skipping, so that a CI machine
 # without them cannot pass with those promises untested.

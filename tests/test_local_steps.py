@@ -14,7 +14,7 @@ from hetseq import cli
 from hetseq.errors import UserError
 from hetseq.testing.jobs import run_alone, run_jobs
 
-from conftest import TOY, assert_ok, final_params, max_diff, run_job
+from conftest import GROUP_TIMEOUT, TOY, assert_ok, final_params, max_diff, run_job
 
 COMMON = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--clip-norm",
           "0", "--max-update", "7", "--disable-validation", "--toy-size", "100"]
@@ -128,7 +128,7 @@ def _codec_worker(rank, world, folder, name, out):
     import torch.distributed as dist
     from hetseq.distributed.compress import CODECS
     dist.init_process_group("gloo", init_method=f"file://{folder}/meet", rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=GROUP_TIMEOUT)
     torch.manual_seed(rank)
     # Blocks of very different sizes: the scales are per block of 256.
     values = torch.randn(1000) * torch.logspace(-4, 1, 1000)

@@ -14,8 +14,8 @@ import torch
 
 from hetseq.testing.jobs import run_alone, run_jobs
 
-from conftest import (TOY, assert_ok, build_controller, final_params, leave_process_group,
-                      max_diff, run_job)
+from conftest import (GROUP_TIMEOUT, TOY, assert_ok, build_controller, final_params,
+                      leave_process_group, max_diff, run_job)
 
 COMMON = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--clip-norm",
           "0", "--max-update", "7", "--disable-validation", "--toy-size", "100"]
@@ -171,7 +171,8 @@ def _count_collectives(rank, world, init, plain, out):
     import torch.distributed as dist
     from hetseq.distributed import DistContext
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=GROUP_TIMEOUT)
     controller, task = build_controller([*COMMON, *(["--toy-plain-backward"] if plain else [])],
                                         DistContext(rank, world, rank, torch.device("cpu"), "gloo"))
     data = task.load_dataset("train")

@@ -9,8 +9,9 @@ import torch
 
 from test_parity import EXACT
 
-from conftest import (TOY, assert_ok, build_controller, keyed, leave_process_group, max_diff,
-                      portable, run_job, run_nodes, run_train, unpack)
+from conftest import (GROUP_TIMEOUT, TOY, assert_ok, build_controller, keyed,
+                      leave_process_group, max_diff, portable, run_job, run_nodes, run_train,
+                      unpack)
 
 BASE = [*TOY, "--optimizer", "adamw", "--lr", "0.05", "--weight-decay", "0.01",
         "--lr-scheduler", "fixed", "--clip-norm", "0.5", "--disable-validation",
@@ -85,7 +86,8 @@ def _load_fresh_state(rank, world, init, zero, state, out):
     import torch.distributed as dist
     from hetseq.distributed import DistContext
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=GROUP_TIMEOUT)
     ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
     controller, task = build_controller([*ADADELTA, "--zero", zero], ctx)
     controller.load_state_dict(state)
@@ -196,7 +198,8 @@ def _state_bytes(rank, world, init, out):
     import torch.distributed as dist
     from hetseq.distributed import DistContext
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=GROUP_TIMEOUT)
     ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
     held = {}
     for zero in ("0", "1", "2", "3"):

@@ -7,7 +7,7 @@ import torch
 
 from hetseq import stats
 
-from conftest import TOY, build_controller, leave_process_group
+from conftest import GROUP_TIMEOUT, TOY, build_controller, leave_process_group
 
 SLEEP_MS = 100     # rank 1 sleeps this per sample before its forward: 0.3 s an update
 
@@ -33,7 +33,8 @@ def _times(rank, world, init, zero, out):
     import torch.distributed as dist
     from hetseq.distributed import DistContext
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=GROUP_TIMEOUT)
     ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
     controller, task = build_controller(
         [*TOY, "--optimizer", "sgd", "--lr", "0.1", "--zero", zero, "--toy-slow-rank", 1,
