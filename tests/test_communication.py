@@ -27,16 +27,27 @@ BASE = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "-
         "--max-update", 3, "--disable-validation", "--no-save", "--toy-size", 100]
 PARAMS = 8 * 16 + 16 + 16 + 1                # the toy model: Linear(8, 16), Linear(16, 1)
 STATS = 3 + 4 * 2                            # loss, sample_size, seen; 4 slots x 2 ranks
-VARIANTS = {"plain": [], "update-freq 3": ["--update-freq", 3],
+# In this order: a bug that makes ranks issue different collectives (a sync
+# on every micro-batch of an uneven split) crashes the "micro-batches" jobs;
+# the --update-freq ones, equal on both ranks, show it as a count first.
+VARIANTS = {"update-freq 3": ["--update-freq", 3], "plain": [],
             "micro-batches of 4": ["--micro-batch-cap", 4]}
+UPDATES = 3
+_RECORDED = {}
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    jobs = [(f"zero{zero} {name}", [[*BASE, "--zero", zero, *flags, "--max-sentences", batch]
-                                    for batch in (16, 8)])
-            for zero in (0, 1, 2, 3) for name, flags in VARIANTS.items()]
-    return run_jobs(2, jobs, tmp_path_factory.mktemp("communication"))
+    """The recorded jobs of one variant (every --zero mode), run on first use:
+    a variant whose jobs crash fails its own tests only."""
+    def jobs_of(variant):
+        if variant not in _RECORDED:
+            jobs = [(f"zero{zero} {variant}", [[*BASE, "--zero", zero, *VARIANTS[variant],
+                                                "--max-sentences", batch] for batch in (16, 8)])
+                    for zero in (0, 1, 2, 3)]
+            _RECORDED[variant] = run_jobs(2, jobs, tmp_path_factory.mktemp("communication"))
+        return _RECORDED[variant]
+    return lambda zero, variant: jobs_of(variant)[f"zero{zero} {variant}"]
 
 
 def micro_batches(variant, update):
@@ -53,11 +64,12 @@ def ops(calls):
     return collections.Counter((call.op, call.tensors) for call in calls)
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_replicas_exchange_the_gradient_once_per_update(recorded, zero, variant):
-    result = recorded[f"zero{zero} {variant}"]
+    result = recorded(zero, variant)
     assert result.calls[0] == result.calls[1]
+    assert len(result.updates()) == UPDATES
     for label, calls in result.updates().items():
         counts = ops(calls)
         assert counts.pop(("allreduce", (("float64", STATS),))) == 1, (label, calls)
@@ -73,11 +85,12 @@ def test_replicas_exchange_the_gradient_once_per_update(recorded, zero, variant)
         assert not counts, (label, counts)
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("zero", [2, 3])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_sharded_gradients_are_reduce_scattered_once_per_update(recorded, zero, variant):
-    result = recorded[f"zero{zero} {variant}"]
+    result = recorded(zero, variant)
     assert result.calls[0] == result.calls[1]
+    assert len(result.updates()) == UPDATES
     padded = 2 * -(-PARAMS // 2)                        # FSDP pads to a multiple of W
     shard = (("float64", padded // 2), ("float64", padded))
     for label, calls in result.updates().items():
