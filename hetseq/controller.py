@@ -115,39 +115,6 @@ class StepResult:
         return self._norm() if callable(self._norm) else self._norm
 
 
-class LossScaler:
-    """fairseq's dynamic loss scaler for --fp16: halve S on overflow, double
-    it after a window of clean updates; ``state_dict`` for checkpoints."""
-
-    def __init__(self, cfg, window_default):
-        self.scale = float(cfg.fp16_init_scale)
-        self.window = cfg.fp16_scale_window or max(1, int(window_default))
-        self.min_scale = cfg.min_loss_scale
-        self.clean_updates = 0
-
-    def update(self, overflow):
-        """After an update: ``overflow`` True means it was skipped."""
-        if overflow:
-            self.scale /= 2
-            self.clean_updates = 0
-            logger.info("gradient overflow: update skipped, loss scale now %g", self.scale)
-            if self.scale < self.min_scale:
-                raise TrainingFailed(
-                    f"the fp16 loss scale fell below --min-loss-scale {self.min_scale}: the "
-                    "loss or gradients overflow at any scale; lower --lr, set --clip-norm, "
-                    "or train with --bf16")
-            return
-        self.clean_updates += 1
-        if self.clean_updates % self.window == 0:
-            self.scale *= 2
-
-    def state_dict(self):
-        return {"scale": self.scale, "clean_updates": self.clean_updates}
-
-    def load_state_dict(self, state):
-        self.scale, self.clean_updates = float(state["scale"]), int(state["clean_updates"])
-
-
 class Controller:
     """Owns the model as trained (wrapped by the --zero mode), the optimizer,
     the LR schedule and the loss scale. ``job``: the JobConfig (config.py);
@@ -184,7 +151,7 @@ class Controller:
         self.autocast = precision.autocast(job.precision, ctx.device)
         # fairseq's default window: 2**14 updates of one rank's batch.
         window = 2 ** 14 / ctx.world_size / self.cfg.update_freq[0]
-        self.scaler = LossScaler(job.precision, window) if job.precision.fp16 else None
+        self.scaler = precision.LossScaler(job.precision, window) if job.precision.fp16 else None
         # Every mode averages over the world; an inner step sums nothing.
         self._grad_divisor = ctx.world_size if ctx.distributed and not self.local else 1
         self.num_updates = 0

@@ -9,18 +9,21 @@ Under FSDP (``--zero 2/3``) the parameters are also all-gathered in 16 bits
 
 fp16 has a narrow range, so the loss is multiplied by a scale S before
 backward and the Controller divides S out in the same pass that weights the
-gradients (controller.py: factor W / (N * S), and its LossScaler).
+gradients (controller.py: factor W / (N * S)); ``LossScaler`` below moves S.
 
 Everything here is decided once, when the run is built, from the job's
 PrecisionConfig (config.py): the update itself reads no flag.
 """
 
 import contextlib
+import logging
 import os
 
 import torch
 
-from hetseq.errors import UserError
+from hetseq.errors import TrainingFailed, UserError
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Tests run the fp16 code path on CPU (slow there, and not a training mode we offer).
@@ -113,3 +116,36 @@ def ddp_comm_hook(cfg):
             return buffer
         return future.then(decompress)
     return hook
+
+
+class LossScaler:
+    """fairseq's dynamic loss scaler for --fp16: halve S on overflow, double
+    it after a window of clean updates; ``state_dict`` for checkpoints."""
+
+    def __init__(self, cfg, window_default):
+        self.scale = float(cfg.fp16_init_scale)
+        self.window = cfg.fp16_scale_window or max(1, int(window_default))
+        self.min_scale = cfg.min_loss_scale
+        self.clean_updates = 0
+
+    def update(self, overflow):
+        """After an update: ``overflow`` True means it was skipped."""
+        if overflow:
+            self.scale /= 2
+            self.clean_updates = 0
+            logger.info("gradient overflow: update skipped, loss scale now %g", self.scale)
+            if self.scale < self.min_scale:
+                raise TrainingFailed(
+                    f"the fp16 loss scale fell below --min-loss-scale {self.min_scale}: the "
+                    "loss or gradients overflow at any scale; lower --lr, set --clip-norm, "
+                    "or train with --bf16")
+            return
+        self.clean_updates += 1
+        if self.clean_updates % self.window == 0:
+            self.scale *= 2
+
+    def state_dict(self):
+        return {"scale": self.scale, "clean_updates": self.clean_updates}
+
+    def load_state_dict(self, state):
+        self.scale, self.clean_updates = float(state["scale"]), int(state["clean_updates"])

@@ -46,6 +46,7 @@ call counts.
 import contextlib
 import dataclasses
 import functools
+import random
 import zlib
 
 import numpy as np
@@ -109,6 +110,14 @@ def _words(values):
     low = (values & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
     high = (values >> 32).astype(np.uint32).view(np.int32)
     return torch.from_numpy(low.copy()), torch.from_numpy(high.copy())
+
+
+def seed_generators(seed):
+    """Seed Python's, numpy's and torch's own generators: the model's initial
+    weights (the same on every rank) and a task's draws outside this module."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 # ---- keys ----

@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 
-from hetseq import capacity, checkpoint, cli, precision, rebalance
+from hetseq import capacity, checkpoint, cli, precision, randomness, rebalance
 from hetseq.agreement import Agreement
 from hetseq.controller import Controller
 from hetseq.data.splits import Splits
@@ -24,7 +24,6 @@ from hetseq.logging import setup_logging
 from hetseq.logging.report import Reporter
 from hetseq.optim.lr_scheduler import planned_updates
 from hetseq.tasks import TASKS, Task, import_builtin_tasks, import_user_dir
-from hetseq.utils import set_seed
 from hetseq.validation import Validation
 
 logger = logging.getLogger("hetseq.train")
@@ -71,7 +70,7 @@ class Run:
         # The model's initial weights, the same on every rank. No draw made
         # while training comes from these generators (randomness.py keys them
         # by sample), so seeding them again each elastic generation changes none.
-        set_seed(job.training.seed)
+        randomness.seed_generators(job.training.seed)
         self.task = build_task(args, inputs)
         if job.checkpoint.export_hf and type(self.task).export_hf is Task.export_hf:
             raise UserError(f"--export-hf: task '{job.task}' cannot write a Hugging Face "

@@ -18,7 +18,8 @@ from hetseq import secret
 from hetseq.distributed import rendezvous, tunnel
 from hetseq.errors import UserError
 
-from conftest import assert_ok, final_params, finish, max_diff, node_commands, start_nodes
+from conftest import (assert_ok, final_params, finish, free_port, max_diff, node_commands,
+                      start_nodes)
 from test_parity import COMMON, EXACT, reference
 
 SECRET = "a8f3e1c97b2d4065a1e0c3b5d7f9e2a4"
@@ -28,12 +29,6 @@ TIMEOUT = datetime.timedelta(seconds=10)
 
 def key(text):
     return tunnel.read_secret(None, {tunnel.SECRET_VARIABLE: text})
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(secret):
