@@ -45,7 +45,8 @@ from hetseq.distributed.collectives import gather_to_main
 from hetseq.errors import TrainingFailed, UserError
 from hetseq.local_steps import LocalSteps
 from hetseq.optim import OPTIMIZERS, build_lr_scheduler, build_optimizer
-from hetseq.stats import Backward, ComputeClock, StatsExchange
+from hetseq.stats import Backward, StatsExchange
+from hetseq.timing import ComputeClock
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,14 @@ class Controller:
         if self.local:
             return self.local.replicated()
         return self.sharding.replicated_state(self.params, self.optimizer)
+
+    def describe_sharding(self):
+        """How the model and its state are spread over the ranks, in words."""
+        return self.sharding.describe()
+
+    def full_model_state(self):
+        """The whole model's weights (a collective when they are sharded)."""
+        return self.sharding.model_state(self.model)
 
     def _mode(self, training):
         # Switching walks every module, so only on a change (validation to training).
@@ -373,7 +382,7 @@ class Controller:
         round): every rank's own optimizer state ("optimizers", gathered on
         rank 0) and the outer step's ("local_steps")."""
         local = self.local.state_dict(self.model) if self.local else None
-        state = {"model": self.sharding.model_state(self.model),
+        state = {"model": self.full_model_state(),
                  "optimizer": self.sharding.optimizer_state(self.model, self.optimizer),
                  "lr_scheduler": self.lr_scheduler.state_dict(), "num_updates": self.num_updates}
         if local is not None:

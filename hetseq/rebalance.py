@@ -265,5 +265,5 @@ class Balance:
             logger.info("resuming epoch %d at sample %d of %d with a global batch of %d on %d "
                         "ranks (saved: %d on %d ranks): the epoch goes on from that sample, "
                         "none repeated or skipped", data.epoch, data.samples_in_epoch,
-                        data.batches.dataset_size, plan.global_batch, len(plan.batch_sizes),
+                        data.dataset_size, plan.global_batch, len(plan.batch_sizes),
                         saved.global_batch, len(saved.batch_sizes))

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hetseq import stats
+from hetseq import timing
 from hetseq.errors import UserError
 from hetseq.registry import Registry
 
@@ -240,7 +240,7 @@ class FullyShard(Sharding):
                 for unit in module:
                     fully_shard(unit, **options)
         fully_shard(model, **options)
-        stats.time_fsdp_waits()
+        timing.time_fsdp_waits()
         return model
 
     def _placement(self, param):
@@ -267,7 +267,7 @@ class FullyShard(Sharding):
         return [p.grad.to_local() for p in params if p.grad is not None]
 
     def waited(self):
-        return stats.fsdp_waited()
+        return timing.fsdp_waited()
 
     def reduce(self, tensor):
         if self.ctx.distributed:

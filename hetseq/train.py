@@ -111,7 +111,7 @@ class Run:
                                            ctx.local_world_size, elastic=job.elastic.elastic)
         if ctx.is_main:
             logger.info("capacity plan (%s), global batch %d, %s, %s:\n%s", job.capacity.capacity,
-                        plan.global_batch, controller.sharding.describe(),
+                        plan.global_batch, controller.describe_sharding(),
                         precision.describe(job.precision), capacity.describe(plan, devices))
         rebalancer = rebalance.Rebalancer(plan) if job.capacity.capacity == "auto" and \
             not job.capacity.no_rebalance else None
@@ -167,7 +167,7 @@ class Run:
 
     def train_epoch(self, epoch):
         training, controller, data = self.job.training, self.controller, self.train_data
-        data.batches.shuffle = epoch > training.curriculum
+        data.set_shuffle(epoch > training.curriculum)
         controller.set_epoch(epoch)
         update_freq = training.update_freq_at(epoch)
         self.report.start_epoch(epoch, -(-data.remaining_steps // update_freq),
@@ -201,7 +201,7 @@ class Run:
         data, done = self.train_data, self.controller.num_updates + 1
         every = self.job.checkpoint.save_interval_updates
         max_update = self.job.training.max_update
-        return (data.samples_in_epoch in (0, data.batches.dataset_size)
+        return (data.samples_in_epoch in (0, data.dataset_size)
                 or bool(max_update and done >= max_update) or bool(every and done % every == 0))
 
     def _join_waiting(self):
@@ -245,7 +245,7 @@ class Run:
         has_best = broadcast_from_main(self.checkpointer.has_best, self.ctx)
         # The full weights (a collective when they are sharded), into a plain copy.
         state = self.checkpointer.best_model_state() if has_best else \
-            self.controller.sharding.model_state(self.controller.model)
+            self.controller.full_model_state()
         if not self.ctx.is_main:
             return
         if has_best:

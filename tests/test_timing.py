@@ -1,11 +1,11 @@
-"""Each rank's own compute time (hetseq/stats.py): what capacity planning and
+"""Each rank's own compute time (hetseq/timing.py): what capacity planning and
 rebalancing read. A rank that waits for a slower one inside a collective must
 not count the wait as its own work."""
 
 import pytest
 import torch
 
-from hetseq import stats
+from hetseq import timing
 
 from conftest import GROUP_TIMEOUT, TOY, build_controller, leave_process_group
 
@@ -16,11 +16,11 @@ def test_fsdp_waits_are_timed_on_this_torch():
     # FSDP2 has no public hook around its waits; the methods timed are its
     # internals. Should torch move them, this fails instead of silently
     # counting every wait as compute.
-    assert stats.time_fsdp_waits() == list(stats.FSDP_TIMED)
+    assert timing.time_fsdp_waits() == list(timing.FSDP_TIMED)
 
 
 def test_the_clock_stops_at_the_end_of_backward():
-    clock = stats.ComputeClock()
+    clock = timing.ComputeClock()
     x = torch.ones(3, requires_grad=True)
     loss = (x * 2).sum()
     clock.stamp_at_end_of_backward(loss)

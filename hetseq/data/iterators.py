@@ -152,6 +152,14 @@ class GlobalBatchIterator:
         return len(self.batches)
 
     @property
+    def dataset_size(self):
+        return self.batches.dataset_size
+
+    def set_shuffle(self, shuffle):
+        """Whether the epochs drawn from now on are shuffled (--curriculum)."""
+        self.batches.shuffle = shuffle
+
+    @property
     def remaining_steps(self):
         """Global batches left in the current epoch."""
         left = self.batches.dataset_size - self.samples_in_epoch
