@@ -11,15 +11,13 @@ or wrong numbers (as --tensorboard-logdir on one node did under --zero 2/3
 with --clip-norm 0: one rank measured the sharded norm, one more all-reduce).
 """
 
-import datetime
-import gc
-
 import pytest
 import torch
 
 from hetseq import cli, config
+from hetseq.testing.jobs import run_alone, run_jobs
 
-from conftest import TOY, assert_ok, leave_process_group, run_job
+from conftest import TOY, assert_ok, final_params, max_diff, run_job
 
 # Rank 0's and rank 1's value of each per-node flag the Run sees (None: not
 # given; True/False: a switch). The launch flags decide which process is
@@ -75,84 +73,25 @@ def _argv(extra, varied, rank, folder):
     return [str(a) for a in argv]
 
 
-def _mark_updates(controller):
-    """A marker before and after each update in the recording."""
-    from hetseq.testing import recording
-    step = controller.train_step
-
-    def marked(*args, **kwargs):
-        recording.mark(f"update {controller.num_updates + 1}")
-        result = step(*args, **kwargs)
-        recording.mark("between updates")
-        return result
-    controller.train_step = marked
-
-
-def _jobs(rank, world, init, jobs, out):
-    """Rank ``rank`` of every job in ``jobs`` ([(name, [argv per rank])]), one
-    after the other in this process: its collectives, rank 0's final weights
-    and the global batch, saved to ``out``.<rank> (a queue's pipe would block
-    on this much data until the parent reads, and it reads after the join)."""
-    from hetseq.distributed import DistContext
-    from hetseq.testing import recording
-    from hetseq.train import Run
-    torch.set_num_threads(1)
-    recording.register()
-    torch.distributed.init_process_group(recording.BACKEND, init_method=init, rank=rank,
-                                         world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT))
-    ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
-    results = {}
-    for name, argvs in jobs:
-        recording.clear()
-        args, job, node = cli.parse(argvs[rank])
-        run = Run(args, job, node, ctx)
-        _mark_updates(run.controller)
-        run.train()
-        calls = recording.calls()
-        weights = run.controller.sharding.model_state(run.controller.model)   # a collective
-        results[name] = (calls, weights if rank == 0 else None, run.balance.plan.global_batch)
-        del run
-        gc.collect()
-    torch.save(results, f"{out}.{rank}")
-    leave_process_group()
-
-
-def run_jobs(tmp, jobs):
-    """{name: (calls per rank, weights, global batch)} of 2-rank jobs."""
-    import torch.multiprocessing as mp
-    mp.start_processes(_jobs, args=(2, f"file://{tmp / 'meet'}", jobs, tmp / "recorded"),
-                       nprocs=2, start_method="spawn")
-    by_rank = [torch.load(f"{tmp / 'recorded'}.{rank}", weights_only=False) for rank in (0, 1)]
-    return {name: ([by_rank[r][name][0] for r in (0, 1)], by_rank[0][name][1],
-                   by_rank[0][name][2]) for name, _ in jobs}
-
-
 _REFERENCES = {}
 
 
-def reference(tmp, extra, global_batch):
+def reference(extra, global_batch):
     """The weights of one process training on the same global batch."""
-    from hetseq.distributed import DistContext
-    from hetseq.train import Run
     key = (tuple(map(str, extra)), global_batch)
     if key not in _REFERENCES:
-        args, job, node = cli.parse([str(a) for a in (*BASE, *extra, "--max-sentences",
-                                                      global_batch, "--no-save")])
-        run = Run(args, job, node, DistContext(0, 1, 0, torch.device("cpu")))
-        run.train()
-        _REFERENCES[key] = run.controller.model.state_dict()
+        _REFERENCES[key] = run_alone([*BASE, *extra, "--max-sentences", global_batch,
+                                      "--no-save"])["model"]
     return _REFERENCES[key]
 
 
-def check(tmp, extra, name, result):
-    (calls0, calls1), weights, global_batch = result
-    from hetseq.testing.recording import sections
-    updates = sections(calls0, "update ")
-    assert len(updates) == 4 and all(updates.values()), (name, calls0)
-    assert calls0 == calls1, f"{name}: the ranks issued different collectives"
-    ref = reference(tmp, extra, global_batch)
+def check(extra, name, result):
+    updates = result.updates()
+    assert len(updates) == 4 and all(updates.values()), (name, result.calls[0])
+    assert result.calls[0] == result.calls[1], f"{name}: the ranks issued different collectives"
+    ref = reference(extra, result.global_batch)
     # float64 toy model: only the order of summation differs from one process.
-    diff = max((weights[k] - ref[k]).abs().max().item() for k in ref)
+    diff = max((result.state["model"][k] - ref[k]).abs().max().item() for k in ref)
     assert diff < 1e-10, (name, diff)
 
 
@@ -178,14 +117,15 @@ def recorded(tmp_path_factory):
     """Every job of every mode, run by one pair of processes."""
     tmp = tmp_path_factory.mktemp("per-node")
     jobs = [job for mode in MODES for job in _jobs_of(mode, tmp)]
-    return tmp, run_jobs(tmp, [(name, argvs) for name, _, argvs in jobs])
+    return tmp, run_jobs(2, [(name, argvs) for name, _, argvs in jobs], tmp / "runner",
+                         timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_per_node_flags_never_change_the_collectives(recorded, mode):
     tmp, results = recorded
     for name, clip, _ in _jobs_of(mode, tmp):
-        check(tmp, [*MODES[mode], "--clip-norm", clip], name, results[name])
+        check([*MODES[mode], "--clip-norm", clip], name, results[name])
 
 
 @pytest.mark.parametrize("zero", [0, 3])
@@ -196,13 +136,17 @@ def test_every_rank_takes_the_same_update_path(tmp, zero):
     parameters. (The toy model is float64; scaling by a float64 factor on one
     rank and a float32 one on the other drifted apart; under --zero 3 the
     rank that showed the norm made one more all-reduce.)"""
-    common = [*TOY, "--max-update", 6, "--clip-norm", 0, "--lr", 0.1, "--zero", zero,
-              "--optimizer", "sgd", "--disable-validation", "--no-save",
+    recipe = [*TOY, "--max-update", 6, "--clip-norm", 0, "--lr", 0.1, "--optimizer", "sgd",
+              "--disable-validation"]
+    common = [*recipe, "--zero", zero, "--save-dir", tmp / "ckpt",
               "--toy-dump-params", tmp / "params"]
     # 8 + 5 samples: the factor 2/13 is not exact in float32.
     assert_ok(run_job(common, [["--max-sentences", 8, "--tensorboard-logdir", tmp / "tb"],
                                ["--max-sentences", 5, "--log-interval", 1000]], timeout=120))
     rank0, rank1 = (torch.load(f"{tmp / 'params'}.{r}") for r in (0, 1))
-    if zero == 0:
+    if zero == 0:     # under --zero 3 each rank holds other shards
         assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), \
             max((a - b).abs().max().item() for a, b in zip(rank0, rank1))
+    # Both ways, the weights of one process training on the 13 samples.
+    ref = run_alone([*recipe, "--max-sentences", 13, "--no-save"])["model"]
+    assert max_diff(ref, final_params(tmp / "ckpt")) < 1e-10
