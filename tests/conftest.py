@@ -198,6 +198,25 @@ def tmp(tmp_path):
     return tmp_path
 
 
+# The exact-parity recipe (docs/testing.md): the float64 toy with plain SGD,
+# whose update is linear in the gradient (a wrong scale shows; Adam would
+# hide it), at a fixed rate, unclipped, without validation.
+EXACT_SGD = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--clip-norm",
+             "0", "--disable-validation", "--toy-size", "100"]
+EXACT = 1e-10       # float64: only the order of sums differs (docs/testing.md)
+_ALONE = {}
+
+
+def alone(*argv):
+    """The Controller state of one process trained with ``argv`` (nothing
+    saved), trained once per distinct argv: the single-process reference."""
+    from hetseq.testing.jobs import run_alone
+    key = tuple(map(str, argv))
+    if key not in _ALONE:
+        _ALONE[key] = run_alone([*key, "--no-save"])
+    return _ALONE[key]
+
+
 MNIST = ["--task", "mnist", "--user-dir", ROOT / "examples" / "mnist"]
 
 

@@ -21,10 +21,9 @@ import pytest
 
 from hetseq.testing.jobs import run_jobs
 
-from conftest import TOY
+from conftest import EXACT_SGD
 
-BASE = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--clip-norm", 0,
-        "--max-update", 3, "--disable-validation", "--no-save", "--toy-size", 100]
+BASE = [*EXACT_SGD, "--max-update", 3, "--no-save"]
 PARAMS = 8 * 16 + 16 + 16 + 1                # the toy model: Linear(8, 16), Linear(16, 1)
 STATS = 3 + 4 * 2                            # loss, sample_size, seen; 4 slots x 2 ranks
 # In this order: a bug that makes ranks issue different collectives (a sync

@@ -21,10 +21,9 @@ from hetseq import cli
 from hetseq.distributed.generations import (Generation, choose_source, has_quorum, on_line,
                                              ordered)
 from hetseq.errors import UserError
-from hetseq.testing.jobs import run_alone
 
-from conftest import (UPDATE_LINE, Watched, _cluster, final_params, free_port, max_diff,
-                      start_nodes)
+from conftest import (UPDATE_LINE, Watched, _cluster, alone, final_params, free_port,
+                      max_diff, start_nodes)
 from test_parity import COMMON, EXACT
 
 SECRET = "5f0c1d2e3b4a69788796a5b4c3d2e1f0"
@@ -35,15 +34,9 @@ ELASTIC = ["--max-update", UPDATES, "--elastic", "--min-nodes", 2, "--global-bat
            "--max-sentences", 16, "--distributed-gpus", 1, "--distributed-timeout", 10,
            "--log-format", "simple", "--log-interval", 1, "--toy-sample-ms", 6]
 
-_REFERENCE = []
-
-
 def reference():
     """One process with the whole global batch of 48."""
-    if not _REFERENCE:
-        _REFERENCE.append(run_alone([*COMMON, "--max-update", UPDATES, "--max-sentences", 48,
-                                     "--no-save"])["model"])
-    return _REFERENCE[0]
+    return alone(*COMMON, "--max-update", UPDATES, "--max-sentences", 48)["model"]
 
 
 def node(cluster, host, url, save, *extra, env=INVITED):
@@ -172,7 +165,7 @@ def test_two_nodes_on_one_host_train_exactly_and_a_node_with_other_flags_is_refu
     assert code == 2 and "--seed 2 here, 19940802 in the job" in out and "Traceback" not in out, out
     outputs = finish_ok(*nodes)
     leader = 0 if "this node is rank 0" in outputs[0] else 1
-    expected = run_alone([*COMMON, "--max-update", 40, "--max-sentences", 48, "--no-save"])
+    expected = alone(*COMMON, "--max-update", 40, "--max-sentences", 48)
     assert max_diff(expected["model"], final_params(tmp / "ab"[leader])) < EXACT
 
 
@@ -348,7 +341,7 @@ def test_max_nodes_keeps_its_leader_and_a_waiting_node_takes_a_freed_place(tmp):
     assert generation_lines(out_a) == {1: 2, 2: 2}, out_a[-3000:]   # no meeting storm
     assert re.search(r"generation 2: 2 nodes, this node is rank 0", out_a), out_a[-3000:]
     assert "generation 2: 2 nodes, this node is rank 1" in out_c, out_c[-3000:]
-    expected = run_alone([*COMMON, "--max-update", 40, "--max-sentences", 48, "--no-save"])
+    expected = alone(*COMMON, "--max-update", 40, "--max-sentences", 48)
     assert max_diff(expected["model"], final_params(tmp / "ab"[first.index(a)])) < EXACT
 
 

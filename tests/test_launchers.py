@@ -11,9 +11,8 @@ import sys
 
 import pytest
 
-from conftest import (ROOT, assert_ok, child_env, final_params, finish, free_port, max_diff,
-                      require, run_train)
-from hetseq.testing.jobs import run_alone
+from conftest import (ROOT, alone, assert_ok, child_env, final_params, finish, free_port,
+                      max_diff, require, run_train)
 
 from test_parity import COMMON, EXACT, reference
 
@@ -72,7 +71,7 @@ def test_torchrun_restart_resumes_from_the_checkpoint_exactly(tmp):
     text = result.stdout + result.stderr
     assert result.returncode == 0, text[-3000:]
     assert "toy: this node's data ends at call 6" in text and "4 updates done" in text, text[-3000:]
-    expected = run_alone([*COMMON, "--max-update", 8, "--max-sentences", 32, "--no-save"])
+    expected = alone(*COMMON, "--max-update", 8, "--max-sentences", 32)
     assert max_diff(expected["model"], final_params(out)) < EXACT
 
 

@@ -12,13 +12,11 @@ import torch
 
 from hetseq import cli
 from hetseq.errors import UserError
-from hetseq.testing.jobs import run_alone, run_jobs
+from hetseq.testing.jobs import run_jobs
 
-from conftest import GROUP_TIMEOUT, TOY, assert_ok, final_params, max_diff, run_job
+from conftest import EXACT, GROUP_TIMEOUT, TOY, alone, assert_ok, final_params, max_diff, run_job
 
-COMMON = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--clip-norm",
-          "0", "--max-update", "7", "--disable-validation", "--toy-size", "100"]
-EXACT = 1e-10
+from test_parity import COMMON, reference
 # H = 1 with the outer step theta_0 - 1 * D: the synchronous update (local_steps.py).
 SYNC_ROUNDS = ["--local-steps", 1, "--outer-lr", 1, "--outer-momentum", 0]
 LOSSLESS_POWERSGD = ["--grad-compression", "powersgd", "--powersgd-start", 2,
@@ -56,16 +54,6 @@ def two(tmp_path_factory):
 @pytest.fixture(scope="module")
 def three(tmp_path_factory):
     return run_jobs(3, list(THREE.items()), tmp_path_factory.mktemp("local-steps-3"))
-
-
-_REFERENCES = {}
-
-
-def reference(*extra):
-    key = tuple(map(str, extra))
-    if key not in _REFERENCES:
-        _REFERENCES[key] = run_alone([*COMMON, *extra, "--max-sentences", 32, "--no-save"])
-    return _REFERENCES[key]["model"]
 
 
 @pytest.mark.parametrize("name", ["rounds of 1, 24+8", "rounds of 1, --zero 1, 24+8",
@@ -118,9 +106,9 @@ def test_overlap_alone_follows_the_local_trajectory():
     """One process, outer step theta_0 - D: whether a round is applied at once
     or one round late, the model after the run is the inner optimizer's own
     trajectory (a change applied twice or lost would show)."""
-    plain = run_alone([*COMMON, "--max-sentences", 32, "--no-save"])["model"]
-    late = run_alone([*COMMON, *SYNC_ROUNDS[:1], 3, *SYNC_ROUNDS[2:], "--outer-overlap",
-                      "--max-sentences", 32, "--no-save"])["model"]
+    plain = alone(*COMMON, "--max-sentences", 32)["model"]
+    late = alone(*COMMON, *SYNC_ROUNDS[:1], 3, *SYNC_ROUNDS[2:], "--outer-overlap",
+                 "--max-sentences", 32)["model"]
     assert max_diff(plain, late) < EXACT
 
 

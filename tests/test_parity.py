@@ -12,14 +12,12 @@ fixed), a sample counted twice or missed, all lie far above it.
 import pytest
 import torch
 
-from hetseq.testing.jobs import run_alone, run_jobs
+from hetseq.testing.jobs import run_jobs
 
-from conftest import (GROUP_TIMEOUT, TOY, assert_ok, build_controller, final_params,
-                      leave_process_group, max_diff, run_job)
+from conftest import (EXACT, EXACT_SGD, GROUP_TIMEOUT, alone, assert_ok, build_controller,
+                      final_params, leave_process_group, max_diff, run_job)
 
-COMMON = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--clip-norm",
-          "0", "--max-update", "7", "--disable-validation", "--toy-size", "100"]
-EXACT = 1e-10
+COMMON = [*EXACT_SGD, "--max-update", "7"]
 # Adam with a clip that binds (the state --zero 1 shards; the norm of the
 # whole sharded gradient): exactness of everything but the scale.
 ADAM = ["--optimizer", "adamw", "--lr", "0.05", "--weight-decay", "0.01", "--clip-norm", "0.3"]
@@ -40,15 +38,9 @@ def params(state):
     return state["model"] if "model" in state else state["controller"]["model"]
 
 
-_REFERENCES = {}
-
-
 def reference(*extra):
-    """One process with the whole global batch of 32 (once per set of flags)."""
-    key = tuple(map(str, extra))
-    if key not in _REFERENCES:
-        _REFERENCES[key] = run_alone([*COMMON, *extra, "--max-sentences", 32, "--no-save"])["model"]
-    return _REFERENCES[key]
+    """One process with the whole global batch of 32."""
+    return alone(*COMMON, *extra, "--max-sentences", 32)["model"]
 
 
 def job(layout, *extra):

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from hetseq import cli, config
-from hetseq.testing.jobs import run_alone, run_jobs
+from hetseq.testing.jobs import run_jobs
 
-from conftest import TOY, assert_ok, final_params, max_diff, run_job
+from conftest import TOY, alone, assert_ok, final_params, max_diff, run_job
 
 # Rank 0's and rank 1's value of each per-node flag the Run sees (None: not
 # given; True/False: a switch). The launch flags decide which process is
@@ -73,16 +73,9 @@ def _argv(extra, varied, rank, folder):
     return [str(a) for a in argv]
 
 
-_REFERENCES = {}
-
-
 def reference(extra, global_batch):
     """The weights of one process training on the same global batch."""
-    key = (tuple(map(str, extra)), global_batch)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = run_alone([*BASE, *extra, "--max-sentences", global_batch,
-                                      "--no-save"])["model"]
-    return _REFERENCES[key]
+    return alone(*BASE, *extra, "--max-sentences", global_batch)["model"]
 
 
 def check(extra, name, result):
@@ -148,5 +141,5 @@ def test_every_rank_takes_the_same_update_path(tmp, zero):
         assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), \
             max((a - b).abs().max().item() for a, b in zip(rank0, rank1))
     # Both ways, the weights of one process training on the 13 samples.
-    ref = run_alone([*recipe, "--max-sentences", 13, "--no-save"])["model"]
+    ref = alone(*recipe, "--max-sentences", 13)["model"]
     assert max_diff(ref, final_params(tmp / "ckpt")) < 1e-10

@@ -8,7 +8,7 @@ import torch
 
 from hetseq.testing.jobs import run_jobs
 
-from conftest import MNIST, TOY, assert_ok, max_diff, run_job, run_train
+from conftest import EXACT_SGD, MNIST, TOY, assert_ok, max_diff, run_job, run_train
 
 FP16_ON_CPU = {"HETSEQ_TEST_FP16_ON_CPU": "1"}
 TOY_RUN = [*TOY, "--optimizer", "adamw", "--lr", "0.05", "--lr-scheduler", "fixed",
@@ -46,8 +46,7 @@ F32 = ["--toy-dtype", "float32"]       # what autocast acts on (float64 it leave
 # SGD: its update is linear in the gradient, so fp16's rounding shows at its
 # size (AdamW's first steps are sign(g): a gradient within fp16's rounding of
 # zero moves a weight by 2 lr whichever way it rounds).
-SGD_BASE = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--clip-norm",
-            "0", "--disable-validation", "--toy-size", "100", "--no-save"]
+SGD_BASE = [*EXACT_SGD, "--no-save"]
 SGD_RUN = [*SGD_BASE, "--max-update", 3]
 
 

@@ -9,7 +9,7 @@ import torch
 
 from test_parity import EXACT
 
-from conftest import (GROUP_TIMEOUT, TOY, assert_ok, build_controller, keyed,
+from conftest import (EXACT_SGD, GROUP_TIMEOUT, TOY, assert_ok, build_controller, keyed,
                       leave_process_group, max_diff, portable, run_job, run_nodes, run_train,
                       unpack)
 
@@ -60,8 +60,7 @@ def test_resume_under_another_mode_and_world_equals_an_uninterrupted_run(tmp_pat
 
 # SGD without momentum keeps no optimizer state at all (the plain update also
 # shows a wrong gradient scale, which Adam would hide).
-SGD = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--clip-norm", "0",
-       "--disable-validation", "--toy-size", "100"]
+SGD = EXACT_SGD
 STATELESS_RESUMES = {
     "1 plain process, then zero2 on 2 ranks": ([32], [], [24, 8], ["--zero", 2]),
     "zero1 on 2 ranks, then zero3 on 2 ranks": ([16, 16], ["--zero", 1], [20, 12], ["--zero", 3]),
