@@ -63,7 +63,11 @@ def test_kill_while_saving_keeps_the_previous_checkpoint(tmp_path):
     finally:
         os.kill(writer.pid, signal.SIGKILL)                    # mid-write
         writer.join()
-    assert torch.equal(checkpoint.load(str(path))["value"], torch.arange(5))
+    try:
+        kept = checkpoint.load(str(path))
+    except UserError as err:
+        pytest.fail(f"the previous checkpoint did not survive the kill: {err}")
+    assert torch.equal(kept["value"], torch.arange(5))
     assert any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
     checkpoint.remove_stale_temporaries(str(tmp_path))        # what the next run does
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_last.pt"]
