@@ -5,9 +5,9 @@ lists the same promises)."""
 MUTATIONS = {
     "scale-without-world-size": (
         "gradients are multiplied by W/N: the large-batch gradient",
-        "hetseq/controller.py",
-        "self._grad_divisor = ctx.world_size if ctx.distributed and not self.local else 1",
-        "self._grad_divisor = 1",
+        "hetseq/exchange.py",
+        "self.divisor = ctx.world_size if ctx.distributed else 1",
+        "self.divisor = 1",
         ["tests/test_parity.py::test_two_uneven_ranks_match_one_process"]),
     "scale-rounded-to-float32": (
         "the scale is applied in the gradients' precision (W/N = 3/36 is no binary fraction)",
@@ -65,8 +65,8 @@ MUTATIONS = {
     "loss-scale-not-divided-out": (
         "the fp16 loss scale is divided out exactly",
         "hetseq/controller.py",
-        "scale = self._grad_divisor / (sample_size * (self.scaler.scale if self.scaler else 1.0))",
-        "scale = self._grad_divisor / sample_size",
+        "scale = self.exchange.divisor / (sample_size * (self.scaler.scale if self.scaler else 1.0))",
+        "scale = self.exchange.divisor / sample_size",
         ["tests/test_precision.py::test_fp16_loss_scaling_is_exact"]),
     "overflow-flag-not-summed": (
         "an overflow in any shard skips the update on every rank",
@@ -210,7 +210,7 @@ MUTATIONS = {
     "elastic-join-signal-ignored": (
         "a node started later joins the running job at an update boundary",
         "hetseq/train.py",
-        "self._reconfigure = any(result.signals)",
+        "self._reconfigure = any(result.ranks.signal)",
         "self._reconfigure = False",
         ["tests/test_elastic.py::test_a_lost_host_an_intruder_and_a_late_joiner"]),
     "elastic-rounds-without-quorum": (
@@ -431,15 +431,15 @@ MUTATIONS = {
         ["tests/test_launchers.py::test_torchrun_restart_resumes_from_the_checkpoint_exactly"]),
     "local-steps-ranks-weighted-equally": (
         "--local-steps: a round's changes are weighted by the samples each rank processed",
-        "hetseq/controller.py",
-        "local.exchange(samples / summed if summed > 0 else 0.0, settle=boundary)",
-        "local.exchange(1.0 / self.ctx.world_size, settle=boundary)",
+        "hetseq/local_steps.py",
+        "self.exchange(samples / everyone if everyone > 0 else 0.0, settle=boundary)",
+        "self.exchange(1.0 / self.ctx.world_size, settle=boundary)",
         ["tests/test_local_steps.py::test_exact_where_the_mathematics_says_so"]),
     "local-steps-inner-gradient-averaged-over-ranks": (
         "--local-steps: an inner step follows the gradient of the rank's own mean loss",
-        "hetseq/controller.py",
-        "self._grad_divisor = ctx.world_size if ctx.distributed and not self.local else 1",
-        "self._grad_divisor = ctx.world_size if ctx.distributed else 1",
+        "hetseq/local_steps.py",
+        "        self.divisor = 1\n",
+        "",
         ["tests/test_local_steps.py::test_exact_where_the_mathematics_says_so"]),
     "outer-overlap-drops-the-own-change": (
         "--outer-overlap: a rank keeps its own change until the round's average lands",
@@ -455,9 +455,9 @@ MUTATIONS = {
         ["tests/test_local_steps.py::test_resume_mid_round_is_exact_and_keeps_every_ranks_optimizer"]),
     "powersgd-hook-not-registered": (
         "--grad-compression powersgd compresses the gradient all-reduce",
-        "hetseq/sharding.py",
-        "ddp.register_comm_hook(*powersgd_hook(exchange))",
-        "pass",
+        "hetseq/exchange.py",
+        "        return powersgd_hook(self.cfg)\n",
+        "        return None\n",
         ["tests/test_local_steps.py::test_compressed_exchanges_stay_near_the_exact_one"]),
     "optimizer-mismatch-not-detected": (
         "a checkpoint of another optimizer is refused before training, in one line",

@@ -29,23 +29,23 @@ unsharded gradient computes it locally, after the update: ``StepResult``).
 DDP's built-in averaging, rather than a SUM communication hook, keeps the
 all-reduce in C++: a Python hook costs 3-5% of a small model's step.
 
-With --local-steps (local_steps.py) nothing is all-reduced in an inner step:
-rank r's gradient is scaled by 1/n_r, the gradient of ITS mean sample loss,
-and the ranks' changes are averaged, weighted by samples, once per round.
+What the ranks exchange, and when, is the job's exchange mode's
+(exchange.py): the divisor W above is the mode's ``divisor``. With
+--local-steps (local_steps.py) nothing is summed in an inner step, the
+divisor is 1: rank r's gradient is scaled by 1/n_r, the gradient of ITS mean
+sample loss, and the ranks' changes are averaged, weighted by samples, once
+per round. The Controller calls its exchange without knowing which it is.
 """
 
-import dataclasses
 import logging
 import math
 
 import torch
 
-from hetseq import precision, randomness, sharding
-from hetseq.distributed.collectives import gather_to_main
+from hetseq import exchange, precision, randomness, sharding
 from hetseq.errors import TrainingFailed, UserError
-from hetseq.local_steps import LocalSteps
 from hetseq.optim import OPTIMIZERS, build_lr_scheduler, build_optimizer
-from hetseq.stats import Backward, StatsExchange
+from hetseq.stats import Backward
 from hetseq.timing import ComputeClock
 
 logger = logging.getLogger(__name__)
@@ -89,33 +89,6 @@ def _squares(grads, device):
     return total
 
 
-@dataclasses.dataclass
-class StepResult:
-    """What one update leaves for the run. ``totals``: the task's logs, loss
-    and sample_size, summed over micro-batches and ranks; per rank, the
-    compute seconds and samples of the PREVIOUS update, the checksum and the
-    membership signal each sent (stats.py); ``lr``: the rate of the next update."""
-    totals: dict
-    rank_times: list
-    rank_samples: list
-    checksums: list
-    signals: list
-    lr: float
-    updated: bool
-    _norm: object = None        # the norm, or a function that measures it locally
-
-    @property
-    def sample_size(self):
-        return self.totals["sample_size"]
-
-    @property
-    def grad_norm(self):
-        """Norm of the mean-loss gradient of this update (None once the next
-        update has begun). Unsharded and unclipped, it is measured here, on
-        demand: a local pass that no other rank has to match."""
-        return self._norm() if callable(self._norm) else self._norm
-
-
 class Controller:
     """Owns the model as trained (wrapped by the --zero mode), the optimizer,
     the LR schedule and the loss scale. ``job``: the JobConfig (config.py);
@@ -123,7 +96,9 @@ class Controller:
 
     def __init__(self, job, task, model, ctx):
         self.task, self.ctx, self.cfg = task, ctx, job.update
-        self.sharding = sharding.build(job.sharding, job.precision, ctx, job.exchange)
+        self.exchange = exchange.build(job.exchange, job.precision, ctx)
+        self.sharding = self.exchange.hold(sharding.build(job.sharding, job.precision, ctx,
+                                                          self.exchange.comm_hook()))
         # FSDP moves each shard to the device itself: the whole model never
         # has to fit there (with --cpu-offload the shards stay on the host).
         self.model = model if self.sharding.shards_grads else model.to(ctx.device)
@@ -143,8 +118,7 @@ class Controller:
         # The settings a saved state must have to fit this kind of optimizer.
         self._optimizer_kind = (job.optimizer.optimizer, set(built.defaults))
         self.optimizer = self.sharding.build_optimizer(built)
-        self.local = LocalSteps(job.exchange, self.params, ctx, self.sharding.outer) \
-            if job.exchange.local_steps else None
+        self.exchange.attach(self.params)
         self._state_slots = OPTIMIZERS.get(job.optimizer.optimizer).state_slots(job.optimizer)
         self._offloaded = job.sharding.cpu_offload and ctx.device.type != "cpu"
         self.lr_scheduler = build_lr_scheduler(job.schedule, self.optimizer,
@@ -153,11 +127,8 @@ class Controller:
         # fairseq's default window: 2**14 updates of one rank's batch.
         window = 2 ** 14 / ctx.world_size / self.cfg.update_freq[0]
         self.scaler = precision.LossScaler(job.precision, window) if job.precision.fp16 else None
-        # Every mode averages over the world; an inner step sums nothing.
-        self._grad_divisor = ctx.world_size if ctx.distributed and not self.local else 1
         self.num_updates = 0
         self.lr = self.lr_scheduler.step_update(1)
-        self._previous = (0.0, 0.0)   # this rank's compute seconds and samples, last update
         self._steps = 0               # train_step calls (a StepResult's norm: until the next)
         self.failed_updates = 0       # non-finite updates in a row
         self.wrapped.train()
@@ -177,9 +148,7 @@ class Controller:
 
     def replicated_state(self):
         """The tensors every rank holds a copy of (agreement.py keeps them equal)."""
-        if self.local:
-            return self.local.replicated()
-        return self.sharding.replicated_state(self.params, self.optimizer)
+        return self.exchange.replicated(self.sharding, self.params, self.optimizer)
 
     def describe_sharding(self):
         """How the model and its state are spread over the ranks, in words."""
@@ -201,17 +170,15 @@ class Controller:
         this step; ``dummy`` is run with zero weight so collectives still match).
         ``checksum``: this rank's for the agreement check (0: none this update);
         ``signal``: 1.0 when the members change after this update (--elastic).
-        Returns a StepResult. With --local-steps this is one inner step: its
-        StepResult (the round's) comes at the end of a round, else None;
-        ``boundary``: the run needs one model after it (a round must end)."""
+        Returns the exchange mode's StepResult, or None when it has none yet
+        (inside a round of --local-steps); ``boundary``: the run needs one
+        model after this update (a round must end)."""
         self._steps += 1
         clock = ComputeClock(self.sharding.waited)
         self._mode(True)
-        if self.local:
-            self.local.begin()
+        self.exchange.begin()
         self.optimizer.zero_grad(set_to_none=True)
-        stats = StatsExchange(self.ctx, (*self._previous, checksum, signal),
-                              local=self.local is not None)
+        stats = self.exchange.stats(checksum, signal)
         loss_scale = self.scaler.scale if self.scaler else 1.0
         for i, sample in enumerate(samples):
             last = i == len(samples) - 1
@@ -226,13 +193,7 @@ class Controller:
                                 "logs) instead of loss.backward()")
             if not backward.announced:
                 stats.add(loss, n, logs, backward.weight)
-        if self.local:
-            return self._inner_step(stats, clock.seconds(), checksum, signal, boundary)
-        self._previous = (clock.seconds(), stats.totals["sample_size"])
-        totals, (rank_times, rank_samples, checksums, signals) = stats.result()
-        updated, norm = self._apply_update(totals["sample_size"])
-        return StepResult(totals, rank_times, rank_samples, checksums, signals, self.lr, updated,
-                          norm)
+        return self.exchange.finish(stats, clock.seconds(), self, boundary)
 
     def _keyed(self, batch):
         """(the sample on this rank's device, its samples' keys there, or None
@@ -241,39 +202,16 @@ class Controller:
             return move_to(batch.sample, self.ctx.device), move_to(batch.keys, self.ctx.device)
         return move_to(batch, self.ctx.device), None
 
-    def _inner_step(self, stats, seconds, checksum, signal, boundary):
-        """--local-steps: this rank's own update (the gradient of its mean
-        loss: _grad_divisor is 1 and nothing was summed), then, at a round's
-        end, the exchange weighted by samples (local_steps.py)."""
-        local, before = self.local, self.num_updates
-        totals, _ = stats.result()
-        if totals["sample_size"] > 0:
-            self._apply_update(totals["sample_size"])
-        if self.num_updates == before:   # no samples or skipped: still an inner step
-            self.num_updates += 1
-            self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
-        local.add(stats, seconds)
-        if not local.round_ends(boundary):
-            return None
-        totals, gathered, seconds, samples = local.take_round()
-        # The slots carry the previous round's time, as they carry the previous update's.
-        exchange = StatsExchange(self.ctx, (*self._previous, checksum, signal))
-        self._previous = (seconds, samples)
-        exchange.totals, exchange.gathered = totals, gathered
-        totals, slots = exchange.result()
-        summed = totals["sample_size"]
-        local.exchange(samples / summed if summed > 0 else 0.0, settle=boundary)
-        return StepResult(totals, *slots, self.lr, True)
-
-    def _apply_update(self, sample_size):
+    def apply_update(self, sample_size):
         """Scale the gradients to the mean-loss gradient (math above), clip,
-        step. Returns (whether the update was made, its gradient norm or a
-        function measuring it). Only job-wide flags decide what runs here."""
+        step: the exchange calls it once the gradients are complete. Returns
+        (whether the update was made, its gradient norm or a function
+        measuring it). Only job-wide flags decide what runs here."""
         if sample_size <= 0:
             logger.warning("update %d had no samples on any rank; skipped", self.num_updates + 1)
             return False, None
         grads = self.sharding.local_grads(self.params)
-        scale = self._grad_divisor / (sample_size * (self.scaler.scale if self.scaler else 1.0))
+        scale = self.exchange.divisor / (sample_size * (self.scaler.scale if self.scaler else 1.0))
         clip = self.cfg.clip_norm
         if self.sharding.shards_grads:
             norm, finite = self._sharded_norm_and_scale(grads, scale, clip)
@@ -294,9 +232,14 @@ class Controller:
             return False, norm
         self.failed_updates = 0
         self.optimizer.step()
+        self.count_update()
+        return True, norm
+
+    def count_update(self):
+        """One more update done (also one that made no step but counts: an
+        inner step of --local-steps without samples); the next one's rate."""
         self.num_updates += 1
         self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
-        return True, norm
 
     def _sharded_norm_and_scale(self, grads, scale, clip):
         """(norm, finite) of a gradient whose shards are spread over the ranks:
@@ -358,14 +301,6 @@ class Controller:
 
     # ---- state ----
 
-    def _own(self, state):
-        """The optimizer state this rank resumes: its own when every rank's was
-        saved for as many ranks (--local-steps), else the (one) saved state."""
-        by_rank = state.get("optimizers") if self.local else None
-        if by_rank and len(by_rank) == self.ctx.world_size:
-            return by_rank[self.ctx.rank]
-        return state["optimizer"]
-
     def set_horizon(self, planned):
         """Tell the LR schedule how many updates the run plans (see lr_scheduler)."""
         self.lr_scheduler.set_horizon(planned)
@@ -378,16 +313,13 @@ class Controller:
     def state_dict(self):
         """The full state whatever the mode (sharding.py). Under sharding this is
         a collective (call it on every rank); the full optimizer state is then
-        on rank 0 only. With --local-steps, at a round's end (a save ends the
-        round): every rank's own optimizer state ("optimizers", gathered on
-        rank 0) and the outer step's ("local_steps")."""
-        local = self.local.state_dict(self.model) if self.local else None
+        on rank 0 only. The exchange mode adds its own entries (--local-steps:
+        the outer step's state and every rank's own optimizer state)."""
+        self.exchange.settle()    # a round in flight lands in the model first
         state = {"model": self.full_model_state(),
                  "optimizer": self.sharding.optimizer_state(self.model, self.optimizer),
                  "lr_scheduler": self.lr_scheduler.state_dict(), "num_updates": self.num_updates}
-        if local is not None:
-            state["local_steps"] = local
-            state["optimizers"] = gather_to_main(state["optimizer"], self.ctx)
+        state.update(self.exchange.state_dict(self.model, state["optimizer"]))
         if self.scaler is not None:
             state["loss_scaler"] = self.scaler.state_dict()
         return state
@@ -398,11 +330,10 @@ class Controller:
         saved under any --zero mode loads."""
         self.sharding.load_model_state(self.model, state["model"])
         if "optimizer" in state:
-            own = self._own(state)
+            own = self.exchange.resumed_optimizer(state)
             _check_same_optimizer(own, *self._optimizer_kind)
             self.sharding.load_optimizer_state(self.model, self.optimizer, own)
-        if self.local and "local_steps" in state:
-            self.local.load_state_dict(self.model, state["local_steps"])
+        self.exchange.load_state_dict(self.model, state)
         if self.scaler is not None and "loss_scaler" in state:
             self.scaler.load_state_dict(state["loss_scaler"])
         if "lr_scheduler" in state:

@@ -56,8 +56,12 @@ import logging
 import torch
 import torch.distributed as dist
 
+from hetseq.distributed.collectives import gather_to_main
 from hetseq.distributed.compress import CODECS
 from hetseq.errors import UserError
+from hetseq.exchange import EXCHANGES, Exchange
+from hetseq.sharding import Sharding
+from hetseq.stats import RankReport, StatsExchange, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -188,20 +192,40 @@ class _Flat:
             offset += p.numel()
 
 
-class LocalSteps:
-    """The rounds of one rank: what it did in the round so far, the outer
-    optimizer and the exchange. ``cfg``: the job's ExchangeConfig; ``outer_mode``:
-    the --zero mode that holds the outer optimizer (--zero 1 shards its momentum)."""
+class LocalReplicas(Sharding):
+    """The sharding view of --local-steps: every rank trains its own replica
+    with its own optimizer (no gradient crosses the network); ``outer`` is the
+    --zero mode that holds the outer step's optimizer (--zero 1 shards its
+    momentum)."""
 
-    def __init__(self, cfg, params, ctx, outer_mode):
-        self.cfg, self.ctx, self.outer_mode = cfg, ctx, outer_mode
-        self.params, self.flat = params, _Flat(params)
-        self.outer = outer_mode.build_optimizer(torch.optim.SGD(
-            params, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-            nesterov=cfg.outer_momentum > 0))
-        self.codec = CODECS.get(cfg.outer_dtype)
+    def __init__(self, outer, cfg):
+        super().__init__(outer.cfg, outer.precision, outer.ctx)
+        self.outer, self.exchange = outer, cfg
+
+    def describe(self):
+        cfg = self.exchange
+        overlap = ", overlapped" if cfg.outer_overlap else ""
+        return (f"--local-steps {cfg.local_steps} (outer Nesterov lr {cfg.outer_lr} momentum "
+                f"{cfg.outer_momentum}, exchanged in {cfg.outer_dtype}{overlap}; outer "
+                f"optimizer under {self.outer.describe()})")
+
+    def replicated_state(self, params, optimizer):
+        return []   # inside a round the replicas differ by design: LocalSteps.replicated
+
+
+@EXCHANGES.register("local-steps")
+class LocalSteps(Exchange):
+    """The rounds of one rank: what it did in the round so far, the outer
+    optimizer and the exchange. ``cfg``: the job's ExchangeConfig."""
+
+    def __init__(self, cfg, precision_cfg, ctx):
+        super().__init__(cfg, precision_cfg, ctx)
+        # An inner step sums nothing: the gradient is divided by this rank's
+        # samples alone, the gradient of ITS mean loss (the math above).
+        self.divisor = 1
         self.steps = 0                 # inner steps of the round so far
-        self.totals, self.gathered, self.seconds, self.samples = {}, {}, 0.0, 0.0
+        self.round = StatsExchange(ctx, local=True)   # the round's stats so far
+        self.seconds = 0.0             # the round's compute seconds so far
         self.anchor = None             # theta_0; with --outer-overlap: global
         self.start = None              # --outer-overlap: this rank's parameters at the round's start
         self.pending = None            # --outer-overlap: the exchange in flight
@@ -212,6 +236,21 @@ class LocalSteps:
             self._group = dist.new_group(backend=dist.get_backend())
             self._pool = concurrent.futures.ThreadPoolExecutor(1, "hetseq-outer")
 
+    def comm_hook(self):
+        return None                    # no gradient all-reduce to hook
+
+    def hold(self, mode):
+        self.outer_mode = mode
+        return LocalReplicas(mode, self.cfg)
+
+    def attach(self, params):
+        cfg = self.cfg
+        self.params, self.flat = params, _Flat(params)
+        self.outer = self.outer_mode.build_optimizer(torch.optim.SGD(
+            params, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+            nesterov=cfg.outer_momentum > 0))
+        self.codec = CODECS.get(cfg.outer_dtype)
+
     # ---- inside a round ----
 
     def begin(self):
@@ -221,26 +260,33 @@ class LocalSteps:
         if self.cfg.outer_overlap and self.start is None:
             self.start = self.flat.read()
 
-    def add(self, stats, seconds):
-        """An inner step's local stats (a StatsExchange that did not communicate)."""
-        for key, value in stats.totals.items():
-            self.totals[key] = self.totals.get(key, 0.0) + value
-        for key, rows in stats.gathered.items():
-            self.gathered.setdefault(key, []).extend(rows)
+    def stats(self, checksum, signal):
+        # The report goes with the round's exchange; an inner step's stats stay here.
+        self._report = RankReport(*self._last, checksum, signal)
+        return StatsExchange(self.ctx, local=True)
+
+    def finish(self, stats, seconds, controller, boundary):
+        """An inner step: this rank's own update; at a round's end
+        (``boundary``: the run needs one model after it), the exchange."""
+        totals, _ = stats.result()
+        updated = totals["sample_size"] > 0 and controller.apply_update(totals["sample_size"])[0]
+        if not updated:   # no samples or skipped: still an inner step of every rank
+            controller.count_update()
+        self.round.absorb(stats)
         self.seconds += seconds
-        self.samples += float(stats.totals.get("sample_size", 0.0))
         self.steps += 1
-
-    def round_ends(self, boundary):
-        """Whether this inner step ends the round (``boundary``: the run needs one model)."""
-        return boundary or self.steps >= self.cfg.local_steps
-
-    def take_round(self):
-        """(totals, gathered rows, seconds, samples) of the round; starts the next."""
-        taken = self.totals, self.gathered, self.seconds, self.samples
-        self.totals, self.gathered, self.seconds, self.samples = {}, {}, 0.0, 0.0
-        self.steps = 0
-        return taken
+        if not (boundary or self.steps >= self.cfg.local_steps):
+            return None
+        # The slots carry the previous round's time, as they carry the previous update's.
+        summed = StatsExchange(self.ctx, self._report)
+        summed.absorb(self.round)
+        samples = float(self.round.own_samples())
+        self._last = (self.seconds, samples)
+        self.round, self.seconds, self.steps = StatsExchange(self.ctx, local=True), 0.0, 0
+        totals, ranks = summed.result()
+        everyone = totals["sample_size"]
+        self.exchange(samples / everyone if everyone > 0 else 0.0, settle=boundary)
+        return StepResult(totals, ranks, controller.lr, True)
 
     # ---- the end of a round ----
 
@@ -294,26 +340,39 @@ class LocalSteps:
 
     # ---- agreement and checkpoints ----
 
-    def replicated(self):
+    def replicated(self, mode, params, optimizer):
         """What every rank holds the same of at a round's end: the model of the
         last outer step and the outer optimizer's state (unless --zero 1 shards it)."""
         model = self.anchor if self.cfg.outer_overlap and self.anchor is not None else self.params
         return self.outer_mode.replicated_state(model, self.outer)
 
-    def state_dict(self, model):
-        """A collective under --zero 1 (the outer state is consolidated on rank 0)."""
+    def state_dict(self, model, optimizer_state):
+        """A save ends the round (settled). "local_steps": the outer step's state
+        (a collective under --zero 1: consolidated on rank 0); "optimizers":
+        every rank's own inner optimizer state, gathered on rank 0."""
         self.settle()
-        return {"outer_optimizer": self.outer_mode.optimizer_state(model, self.outer),
-                "local_steps": self.cfg.local_steps}
+        return {"local_steps": {"outer_optimizer": self.outer_mode.optimizer_state(model,
+                                                                                   self.outer),
+                                "local_steps": self.cfg.local_steps},
+                "optimizers": gather_to_main(optimizer_state, self.ctx)}
 
     def load_state_dict(self, model, state):
-        if state.get("outer_optimizer") is not None:
-            self.outer_mode.load_optimizer_state(model, self.outer, state["outer_optimizer"])
+        saved = state.get("local_steps") or {}
+        if saved.get("outer_optimizer") is not None:
+            self.outer_mode.load_optimizer_state(model, self.outer, saved["outer_optimizer"])
             # The outer rate is this run's flag, not the saved one.
             for group in self.outer.param_groups:
                 group.update(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum,
                              nesterov=self.cfg.outer_momentum > 0)
         self.anchor = self.start = self.pending = None
+
+    def resumed_optimizer(self, state):
+        """This rank's own inner optimizer state when every rank's was saved
+        for as many ranks, else the (one) saved state."""
+        by_rank = state.get("optimizers")
+        if by_rank and len(by_rank) == self.ctx.world_size:
+            return by_rank[self.ctx.rank]
+        return state["optimizer"]
 
 
 class _Done:

@@ -75,9 +75,10 @@ class Sharding:
     lockstep = False       # True: every forward communicates, so every rank must
                            # run the same number of micro-batches per update
 
-    def __init__(self, cfg, precision, ctx, exchange=None):
-        # ShardingConfig, PrecisionConfig, ExchangeConfig (None: plain all-reduces)
-        self.cfg, self.precision, self.ctx, self.exchange = cfg, precision, ctx, exchange
+    def __init__(self, cfg, precision, ctx, comm_hook=None):
+        # ShardingConfig, PrecisionConfig; ``comm_hook``: (state, hook) for
+        # DDP's gradient all-reduce, from the exchange mode (exchange.py)
+        self.cfg, self.precision, self.ctx, self.comm_hook = cfg, precision, ctx, comm_hook
 
     def describe(self):
         return f"--zero {self.registered_name}"
@@ -152,17 +153,12 @@ def model_state_bytes(params, optimizer, slots):
     return total
 
 
-def _ddp(model, ctx, cfg, precision, exchange):
-    from hetseq.distributed.compress import powersgd_hook
-    from hetseq.precision import ddp_comm_hook
+def _ddp(model, ctx, cfg, comm_hook):
     ddp = DistributedDataParallel(
         model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
         bucket_cap_mb=cfg.bucket_cap_mb, find_unused_parameters=cfg.find_unused_parameters)
-    # At most one hook (cli refuses --reduce-dtype with --grad-compression).
-    if exchange is not None and exchange.grad_compression == "powersgd":
-        ddp.register_comm_hook(*powersgd_hook(exchange))
-    elif (hook := ddp_comm_hook(precision)) is not None:
-        ddp.register_comm_hook(None, hook)
+    if comm_hook is not None:
+        ddp.register_comm_hook(*comm_hook)
     return ddp
 
 
@@ -172,7 +168,7 @@ class Replicas(Sharding):
         return "--zero 0 (replicas, DDP)"
 
     def wrap(self, model):
-        return _ddp(model, self.ctx, self.cfg, self.precision, self.exchange) \
+        return _ddp(model, self.ctx, self.cfg, self.comm_hook) \
             if self.ctx.distributed else model
 
     def sync(self, wrapped, last):
@@ -316,39 +312,16 @@ class FullyShardParameters(FullyShard):
         return policies
 
 
-class LocalReplicas(Sharding):
-    """--local-steps: every rank trains its own replica with its own optimizer
-    (no gradient crosses the network); ``outer`` is the --zero mode of the outer
-    step's optimizer (local_steps.py)."""
-
-    def __init__(self, cfg, precision, ctx, exchange, outer):
-        super().__init__(cfg, precision, ctx, exchange)
-        self.outer = outer
-
-    def describe(self):
-        cfg = self.exchange
-        overlap = ", overlapped" if cfg.outer_overlap else ""
-        return (f"--local-steps {cfg.local_steps} (outer Nesterov lr {cfg.outer_lr} momentum "
-                f"{cfg.outer_momentum}, exchanged in {cfg.outer_dtype}{overlap}; outer "
-                f"optimizer under {self.outer.describe()})")
-
-    def replicated_state(self, params, optimizer):
-        return []   # inside a round the replicas differ by design: LocalSteps.replicated
-
-
-def build(cfg, precision, ctx, exchange=None):
+def build(cfg, precision, ctx, comm_hook=None):
     """The mode for this run (``cfg``: ShardingConfig, ``precision``:
-    PrecisionConfig, ``exchange``: ExchangeConfig). One process has nothing to
-    shard: --zero N then trains as --zero 0, except --cpu-offload on a GPU (the
-    state on the host)."""
+    PrecisionConfig, ``comm_hook``: DDP's, from the exchange mode). One process
+    has nothing to shard: --zero N then trains as --zero 0, except
+    --cpu-offload on a GPU (the state on the host)."""
     zero = cfg.zero
     if not ctx.distributed and zero and not (cfg.cpu_offload and ctx.device.type == "cuda"):
         logger.info("one process: nothing to shard, --zero %d trains as --zero 0", zero)
         zero = 0
-    mode = SHARDING.get(str(zero))(cfg, precision, ctx, exchange)
-    if exchange is not None and exchange.local_steps:
-        return LocalReplicas(cfg, precision, ctx, exchange, outer=mode)
-    return mode
+    return SHARDING.get(str(zero))(cfg, precision, ctx, comm_hook)
 
 
 def _full(**options):

@@ -1,12 +1,13 @@
 """Per-update statistics, summed over micro-batches and ranks in ONE all-reduce.
 
 The vector holds the summed values (loss, sample_size and the task's logs, by
-sorted key) followed by four world-size slots: each rank writes its compute
-time and sample count of the PREVIOUS update, an exact checksum of its
-replicated state (agreement.py) and a membership signal (1: a node waits to
-join, --elastic) into its own slot, so after the SUM every rank knows every
-rank's speed (rebalancing reads it), whether any rank drifted, and whether
-the members change after this update.
+sorted key) followed by one world-size slot per field of ``RankReport``: each
+rank writes its compute time and sample count of the PREVIOUS update, an
+exact checksum of its replicated state (agreement.py) and a membership signal
+(1: a node waits to join, --elastic) into its own slot, so after the SUM
+every rank knows every rank's speed (rebalancing reads it), whether any rank
+drifted, and whether the members change after this update. A new per-rank
+figure is one more field of ``RankReport``: the vector's layout follows it.
 
 How the vector travels: in one asynchronous all-reduce of its own, in
 float64. When the task hands its stats to ``backward`` (the base
@@ -29,16 +30,54 @@ A log value wrapped in ``Gathered`` is not summed: its rows are collected
 from every micro-batch and rank (one all-gather after the sum), for metrics
 that no sum carries, such as a rank correlation over the whole dev set.
 
-The per-rank compute times in the vector are measured here too (the one home
-of time measurement: ``ComputeClock``, which the Controller's updates and
-capacity probes use, and the waits inside FSDP that it subtracts).
+The per-rank compute times in the vector are measured by timing.py.
 """
 
+import dataclasses
 
 import torch
 import torch.distributed as dist
 
 from hetseq.distributed.collectives import all_gather_object
+
+
+@dataclasses.dataclass(frozen=True)
+class RankReport:
+    """What every rank reports in each update's stats vector, one slot per
+    rank and field (the fields' order is the vector's). Sent by one rank, a
+    field holds its number; summed (``StatsExchange.result``), a list of every
+    rank's, in rank order."""
+    seconds: object = 0.0     # compute seconds of the previous update (--local-steps: round)
+    samples: object = 0.0     # samples of the previous update (round)
+    checksum: object = 0.0    # of the replicated state (agreement.py; 0: none this update)
+    signal: object = 0.0      # 1: the members change after this update (--elastic)
+
+    def values(self):
+        """The fields' values, in the vector's order."""
+        return [getattr(self, field.name) for field in dataclasses.fields(self)]
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one update leaves for the run. ``totals``: the task's logs, loss
+    and sample_size, summed over micro-batches and ranks; ``ranks``: every
+    rank's RankReport (lists); ``lr``: the rate of the next update."""
+    totals: dict
+    ranks: RankReport
+    lr: float
+    updated: bool
+    _norm: object = None        # the norm, or a function that measures it locally
+
+    @property
+    def sample_size(self):
+        return self.totals["sample_size"]
+
+    @property
+    def grad_norm(self):
+        """Norm of the mean-loss gradient of this update (None once the next
+        update has begun). Unsharded and unclipped, it is measured here, on
+        demand: a local pass that no other rank has to match."""
+        return self._norm() if callable(self._norm) else self._norm
 
 
 
@@ -68,11 +107,12 @@ class Gathered:
 
 
 class StatsExchange:
-    SLOTS = 4   # per rank: compute seconds, samples, parameter checksum, membership signal
+    """One update's (or validation's) stats: added per micro-batch, summed
+    over ranks with ``report`` (this rank's RankReport) in one all-reduce."""
 
-    def __init__(self, ctx, previous=(0.0, 0.0, 0.0, 0.0), local=False):
+    def __init__(self, ctx, report=RankReport(), local=False):
         self.ctx = ctx
-        self.previous = previous    # this rank's slot values
+        self.report = report        # this rank's slot values
         self.local = local          # an inner step of --local-steps: nothing travels
         self.totals = {}
         self.gathered = {}          # key -> list of row tensors (see Gathered)
@@ -91,6 +131,18 @@ class StatsExchange:
                 continue
             totals[key] = totals.get(key, 0.0) + weight * _readable(value)
 
+    def own_samples(self):
+        """This rank's samples in these stats (before any sum)."""
+        return self.totals.get("sample_size", 0.0)
+
+    def absorb(self, other):
+        """Add ``other``'s totals and gathered rows to these (a round of
+        --local-steps collects its inner steps' stats this way)."""
+        for key, value in other.totals.items():
+            self.totals[key] = self.totals.get(key, 0.0) + value
+        for key, rows in other.gathered.items():
+            self.gathered.setdefault(key, []).extend(rows)
+
     def clear(self):
         """Zero every value but keep the keys, so that every rank, even one
         without samples, sends a vector of the same layout."""
@@ -102,8 +154,8 @@ class StatsExchange:
         are still on an accelerator."""
         W, r = self.ctx.world_size, self.ctx.rank
         self._keys = sorted(self.totals)
-        slots = [0.0] * (self.SLOTS * W)
-        slots[r::W] = [_readable(v) for v in self.previous]
+        slots = [0.0] * (len(dataclasses.fields(RankReport)) * W)
+        slots[r::W] = [_readable(v) for v in self.report.values()]
         values = [self.totals[k] for k in self._keys] + slots
         on_device = [i for i, v in enumerate(values) if torch.is_tensor(v)]
         if on_device:
@@ -125,7 +177,7 @@ class StatsExchange:
             self._work = dist.all_reduce(self._vec, async_op=True)
 
     def result(self):
-        """(summed totals, [per-rank values of each slot])."""
+        """(summed totals, every rank's RankReport: a RankReport of lists)."""
         if self._vec is None:
             self.start()
         if self._work is not None:
@@ -133,9 +185,10 @@ class StatsExchange:
             self._work = None
         values = self._vec.tolist() if torch.is_tensor(self._vec) else self._vec
         k, W = len(self._keys), self.ctx.world_size
-        slots = [values[k + i * W:k + (i + 1) * W] for i in range(self.SLOTS)]
+        ranks = RankReport(*(values[k + i * W:k + (i + 1) * W]
+                             for i in range(len(dataclasses.fields(RankReport)))))
         totals = dict(zip(self._keys, values[:k]))
-        return ({**totals, **self._gather()} if not self.local else totals), slots
+        return ({**totals, **self._gather()} if not self.local else totals), ranks
 
     def _gather(self):
         if not self.gathered:

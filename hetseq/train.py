@@ -222,11 +222,11 @@ class Run:
         """Ranks kept equal, the split re-planned if a rank's speed changed,
         the update reported (``steps``: updates it covers, a round's inner steps)."""
         update = self.controller.num_updates
-        self._reconfigure = any(result.signals)
-        self.agreement.check(result.checksums, update)
+        self._reconfigure = any(result.ranks.signal)
+        self.agreement.check(result.ranks.checksum, update)
         self.agreement.due(update)
         plan = self.balance.plan      # the split this update ran with
-        self.balance.observe(update, result.rank_times, result.rank_samples)
+        self.balance.observe(update, result.ranks.seconds, result.ranks.samples)
         self.report.update(result, update, wall_time, plan.batch_sizes, steps)
 
     def validate(self, epoch):

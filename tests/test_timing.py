@@ -45,7 +45,7 @@ def _times(rank, world, init, zero, out):
     if rank == 0:
         # A result holds the previous update's times. DDP rebuilds its buckets
         # in the second update's forward (a broadcast rank 0 waits in): from 3 on.
-        out.put([result.rank_times for result in results[3:]])
+        out.put([result.ranks.seconds for result in results[3:]])
     del controller
     leave_process_group()
 

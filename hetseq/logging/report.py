@@ -44,8 +44,8 @@ class Reporter:
         ``steps``: the updates it covers, a round's inner steps)."""
         n = result.sample_size
         metrics = {**self.task.reduce_metrics(result.totals), "sample_size": n, "lr": result.lr}
-        self.balance_log.record(update, batch_sizes, n, wall_time, result.rank_times,
-                                result.rank_samples, loss=metrics.get("loss"), lr=result.lr)
+        self.balance_log.record(update, batch_sizes, n, wall_time, result.ranks.seconds,
+                                result.ranks.samples, loss=metrics.get("loss"), lr=result.lr)
         norm = result.grad_norm if self._shown(update) else None
         if norm is not None:
             metrics["grad_norm"] = norm
@@ -53,10 +53,10 @@ class Reporter:
                            weight=n)
         stats = {**metrics, "samples_per_s": n / wall_time if wall_time > 0 else 0.0}
         rank_rates = {f"rank{r}_samples_per_s": s / t for r, (s, t)
-                      in enumerate(zip(result.rank_samples, result.rank_times)) if t > 0}
+                      in enumerate(zip(result.ranks.samples, result.ranks.seconds)) if t > 0}
         self.tensorboard.log("train", {**stats, **rank_rates}, update)
         self.rate.update(n)
-        ranks = format_ranks(result.rank_samples, result.rank_times, batch_sizes) \
+        ranks = format_ranks(result.ranks.samples, result.ranks.seconds, batch_sizes) \
             if self.progress.due(update, steps) and len(batch_sizes) > 1 else None
         self.progress.log(stats, update, steps, ranks)
 

@@ -1,0 +1,128 @@
+"""Exchange modes: how the ranks' gradients become the job's update.
+
+The Controller runs forward and backward on a rank's micro-batches; what it
+then does with the gradients is its Exchange's, chosen once from the job's
+ExchangeConfig (config.py), so every rank has the same one:
+
+    synchronous  every update: the gradients are summed over ranks inside the
+                 --zero mode's wrapper (DDP's all-reduce, in --reduce-dtype;
+                 FSDP's reduce-scatter) and arrive divided by W; the
+                 Controller scales them by W/N (controller.py)
+    powersgd     the same, DDP's all-reduce compressed by PowerSGD with error
+                 feedback (--grad-compression, distributed/compress.py)
+    local-steps  H inner steps on each rank's own gradients, then one exchange
+                 of the ranks' changes weighted by samples (local_steps.py)
+
+The interface, in the order a run calls it (a new mode implements these,
+registers itself in EXCHANGES and names itself in ``mode_of``):
+
+    hold(mode)             the --zero mode to train under, built with
+                           ``comm_hook()`` as its DDP hook
+    attach(params)         the trainable parameters, once the model is wrapped
+    begin()                before an update's first forward
+    stats(checksum, signal)  the StatsExchange its micro-batches add to
+    finish(stats, seconds, controller, boundary)
+                           the update: a StepResult, or None inside a round
+    divisor                what the summed gradient arrives divided by
+    replicated(...)        the tensors every rank must hold equal
+    settle(), state_dict(...), load_state_dict(...), resumed_optimizer(...)
+                           its part of the Controller's checkpoint
+"""
+
+import importlib
+
+from hetseq import precision
+from hetseq.registry import Registry
+from hetseq.stats import RankReport, StatsExchange, StepResult
+
+
+class Exchange:
+    """Synchronous updates: the gradient collectives run inside the --zero
+    mode's backward, the stats in their own all-reduce (stats.py)."""
+
+    def __init__(self, cfg, precision_cfg, ctx):
+        self.cfg, self.precision, self.ctx = cfg, precision_cfg, ctx
+        # Every --zero mode averages over the world (controller.py's math).
+        self.divisor = ctx.world_size if ctx.distributed else 1
+        self._last = (0.0, 0.0)      # this rank's compute seconds and samples, last update
+        self._report = RankReport()  # what this rank sends with the update under way
+
+    # ---- building ----
+
+    def comm_hook(self):
+        """(state, hook) for DDP's gradient all-reduce, or None for its own."""
+        hook = precision.ddp_comm_hook(self.precision)
+        return (None, hook) if hook is not None else None
+
+    def hold(self, mode):
+        """The sharding mode to train under, given the job's --zero mode."""
+        return mode
+
+    def attach(self, params):
+        """The trainable parameters (after wrapping; the optimizer is built)."""
+
+    # ---- one update ----
+
+    def begin(self):
+        """Before the update's first forward."""
+
+    def stats(self, checksum, signal):
+        """The stats of the update about to run, with this rank's report."""
+        self._report = RankReport(*self._last, checksum, signal)
+        return StatsExchange(self.ctx, self._report)
+
+    def finish(self, stats, seconds, controller, boundary):
+        """The gradients are summed (inside backward): the Controller scales,
+        clips and steps. ``seconds``: this rank's compute time of the update."""
+        totals, ranks = stats.result()
+        self._last = (seconds, stats.own_samples())
+        updated, norm = controller.apply_update(totals["sample_size"])
+        return StepResult(totals, ranks, controller.lr, updated, norm)
+
+    # ---- agreement and checkpoints ----
+
+    def replicated(self, mode, params, optimizer):
+        """The tensors every rank holds a copy of (agreement.py keeps them equal)."""
+        return mode.replicated_state(params, optimizer)
+
+    def settle(self):
+        """Every rank holds the same model after this (nothing in flight)."""
+
+    def state_dict(self, model, optimizer_state):
+        """Its entries in the Controller's state (a collective where it says so)."""
+        return {}
+
+    def load_state_dict(self, model, state):
+        """From the Controller's saved state (entries a reset left out are absent)."""
+
+    def resumed_optimizer(self, state):
+        """The optimizer state this rank loads from the Controller's ``state``."""
+        return state["optimizer"]
+
+
+EXCHANGES = Registry("exchange mode", base=Exchange)
+EXCHANGES.register("synchronous")(Exchange)
+
+
+@EXCHANGES.register("powersgd")
+class PowerSGD(Exchange):
+    """Synchronous, with DDP's all-reduce compressed. Its error memory lives
+    in DDP's hook and starts empty in each process: a resumed or restarted
+    run begins with --powersgd-start plain updates again."""
+
+    def comm_hook(self):
+        from hetseq.distributed.compress import powersgd_hook
+        return powersgd_hook(self.cfg)
+
+
+def mode_of(cfg):
+    """The exchange mode the job's ExchangeConfig asks for."""
+    if cfg.local_steps:
+        return "local-steps"
+    return "powersgd" if cfg.grad_compression == "powersgd" else "synchronous"
+
+
+def build(cfg, precision_cfg, ctx):
+    """This run's Exchange (``cfg``: the job's ExchangeConfig)."""
+    importlib.import_module("hetseq.local_steps")   # registers "local-steps" (built on this)
+    return EXCHANGES.get(mode_of(cfg))(cfg, precision_cfg, ctx)
