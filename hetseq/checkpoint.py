@@ -32,6 +32,47 @@ from hetseq.errors import UserError
 logger = logging.getLogger(__name__)
 
 FORMAT = "hetseq-checkpoint-1"
+RESETS = ("optimizer", "lr-scheduler", "dataloader", "meters")   # the --reset-* flags
+
+
+class Component:
+    """A named part of a checkpoint. Each key a checkpoint holds is declared
+    once, by the module that writes it: ``CONTROLLER = Component("controller")``,
+    then ``OPTIMIZER = CONTROLLER.key("optimizer", reset="optimizer")``; its
+    code and every reader use the names these return. ``reset``: the
+    --reset-* flag (of RESETS) that leaves the key out on resume."""
+
+    declared = {}   # "name" or "name.key" -> its reset flag (None: always loaded)
+
+    def __init__(self, name, reset=None):
+        self.name = name
+        self._declare(name, reset)
+
+    def key(self, name, reset=None):
+        """A key of this component's state; returns ``name``."""
+        self._declare(f"{self.name}.{name}", reset)
+        return name
+
+    @classmethod
+    def _declare(cls, path, reset):
+        if reset is not None and reset not in RESETS:
+            raise ValueError(f"checkpoint key {path}: reset '{reset}' is none of {RESETS}")
+        if path in cls.declared:
+            raise ValueError(f"checkpoint key {path} is declared twice")
+        cls.declared[path] = reset
+
+    @classmethod
+    def left_out(cls, cfg):
+        """The keys a resume leaves out under the CheckpointConfig's --reset-* flags."""
+        return {path for path, reset in cls.declared.items()
+                if reset is not None and getattr(cfg, "reset_" + reset.replace("-", "_"))}
+
+
+# The checkpoint's own entries: the run's flags for people to read, every
+# rank's random generators, the best validation metric, the elastic lineage.
+for _name in ("format", "args", "best", "elastic"):
+    Component(_name)
+RNG = Component("rng", reset="dataloader").name
 
 
 def add_args(group):
@@ -63,7 +104,7 @@ def add_args(group):
     group.add_argument("--export-hf", metavar="DIR",
                        help="at the end of training, write the model (the best checkpoint's "
                             "when there is one) as a Hugging Face folder (tasks bert, glue)")
-    for part in ("optimizer", "lr-scheduler", "dataloader", "meters"):
+    for part in RESETS:
         group.add_argument(f"--reset-{part}", action="store_true",
                            help=f"on resume, do not load the {part.replace('-', ' ')} state")
 
@@ -292,8 +333,8 @@ class Checkpointer:
             raise UserError(f"checkpoint {where} does not fit this run ({_misfit(err)}); it was "
                             "made for another model or task: pass --restore-file for another "
                             "checkpoint, or a new --save-dir to start afresh") from None
-        rng = state.get("rng") or []
-        if len(rng) == self.ctx.world_size and "rng" not in self.skip:
+        rng = state.get(RNG) or []
+        if len(rng) == self.ctx.world_size and RNG not in self.skip:
             set_rng_state(rng[self.ctx.rank])
         self.best = state.get("best")
         return where
@@ -338,16 +379,17 @@ class Checkpointer:
                     "".join(f", {name}" for name in copies))
 
     def _state(self, components, rngs):
-        state = {"format": FORMAT, "args": self.flags, **components, "rng": rngs,
+        state = {"format": FORMAT, "args": self.flags, **components, RNG: rngs,
                  "best": self.best}
         if self.elastic is not None:
             state["elastic"] = self.elastic    # the lineage and members (--elastic)
         return state
 
-    def local_state(self, **given):
+    def local_state(self, given=None):
         """This rank's state in the checkpoint format, with no collective (the
         process group may be broken: an elastic member's snapshot, --zero 0).
-        ``given``: components whose state the caller supplies."""
+        ``given``: {component name: its state} for those the caller supplies."""
+        given = given or {}
         components = {name: given[name] if name in given else component.state_dict()
                       for name, component in self.components.items()}
         return self._state(components, [rng_state()])
@@ -356,9 +398,9 @@ class Checkpointer:
         """Whether checkpoint_best.pt exists (as rank 0 sees it)."""
         return not self.where.no_save and self.ctx.is_main and os.path.exists(self._best_path())
 
-    def best_model_state(self):
-        """The model of checkpoint_best.pt (rank 0; None elsewhere or when there is none)."""
-        return load(self._best_path())["controller"]["model"] if self.has_best() else None
+    def best_state(self):
+        """checkpoint_best.pt (rank 0; None elsewhere or when there is none)."""
+        return load(self._best_path()) if self.has_best() else None
 
     def _best_path(self):
         return os.path.join(self.where.save_dir, "checkpoint_best.pt")

@@ -43,12 +43,21 @@ import math
 import torch
 
 from hetseq import exchange, precision, randomness, sharding
+from hetseq.checkpoint import Component
 from hetseq.errors import TrainingFailed, UserError
 from hetseq.optim import OPTIMIZERS, build_lr_scheduler, build_optimizer
 from hetseq.stats import Backward
 from hetseq.timing import ComputeClock
 
 logger = logging.getLogger(__name__)
+
+# Its part of a checkpoint, and the keys of that part (the exchange mode adds its own).
+CONTROLLER = Component("controller")
+MODEL = CONTROLLER.key("model")
+OPTIMIZER = CONTROLLER.key("optimizer", reset="optimizer")
+LR_SCHEDULER = CONTROLLER.key("lr_scheduler", reset="lr-scheduler")
+UPDATES = CONTROLLER.key("num_updates")
+LOSS_SCALER = CONTROLLER.key("loss_scaler", reset="optimizer")
 
 
 def move_to(sample, device):
@@ -316,29 +325,29 @@ class Controller:
         on rank 0 only. The exchange mode adds its own entries (--local-steps:
         the outer step's state and every rank's own optimizer state)."""
         self.exchange.settle()    # a round in flight lands in the model first
-        state = {"model": self.full_model_state(),
-                 "optimizer": self.sharding.optimizer_state(self.model, self.optimizer),
-                 "lr_scheduler": self.lr_scheduler.state_dict(), "num_updates": self.num_updates}
-        state.update(self.exchange.state_dict(self.model, state["optimizer"]))
+        state = {MODEL: self.full_model_state(),
+                 OPTIMIZER: self.sharding.optimizer_state(self.model, self.optimizer),
+                 LR_SCHEDULER: self.lr_scheduler.state_dict(), UPDATES: self.num_updates}
+        state.update(self.exchange.state_dict(self.model, state[OPTIMIZER]))
         if self.scaler is not None:
-            state["loss_scaler"] = self.scaler.state_dict()
+            state[LOSS_SCALER] = self.scaler.state_dict()
         return state
 
     def load_state_dict(self, state):
         """What ``state`` holds: always the model; the optimizer, loss scale
         and schedule unless the checkpointer left them out (--reset-*). A state
         saved under any --zero mode loads."""
-        self.sharding.load_model_state(self.model, state["model"])
-        if "optimizer" in state:
-            own = self.exchange.resumed_optimizer(state)
+        self.sharding.load_model_state(self.model, state[MODEL])
+        if OPTIMIZER in state:
+            own = self.exchange.resumed_optimizer(state, state[OPTIMIZER])
             _check_same_optimizer(own, *self._optimizer_kind)
             self.sharding.load_optimizer_state(self.model, self.optimizer, own)
         self.exchange.load_state_dict(self.model, state)
-        if self.scaler is not None and "loss_scaler" in state:
-            self.scaler.load_state_dict(state["loss_scaler"])
-        if "lr_scheduler" in state:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.num_updates = state["num_updates"]
+        if self.scaler is not None and LOSS_SCALER in state:
+            self.scaler.load_state_dict(state[LOSS_SCALER])
+        if LR_SCHEDULER in state:
+            self.lr_scheduler.load_state_dict(state[LR_SCHEDULER])
+        self.num_updates = state[UPDATES]
         self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
 
 

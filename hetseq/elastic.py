@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from hetseq import checkpoint
+from hetseq.controller import CONTROLLER, UPDATES
 from hetseq.distributed import health, rendezvous, tunnel
 from hetseq.distributed.elastic import JobDone, Membership, TooFew
 from hetseq.distributed.launch import DistContext
@@ -118,7 +119,7 @@ def _device(launch):
 
 def _updates(state):
     """How many updates a carried state holds (-1: none; never the source)."""
-    return -1 if state is None else int(state["controller"]["num_updates"])
+    return -1 if state is None else int(state[CONTROLLER.name][UPDATES])
 
 
 def _line(state):

@@ -26,7 +26,8 @@ registers itself in EXCHANGES and names itself in ``mode_of``):
     divisor                what the summed gradient arrives divided by
     replicated(...)        the tensors every rank must hold equal
     settle(), state_dict(...), load_state_dict(...), resumed_optimizer(...)
-                           its part of the Controller's checkpoint
+                           its part of the Controller's checkpoint (its keys
+                           declared with controller.CONTROLLER.key)
 """
 
 import importlib
@@ -95,9 +96,10 @@ class Exchange:
     def load_state_dict(self, model, state):
         """From the Controller's saved state (entries a reset left out are absent)."""
 
-    def resumed_optimizer(self, state):
-        """The optimizer state this rank loads from the Controller's ``state``."""
-        return state["optimizer"]
+    def resumed_optimizer(self, state, saved):
+        """The optimizer state this rank loads, from the Controller's
+        ``state``; ``saved``: its (one) saved optimizer state."""
+        return saved
 
 
 EXCHANGES = Registry("exchange mode", base=Exchange)

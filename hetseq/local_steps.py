@@ -56,6 +56,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from hetseq.controller import CONTROLLER
 from hetseq.distributed.collectives import gather_to_main
 from hetseq.distributed.compress import CODECS
 from hetseq.errors import UserError
@@ -64,6 +65,10 @@ from hetseq.sharding import Sharding
 from hetseq.stats import RankReport, StatsExchange, StepResult
 
 logger = logging.getLogger(__name__)
+
+# Its keys in the Controller's checkpoint: the outer step's state, every rank's inner optimizer.
+ROUNDS = CONTROLLER.key("local_steps", reset="optimizer")
+OPTIMIZERS = CONTROLLER.key("optimizers", reset="optimizer")
 
 
 def add_args(group):
@@ -351,13 +356,12 @@ class LocalSteps(Exchange):
         (a collective under --zero 1: consolidated on rank 0); "optimizers":
         every rank's own inner optimizer state, gathered on rank 0."""
         self.settle()
-        return {"local_steps": {"outer_optimizer": self.outer_mode.optimizer_state(model,
-                                                                                   self.outer),
-                                "local_steps": self.cfg.local_steps},
-                "optimizers": gather_to_main(optimizer_state, self.ctx)}
+        return {ROUNDS: {"outer_optimizer": self.outer_mode.optimizer_state(model, self.outer),
+                         "local_steps": self.cfg.local_steps},
+                OPTIMIZERS: gather_to_main(optimizer_state, self.ctx)}
 
     def load_state_dict(self, model, state):
-        saved = state.get("local_steps") or {}
+        saved = state.get(ROUNDS) or {}
         if saved.get("outer_optimizer") is not None:
             self.outer_mode.load_optimizer_state(model, self.outer, saved["outer_optimizer"])
             # The outer rate is this run's flag, not the saved one.
@@ -366,13 +370,13 @@ class LocalSteps(Exchange):
                              nesterov=self.cfg.outer_momentum > 0)
         self.anchor = self.start = self.pending = None
 
-    def resumed_optimizer(self, state):
+    def resumed_optimizer(self, state, saved):
         """This rank's own inner optimizer state when every rank's was saved
         for as many ranks, else the (one) saved state."""
-        by_rank = state.get("optimizers")
+        by_rank = state.get(OPTIMIZERS)
         if by_rank and len(by_rank) == self.ctx.world_size:
             return by_rank[self.ctx.rank]
-        return state["optimizer"]
+        return saved
 
 
 class _Done:

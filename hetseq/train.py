@@ -14,7 +14,8 @@ import time
 
 from hetseq import capacity, checkpoint, cli, precision, randomness, rebalance
 from hetseq.agreement import Agreement
-from hetseq.controller import Controller
+from hetseq.checkpoint import Component
+from hetseq.controller import CONTROLLER, MODEL, Controller
 from hetseq.data.splits import Splits
 from hetseq.distributed import WorkerFailed, broadcast_from_main, launch
 from hetseq.distributed.launch import exit_now
@@ -27,6 +28,11 @@ from hetseq.tasks import TASKS, Task, import_builtin_tasks, import_user_dir
 from hetseq.validation import Validation
 
 logger = logging.getLogger("hetseq.train")
+
+# The run's parts of a checkpoint beside the Controller's (controller.CONTROLLER).
+TRAIN_ITERATOR = Component("train_iterator", reset="dataloader")   # the data position
+PLAN = Component("plan")                                             # the split of the batch
+METERS = Component("meters", reset="meters")
 
 
 def main(argv=None):
@@ -82,11 +88,13 @@ class Run:
                                      node.shares.max_sentences_valid, self.balance)
         self.report = Reporter(node.log, node.save, ctx, self.task)
         self.agreement = Agreement(job.agreement, ctx, self.controller.replicated_state)
+        components = {CONTROLLER.name: self.controller, TRAIN_ITERATOR.name: self.train_data,
+                      PLAN.name: self.balance, METERS.name: self.report.meters}
+        # What a resume leaves out: the --reset-* flags' keys; an elastic
+        # member always re-plans (the saved split was for other members).
+        skip = Component.left_out(job.checkpoint) | ({PLAN.name} if membership else set())
         self.checkpointer = checkpoint.Checkpointer(
-            job.checkpoint, node.save, ctx, {"controller": self.controller,
-                                             "train_iterator": self.train_data,
-                                             "plan": self.balance, "meters": self.report.meters},
-            skip=_resets(job.checkpoint, elastic=membership is not None),
+            job.checkpoint, node.save, ctx, components, skip=skip,
             flags=checkpoint.plain_args(args),
             elastic=membership.record() if membership is not None else None)
         resumed = self.checkpointer.restore(restore)
@@ -216,7 +224,7 @@ class Run:
         done, position = self._completed
         if self.controller.num_updates != done:
             position = self._drawn
-        return self.checkpointer.local_state(train_iterator=position)
+        return self.checkpointer.local_state({TRAIN_ITERATOR.name: position})
 
     def after_update(self, result, wall_time, steps=1):
         """Ranks kept equal, the split re-planned if a rank's speed changed,
@@ -244,7 +252,7 @@ class Run:
         """--export-hf: the best checkpoint's model when there is one, else the last."""
         has_best = broadcast_from_main(self.checkpointer.has_best, self.ctx)
         # The full weights (a collective when they are sharded), into a plain copy.
-        state = self.checkpointer.best_model_state() if has_best else \
+        state = self.checkpointer.best_state()[CONTROLLER.name][MODEL] if has_best else \
             self.controller.full_model_state()
         if not self.ctx.is_main:
             return
@@ -254,22 +262,6 @@ class Run:
         model = self.task.build_model()
         model.load_state_dict(state)
         self.task.export_hf(model, self.job.checkpoint.export_hf)
-
-
-def _resets(cfg, elastic=False):
-    """What a resume leaves out (Checkpointer ``skip``), from the --reset-* flags.
-    An elastic member always re-plans: the saved split was for other members."""
-    skip = {"plan"} if elastic else set()
-    if cfg.reset_optimizer:
-        skip |= {"controller.optimizer", "controller.optimizers", "controller.local_steps",
-                 "controller.loss_scaler"}
-    if cfg.reset_lr_scheduler:
-        skip.add("controller.lr_scheduler")
-    if cfg.reset_dataloader:
-        skip |= {"train_iterator", "rng"}
-    if cfg.reset_meters:
-        skip.add("meters")
-    return skip
 
 
 def _chunks(iterable, size):

@@ -144,8 +144,9 @@ def finish(procs, timeout=180):
 
 
 def final_params(save_dir):
+    from hetseq.controller import CONTROLLER, MODEL
     state = torch.load(Path(save_dir) / "checkpoint_last.pt", weights_only=True)
-    return state["controller"]["model"]
+    return state[CONTROLLER.name][MODEL]
 
 
 def leave_process_group():

@@ -429,6 +429,29 @@ PREVIOUS_FLAGS = {
 }
 
 
+def test_every_key_of_a_checkpoint_is_declared_once():
+    """The keys of the previous release's checkpoints are all declared
+    (checkpoint.Component), by the modules that write them, and --reset-*
+    leave out what their help says."""
+    from hetseq.checkpoint import Component
+    from hetseq.config import CheckpointConfig
+    from hetseq.controller import CONTROLLER
+    import hetseq.local_steps   # noqa: F401  (declares its keys)
+    import hetseq.train         # noqa: F401
+    for name in PREVIOUS_FLAGS:
+        state = torch.load(PREVIOUS / name, weights_only=True)
+        keys = set(state) | {f"{CONTROLLER.name}.{key}" for key in state[CONTROLLER.name]}
+        assert keys <= set(Component.declared), (name, keys - set(Component.declared))
+    resets = {flag: False for flag in ("reset_optimizer", "reset_lr_scheduler",
+                                       "reset_dataloader", "reset_meters")}
+    fields = {f: None for f in CheckpointConfig.__dataclass_fields__}
+    cfg = CheckpointConfig(**{**fields, **resets, "reset_optimizer": True})
+    assert Component.left_out(cfg) == {"controller.optimizer", "controller.optimizers",
+                                       "controller.local_steps", "controller.loss_scaler"}
+    cfg = CheckpointConfig(**{**fields, **resets, "reset_dataloader": True})
+    assert Component.left_out(cfg) == {"train_iterator", "rng"}
+
+
 def test_checkpoints_of_the_previous_release_resume_exactly(tmp_path):
     """Each saved state (model, optimizer, schedule, data position, the
     rounds' outer optimizer and every rank's own optimizer) loads, and 4 more

@@ -15,6 +15,7 @@ from hetseq.bert import demo
 from hetseq.bert.hf import load_hf_weights, read_hf_config
 from hetseq.bert.model import BertConfig
 from hetseq.bert.tokenizer import WordPiece
+from hetseq.controller import CONTROLLER, MODEL
 from hetseq.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class StartingPoint:
             load_hf_weights(model, self.hf_folder)
             return
         state = checkpoint.load(self.checkpoint)   # weights_only: no code runs from it
-        encoder = {k: v for k, v in state["controller"]["model"].items() if k.startswith("bert.")}
+        encoder = {k: v for k, v in state[CONTROLLER.name][MODEL].items() if k.startswith("bert.")}
         try:
             model.load_state_dict(encoder, strict=False)
         except RuntimeError as err:
