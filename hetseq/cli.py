@@ -239,9 +239,10 @@ def parse_args(argv=None):
     import_builtin_tasks()
     import_user_dir(known.user_dir)
     task_cls = TASKS.get(known.task) if known.task else None
-    args = build_parser(task_cls).parse_args(argv)
+    parser = build_parser(task_cls)
+    args = parser.parse_args(argv)
     args.__class__ = Flags
-    check_args(args)
+    check_args(args, {action.dest: action.default for action in parser._actions})
     return args
 
 
@@ -254,8 +255,10 @@ def parse(argv=None):
     return args, job, node
 
 
-def check_args(args):
-    """Rules between flags that argparse cannot express. Reads, never writes."""
+def check_args(args, defaults):
+    """Rules between flags that argparse cannot express. Reads, never writes.
+    ``defaults``: {dest: default} of the parser (a flag's default is written
+    once, where the flag is declared)."""
     if args.max_tokens is not None:
         raise UserError(f"--max-tokens {args.max_tokens}: token-budget batching is not supported "
                         "yet; use --max-sentences (samples per rank)")
@@ -278,7 +281,7 @@ def check_args(args):
                         f"--divergence-tolerance {args.divergence_tolerance}: expected an "
                         "interval >= 0 updates and a relative distance >= 0")
     check_elastic(args)
-    local_steps.check_args(args)
+    local_steps.check_args(args, defaults)
     sharding.check_args(args)
     precision.check_args(args)
     OPTIMIZERS.get(args.optimizer)        # unknown names list the registered ones

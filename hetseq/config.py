@@ -86,7 +86,6 @@ class PrecisionConfig(_Section):
 class OptimizerConfig(_Section):
     """The optimizer and its settings (optim/__init__.py)."""
     optimizer: str
-    lr: tuple
     weight_decay: float
     adam_betas: str
     adam_eps: float
@@ -117,7 +116,6 @@ class UpdateConfig(_Section):
     """What the Controller does with a summed gradient."""
     clip_norm: float
     max_nan_updates: int
-    update_freq: tuple
 
 
 @section

@@ -123,7 +123,7 @@ class Controller:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise UserError(f"the model built by task '{job.task}' has no trainable parameters")
-        built = build_optimizer(job.optimizer, self.params)
+        built = build_optimizer(job.optimizer, self.params, job.schedule.lr[0])
         # The settings a saved state must have to fit this kind of optimizer.
         self._optimizer_kind = (job.optimizer.optimizer, set(built.defaults))
         self.optimizer = self.sharding.build_optimizer(built)
@@ -134,7 +134,7 @@ class Controller:
                                                job.training.max_update)
         self.autocast = precision.autocast(job.precision, ctx.device)
         # fairseq's default window: 2**14 updates of one rank's batch.
-        window = 2 ** 14 / ctx.world_size / self.cfg.update_freq[0]
+        window = 2 ** 14 / ctx.world_size / job.training.update_freq[0]
         self.scaler = precision.LossScaler(job.precision, window) if job.precision.fp16 else None
         self.num_updates = 0
         self.lr = self.lr_scheduler.step_update(1)

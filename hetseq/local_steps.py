@@ -101,22 +101,27 @@ def add_args(group):
                             "others go whole (default: 2, PyTorch's)")
 
 
-def check_args(args):
-    """Combinations that make no sense, each refused with one message."""
+def check_args(args, defaults):
+    """Combinations that make no sense, each refused with one message
+    (``defaults``: the parser's, to tell which flags were given)."""
     if args.local_steps < 0:
         raise UserError(f"--local-steps {args.local_steps}: expected H >= 1 inner steps per "
                         "round (or leave it out for synchronous updates)")
     if not args.local_steps:
-        given = [flag for flag, value, default in (
-            ("--outer-lr", args.outer_lr, 0.7), ("--outer-momentum", args.outer_momentum, 0.9),
-            ("--outer-overlap", args.outer_overlap, False),
-            ("--outer-dtype", args.outer_dtype, "float32")) if value != default]
+        given = _given(args, defaults, ("outer_lr", "outer_momentum", "outer_overlap",
+                                        "outer_dtype"))
         if given:
             raise UserError(f"{', '.join(given)} set the outer step of --local-steps; add "
                             "--local-steps H (e.g. 32)")
     else:
         _check_local_steps(args)
-    _check_powersgd(args)
+    _check_powersgd(args, defaults)
+
+
+def _given(args, defaults, dests):
+    """The flags among ``dests`` set to other than their default."""
+    return ["--" + dest.replace("_", "-") for dest in dests
+            if getattr(args, dest) != defaults[dest]]
 
 
 def _check_local_steps(args):
@@ -146,10 +151,12 @@ def _refuse(prefix, refused):
             raise UserError(f"{prefix}: {message}")
 
 
-def _check_powersgd(args):
+def _check_powersgd(args, defaults):
     if args.grad_compression != "powersgd":
-        if (args.powersgd_rank, args.powersgd_start, args.powersgd_min_compression) != (4, 10, 2.0):
-            raise UserError("--powersgd-* set PowerSGD; add --grad-compression powersgd")
+        given = _given(args, defaults, ("powersgd_rank", "powersgd_start",
+                                        "powersgd_min_compression"))
+        if given:
+            raise UserError(f"{', '.join(given)} set PowerSGD; add --grad-compression powersgd")
         return
     refused = (
         (args.zero >= 2, f"--zero {args.zero} reduce-scatters gradients (FSDP), which "

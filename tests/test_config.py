@@ -5,6 +5,7 @@ import pickle
 import pytest
 
 from hetseq import cli, config
+from hetseq.errors import UserError
 from hetseq.tasks import TASKS
 
 from conftest import ROOT, TOY
@@ -24,6 +25,30 @@ def test_every_flag_is_the_jobs_or_the_nodes(argv):
     own = set(cli.task_dests(task_cls))
     assert {name for name, _ in node.task_flags} == own & task_cls.per_node_flags
     assert {name for name, _ in job.task_flags} == own - task_cls.per_node_flags
+
+
+def test_each_flag_has_one_section_and_one_default():
+    """A flag is a field of one section only (--lr is the schedule's, --update-freq
+    the loop's), and its default is the parser's alone: a check that tells a
+    given flag from an absent one reads the parser's default, so changing a
+    default in its declaration leaves the check right."""
+    import dataclasses
+    sections = [*config.JOB_SECTIONS.values(), *config.NODE_SECTIONS.values()]
+    owners = {}
+    for section in sections:
+        for field in dataclasses.fields(section):
+            owners.setdefault(field.name, []).append(section.__name__)
+    assert {name: where for name, where in owners.items() if len(where) > 1} == {}
+    parser = cli.build_parser()
+    for action in parser._actions:
+        if action.dest in ("outer_lr", "powersgd_rank"):
+            action.default = {"outer_lr": 0.5, "powersgd_rank": 8}[action.dest]
+    defaults = {action.dest: action.default for action in parser._actions}
+    args = parser.parse_args([*map(str, TOY)])
+    args.__class__ = cli.Flags
+    cli.check_args(args, defaults)      # the new defaults count as not given
+    with pytest.raises(UserError, match="--outer-lr set the outer step"):
+        cli.check_args(parser.parse_args([*map(str, TOY), "--outer-lr", "0.7"]), defaults)
 
 
 def test_the_identity_is_the_job_config_and_leaves_the_node_out():

@@ -10,14 +10,16 @@ from hetseq.registry import Registry
 
 class OptimizerFactory:
     """Base for registry entries: ``add_args`` for flags, ``build`` for the
-    optimizer from the job's OptimizerConfig (config.py; its fields are the flags)."""
+    optimizer from the job's OptimizerConfig (config.py; its fields are the
+    flags) and the first learning rate (the schedule owns --lr and sets the
+    rate of every update)."""
 
     @classmethod
     def add_args(cls, group):
         pass
 
     @classmethod
-    def build(cls, cfg, params):
+    def build(cls, cfg, params, lr):
         raise NotImplementedError
 
     @classmethod
@@ -52,11 +54,11 @@ class AdamW(OptimizerFactory):
                            help="epsilon for Adam (default: %(default)s)")
 
     @classmethod
-    def build(cls, cfg, params):
+    def build(cls, cfg, params, lr):
         betas = parse_float_tuple(cfg.adam_betas)
         if len(betas) != 2:
             raise UserError(f"--adam-betas {cfg.adam_betas}: expected two numbers, e.g. '(0.9, 0.999)'")
-        return torch.optim.AdamW(params, lr=cfg.lr[0], betas=betas, eps=cfg.adam_eps,
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=cfg.adam_eps,
                                  weight_decay=cfg.weight_decay)
 
 
@@ -70,8 +72,8 @@ class Adadelta(OptimizerFactory):
                            help="Adadelta epsilon (default: %(default)s)")
 
     @classmethod
-    def build(cls, cfg, params):
-        return torch.optim.Adadelta(params, lr=cfg.lr[0], rho=cfg.adadelta_rho,
+    def build(cls, cfg, params, lr):
+        return torch.optim.Adadelta(params, lr=lr, rho=cfg.adadelta_rho,
                                     eps=cfg.adadelta_eps, weight_decay=cfg.weight_decay)
 
 
@@ -87,10 +89,10 @@ class SGD(OptimizerFactory):
         group.add_argument("--nesterov", action="store_true", help="Nesterov momentum for SGD")
 
     @classmethod
-    def build(cls, cfg, params):
+    def build(cls, cfg, params, lr):
         if cfg.nesterov and cfg.momentum <= 0:
             raise UserError("--nesterov needs --momentum > 0")
-        return torch.optim.SGD(params, lr=cfg.lr[0], momentum=cfg.momentum,
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum,
                                nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
 
 
@@ -112,9 +114,9 @@ def add_optimization_args(parser):
         scheduler.add_args(group)
 
 
-def build_optimizer(cfg, params):
-    """The optimizer of OptimizerConfig ``cfg`` over ``params``."""
-    return OPTIMIZERS.get(cfg.optimizer).build(cfg, params)
+def build_optimizer(cfg, params, lr):
+    """The optimizer of OptimizerConfig ``cfg`` over ``params``, at rate ``lr``."""
+    return OPTIMIZERS.get(cfg.optimizer).build(cfg, params, lr)
 
 
 def build_lr_scheduler(cfg, optimizer, max_update=0):
