@@ -18,7 +18,7 @@ setup(
                              "transformers>=4.40", "scipy", "scikit-learn"],
                     "hf": ["safetensors"],
                     "bench": ["matplotlib", "transformers>=4.40", "accelerate"]},   # plots; Trainer
-    entry_points={"console_scripts": ["hetseq-train=hetseq.train:main",
-                                      "hetseq-plot=hetseq.plot:main",
-                                      "hetseq-secret=hetseq.secret:main"]},
+    entry_points={"console_scripts": ["hetseq-train=hetseq.main:main",
+                                      "hetseq-plot=hetseq.reporting.plot:main",
+                                      "hetseq-secret=hetseq.distributed.secret:main"]},
 )

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What keeping ranks equal costs (hetseq/agreement.py), per update.
+"""What keeping ranks equal costs (hetseq/update/agreement.py), per update.
 
 For each model, one AdamW update (forward, backward, step) is timed in one
 process, then:
@@ -26,7 +26,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from hetseq import agreement  # noqa: E402
+from hetseq.update import agreement  # noqa: E402
 from models import MODELS  # noqa: E402
 from output import emit  # noqa: E402
 

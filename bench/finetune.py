@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 
 from hetseq.bert.demo import sentence_pairs  # noqa: E402
 from output import emit  # noqa: E402  (bench/output.py)
-from hetseq.bert.glue import SPECS, read_examples  # noqa: E402
+from hetseq.bert.glue_data import SPECS, read_examples  # noqa: E402
 from hetseq.bert.pretrained import minilm_folder  # noqa: E402
 
 RECIPE = {"lr": 5e-5, "batch": 32, "warmup_ratio": 0.1, "weight_decay": 0.01, "clip": 1.0,

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from hetseq import cli  # noqa: E402
 from hetseq.distributed import launch  # noqa: E402
 from hetseq.tasks import TASKS, import_user_dir  # noqa: E402
-from hetseq.train import train_worker  # noqa: E402
+from hetseq.run.loop import train_worker  # noqa: E402
 from output import emit  # noqa: E402
 
 TASK_DIR = os.path.join(ROOT, "bench", "tasks")

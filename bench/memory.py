@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hetseq import cli  # noqa: E402
-from hetseq.controller import Controller  # noqa: E402
+from hetseq.update.controller import Controller  # noqa: E402
 from hetseq.distributed import DistContext  # noqa: E402
 from hetseq.tasks import TASKS  # noqa: E402
 from models import Bert, BertBase, register  # noqa: E402  (bench/models.py)
@@ -135,8 +135,8 @@ def speed_table(steps):
 def activation_bytes(hidden, layers):
     """Bytes autograd saves for backward for one sample of 128 tokens."""
     from hetseq.bert import BertForPreTraining
-    from hetseq.capacity import saved_activation_bytes
-    from hetseq.tasks.bert import BertTask
+    from hetseq.plan.capacity import saved_activation_bytes
+    from hetseq.tasks.bert_pretraining import BertTask
     model = BertForPreTraining(bert_config(hidden, layers))
     g = torch.Generator().manual_seed(0)
     return saved_activation_bytes(

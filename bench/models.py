@@ -58,7 +58,7 @@ class Bert:
 
     @staticmethod
     def loss(model, sample):
-        from hetseq.tasks.bert import BertTask
+        from hetseq.tasks.bert_pretraining import BertTask
         return BertTask.loss(None, model, sample)
 
 

@@ -5,45 +5,45 @@ lists the same promises)."""
 MUTATIONS = {
     "scale-without-world-size": (
         "gradients are multiplied by W/N: the large-batch gradient",
-        "hetseq/exchange.py",
+        "hetseq/update/exchange.py",
         "self.divisor = ctx.world_size if ctx.distributed else 1",
         "self.divisor = 1",
         ["tests/test_parity.py::test_two_uneven_ranks_match_one_process"]),
     "scale-rounded-to-float32": (
         "the scale is applied in the gradients' precision (W/N = 3/36 is no binary fraction)",
-        "hetseq/controller.py",
+        "hetseq/update/controller.py",
         "wide = [g for g in grads if g.dtype == torch.float64]",
         "wide = []",
         ["tests/test_parity.py::test_three_uneven_ranks_with_accumulation_match_one_process"]),
     "padding-batch-counts": (
         "a rank whose slice is empty takes part with zero weight",
-        "hetseq/controller.py",
+        "hetseq/update/controller.py",
         "weight=0.0 if sample is None else 1.0",
         "weight=1.0",
         ["tests/test_parity.py::test_three_uneven_ranks_with_accumulation_match_one_process"]),
     "sync-every-micro-batch": (
         "local accumulation (micro-batches, --update-freq) adds no communication",
-        "hetseq/sharding.py",
+        "hetseq/update/sharding.py",
         "return wrapped.no_sync()",
         "return contextlib.nullcontext()",
         ["tests/test_communication.py"]),
     "update-freq-ignored": (
         "--update-freq K accumulates K global batches per update",
-        "hetseq/train.py",
+        "hetseq/run/loop.py",
         "for chunk in _chunks(data.next_epoch_itr(), update_freq):",
         "for chunk in _chunks(data.next_epoch_itr(), 1):",
         ["tests/test_parity.py::test_three_uneven_ranks_with_accumulation_match_one_process",
          "tests/test_communication.py"]),
     "stats-after-backward": (
         "the stats all-reduce starts before the last backward and runs during it",
-        "hetseq/stats.py",
+        "hetseq/update/stats.py",
         "            if self.announced:\n                self.stats.start()\n",
         "",
         ["tests/test_parity.py::test_stats_travel_in_one_all_reduce_started_before_backward"]),
     "norm-only-when-shown": (
         "a node's own flags never change the collectives (the sharded norm always rides "
         "with the overflow flag)",
-        "hetseq/controller.py",
+        "hetseq/update/controller.py",
         "        if self.sharding.shards_grads:\n            norm, finite = "
         "self._sharded_norm_and_scale(grads, scale, clip)",
         "        if self.sharding.shards_grads and clip == 0:\n"
@@ -56,7 +56,7 @@ MUTATIONS = {
         ["tests/test_per_node_flags.py::test_every_rank_takes_the_same_update_path"]),
     "zero1-not-sharded": (
         "--zero 1 splits the optimizer state",
-        "hetseq/sharding.py",
+        "hetseq/update/sharding.py",
         "        if not self.ctx.distributed:\n            return optimizer\n"
         "        from torch.distributed.optim import ZeroRedundancyOptimizer",
         "        return optimizer\n        from torch.distributed.optim import "
@@ -64,19 +64,19 @@ MUTATIONS = {
         ["tests/test_sharding.py::test_each_mode_holds_exactly_its_share_of_the_model_state"]),
     "loss-scale-not-divided-out": (
         "the fp16 loss scale is divided out exactly",
-        "hetseq/controller.py",
+        "hetseq/update/controller.py",
         "scale = self.exchange.divisor / (sample_size * (self.scaler.scale if self.scaler else 1.0))",
         "scale = self.exchange.divisor / sample_size",
         ["tests/test_precision.py::test_fp16_loss_scaling_is_exact"]),
     "overflow-flag-not-summed": (
         "an overflow in any shard skips the update on every rank",
-        "hetseq/controller.py",
+        "hetseq/update/controller.py",
         "return norm, math.isfinite(norm) and not summed[1]",
         "return norm, not found.item()",
         ["tests/test_checkpoint.py::test_overflow_in_one_shard_skips_on_every_rank"]),
     "reduce-dtype-ignored": (
         "--reduce-dtype bfloat16 sums gradients in 16 bits",
-        "hetseq/precision.py",
+        "hetseq/update/precision.py",
         "    if cfg.reduce_dtype == \"float32\":\n        return None\n    dtype = DTYPES",
         "    return None\n    dtype = DTYPES",
         ["tests/test_precision.py::test_gradients_summed_in_bfloat16_when_asked"]),
@@ -119,7 +119,7 @@ MUTATIONS = {
          "tests/test_randomness.py::test_every_key_part_changes_the_draw"]),
     "checkpoint-unpickles-code": (
         "a checkpoint carrying pickled code is refused and the code never runs",
-        "hetseq/checkpoint.py",
+        "hetseq/run/checkpoint.py",
         'state = torch.load(path, map_location="cpu", weights_only=True)',
         'state = torch.load(path, map_location="cpu", weights_only=False)',
         ["tests/test_untrusted.py::test_a_checkpoint_carrying_code_is_refused_and_the_code_never_runs"]),
@@ -137,31 +137,31 @@ MUTATIONS = {
         ["tests/test_checkpoint.py::test_resume_with_another_global_batch_uses_every_sample_once"]),
     "reset-flags-ignored": (
         "--reset-optimizer/-dataloader/-meters leave that state out of a resume",
-        "hetseq/train.py",
-        '    skip = {"plan"} if elastic else set()\n',
-        '    skip = {"plan"} if elastic else set()\n    return skip\n',
+        "hetseq/run/checkpoint.py",
+        "if reset is not None and getattr(cfg, \"reset_\" + reset.replace(\"-\", \"_\"))}",
+        "if False}",
         ["tests/test_checkpoint.py::test_reset_flags_keep_the_model_only"]),
     "meters-reset-on-resume": (
         "a resumed epoch's running averages go on",
-        "hetseq/logging/report.py",
+        "hetseq/reporting/report.py",
         "        if not resumed:\n            self.meters.reset()",
         "        self.meters.reset()",
         ["tests/test_checkpoint.py::test_reset_flags_keep_the_model_only"]),
     "write-in-place": (
         "a crash while saving keeps the previous checkpoint (atomic rename)",
-        "hetseq/checkpoint.py",
+        "hetseq/run/checkpoint.py",
         "    fd, tmp = tempfile.mkstemp(prefix=\".tmp-\", suffix=\".pt\", dir=folder)",
         "    fd, tmp = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), dst",
         ["tests/test_checkpoint.py::test_kill_while_saving_keeps_the_previous_checkpoint"]),
     "no-agreement-check": (
         "ranks that drift apart are brought back, ranks that diverge stop the run",
-        "hetseq/agreement.py",
+        "hetseq/update/agreement.py",
         "        if disagreeing(checksums):\n",
         "        if False:\n",
         ["tests/test_agreement.py"]),
     "stateless-optimizer-state": (
         "a stateless optimizer's checkpoint resumes under --zero 2/3",
-        "hetseq/sharding.py",
+        "hetseq/update/sharding.py",
         "        if not state[\"state\"]:\n",
         "        if False:\n",
         ["tests/test_sharding.py::test_resume_of_a_stateless_optimizer_under_another_mode_and_world"]),
@@ -173,7 +173,7 @@ MUTATIONS = {
         ["tests/test_global_batches.py::test_every_index_once_per_epoch_with_uneven_splits"]),
     "non-finite-applied": (
         "a NaN/inf loss or gradient skips the update on every rank",
-        "hetseq/controller.py",
+        "hetseq/update/controller.py",
         "        if not finite:\n            if self.scaler is None:",
         "        if False:\n            if self.scaler is None:",
         ["tests/test_checkpoint.py::test_non_finite_gradient_on_one_rank_skips_on_all"]),
@@ -203,13 +203,13 @@ MUTATIONS = {
         ["tests/test_elastic.py::test_the_state_comes_from_the_member_with_the_most_updates"]),
     "elastic-snapshot-skips-the-update-in-flight": (
         "survivors drop the update in flight: its samples are trained in the next generation",
-        "hetseq/train.py",
+        "hetseq/run/loop.py",
         "if self.controller.num_updates != done:",
         "if True:",
         ["tests/test_elastic.py::test_a_frozen_host_is_left_behind"]),
     "elastic-join-signal-ignored": (
         "a node started later joins the running job at an update boundary",
-        "hetseq/train.py",
+        "hetseq/run/loop.py",
         "self._reconfigure = any(result.ranks.signal)",
         "self._reconfigure = False",
         ["tests/test_elastic.py::test_a_lost_host_an_intruder_and_a_late_joiner"]),
@@ -221,7 +221,7 @@ MUTATIONS = {
         ["tests/test_elastic.py::test_a_split_into_halves_trains_on_one_side_only"]),
     "elastic-paused-node-ignores-the-newer-generation": (
         "a node that wakes up after the job went on joins it instead of leading its own",
-        "hetseq/distributed/elastic.py",
+        "hetseq/distributed/membership.py",
         'newer = [s for s in said if s is not None and s["generation"] > own]',
         "newer = []",
         ["tests/test_elastic.py::test_a_paused_meeting_point_rejoins_the_job_and_never_trains_alone"]),
@@ -233,7 +233,7 @@ MUTATIONS = {
         ["tests/test_elastic.py::test_ranks_are_ordered_before_max_nodes_cuts"]),
     "elastic-waiting-node-calls-meetings": (
         "a node without a place (--max-nodes) waits without calling a meeting each update",
-        "hetseq/distributed/elastic.py",
+        "hetseq/distributed/membership.py",
         "            if self._full(store):\n",
         "            if False:\n",
         ["tests/test_elastic.py::test_max_nodes_keeps_its_leader_and_a_waiting_node_takes_a_freed_place"]),
@@ -245,7 +245,7 @@ MUTATIONS = {
         ["tests/test_elastic.py::test_a_state_from_another_lineage_is_refused"]),
     "elastic-received-state-not-checked": (
         "every rank refuses a source state whose lineage is not the one the round agreed on",
-        "hetseq/checkpoint.py",
+        "hetseq/run/checkpoint.py",
         "if lineage is not None and list(got) != list(lineage):",
         "if False:",
         ["tests/test_checkpoint.py::test_an_elastic_state_keeps_its_lineage_and_another_line_is_refused"]),
@@ -311,7 +311,7 @@ MUTATIONS = {
         ['tests/test_secret.py::test_the_secret_file_is_checked_on_what_was_opened']),
     'hetseq-secret-file-not-private': (
         'hetseq-secret --file writes a new file of mode 600',
-        'hetseq/secret.py',
+        'hetseq/distributed/secret.py',
         'os.O_CLOEXEC, 0o600)',
         'os.O_CLOEXEC, 0o666)',
         ['tests/test_secret.py::test_hetseq_secret_makes_accepted_secrets_and_private_files']),
@@ -401,7 +401,7 @@ MUTATIONS = {
         ["tests/test_elastic.py::test_two_rounds_of_one_generation_meet_at_the_lower_ranked_leader"]),
     "elastic-non-leader-hides-where-it-meets": (
         "a node that met at a member which is not leading follows that member to its round",
-        "hetseq/distributed/elastic.py",
+        "hetseq/distributed/membership.py",
         '            if store.check([f"e/{number}/at"]):      # not the leader: it meets elsewhere\n',
         "            if False:\n",
         ["tests/test_elastic.py::test_two_rounds_of_one_generation_meet_at_the_lower_ranked_leader"]),
@@ -431,43 +431,43 @@ MUTATIONS = {
         ["tests/test_launchers.py::test_torchrun_restart_resumes_from_the_checkpoint_exactly"]),
     "local-steps-ranks-weighted-equally": (
         "--local-steps: a round's changes are weighted by the samples each rank processed",
-        "hetseq/local_steps.py",
+        "hetseq/update/local_steps.py",
         "self.exchange(samples / everyone if everyone > 0 else 0.0, settle=boundary)",
         "self.exchange(1.0 / self.ctx.world_size, settle=boundary)",
         ["tests/test_local_steps.py::test_exact_where_the_mathematics_says_so"]),
     "local-steps-inner-gradient-averaged-over-ranks": (
         "--local-steps: an inner step follows the gradient of the rank's own mean loss",
-        "hetseq/local_steps.py",
+        "hetseq/update/local_steps.py",
         "        self.divisor = 1\n",
         "",
         ["tests/test_local_steps.py::test_exact_where_the_mathematics_says_so"]),
     "outer-overlap-drops-the-own-change": (
         "--outer-overlap: a rank keeps its own change until the round's average lands",
-        "hetseq/local_steps.py",
+        "hetseq/update/local_steps.py",
         "self.flat.write([g - d for g, d in zip(self.anchor, change)])",
         "self.flat.write(self.anchor)",
         ["tests/test_local_steps.py::test_overlap_alone_follows_the_local_trajectory"]),
     "save-inside-a-round": (
         "--local-steps: a save ends the round, so a resume is exact",
-        "hetseq/train.py",
+        "hetseq/run/loop.py",
         "or bool(max_update and done >= max_update) or bool(every and done % every == 0))",
         "or bool(max_update and done >= max_update))",
         ["tests/test_local_steps.py::test_resume_mid_round_is_exact_and_keeps_every_ranks_optimizer"]),
     "powersgd-hook-not-registered": (
         "--grad-compression powersgd compresses the gradient all-reduce",
-        "hetseq/exchange.py",
+        "hetseq/update/exchange.py",
         "        return powersgd_hook(self.cfg)\n",
         "        return None\n",
         ["tests/test_local_steps.py::test_compressed_exchanges_stay_near_the_exact_one"]),
     "optimizer-mismatch-not-detected": (
         "a checkpoint of another optimizer is refused before training, in one line",
-        "hetseq/controller.py",
+        "hetseq/update/controller.py",
         "            _check_same_optimizer(own, *self._optimizer_kind)\n",
         "",
         ["tests/test_bad_inputs.py::test_bad_input_gives_one_clear_message"]),
     "compile-compiles-nothing": (
         "--compile compiles the model's forward",
-        "hetseq/controller.py",
+        "hetseq/update/controller.py",
         "self.model.forward = torch.compile(self.model.forward)",
         "self.model.forward = self.model.forward",
         ["tests/test_parity.py::test_compile_traces_the_forward_and_keeps_the_parameter_names"]),

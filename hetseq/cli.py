@@ -7,10 +7,13 @@ anything are accepted and say so in --help (``LEGACY``).
 import argparse
 import difflib
 
-from hetseq import capacity, checkpoint, config, local_steps, precision, sharding
+from hetseq import config
 from hetseq.errors import UserError
 from hetseq.optim import OPTIMIZERS, SCHEDULERS, add_optimization_args
+from hetseq.plan import capacity
+from hetseq.run import checkpoint
 from hetseq.tasks import TASKS, import_builtin_tasks, import_user_dir
+from hetseq.update import local_steps, precision, sharding
 
 LEGACY = "accepted for HetSeq compatibility; no effect: "
 

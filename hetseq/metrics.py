@@ -6,7 +6,7 @@ add up across micro-batches and ranks (counts, sums), summed in the stats
 all-reduce, and only then turned into the metric, giving the value one
 process would compute on the whole set. Spearman's correlation depends on
 ranks over the whole set, which no sum carries: its (prediction, label)
-pairs are gathered (``hetseq.stats.Gathered``).
+pairs are gathered (``hetseq.update.stats.Gathered``).
 
 ``*_stats(...)`` give the logs of one batch (tensors); the functions taking
 ``totals`` turn the summed logs into the metric.

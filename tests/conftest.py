@@ -144,7 +144,7 @@ def finish(procs, timeout=180):
 
 
 def final_params(save_dir):
-    from hetseq.controller import CONTROLLER, MODEL
+    from hetseq.update.controller import CONTROLLER, MODEL
     state = torch.load(Path(save_dir) / "checkpoint_last.pt", weights_only=True)
     return state[CONTROLLER.name][MODEL]
 
@@ -163,7 +163,7 @@ def leave_process_group():
 def build_controller(argv, ctx):
     """(Controller, task) of the flags ``argv``, in this process, for ``ctx``."""
     from hetseq import cli
-    from hetseq.controller import Controller
+    from hetseq.update.controller import Controller
     from hetseq.tasks import TASKS
     args, job, _ = cli.parse([str(a) for a in argv])
     task = TASKS.get(args.task)(args)

@@ -1,15 +1,14 @@
 """Ranks stay equal to rank 0 for runs of any length: rounding apart is undone,
-a real divergence stops the run (hetseq/agreement.py)."""
+a real divergence stops the run (hetseq/update/agreement.py)."""
 
 import re
 
 import pytest
 import torch
-
-from hetseq.agreement import checksum, disagreeing
+from test_parity import COMMON, reference
 
 from conftest import TOY, assert_ok, final_params, max_diff, run_job
-from test_parity import COMMON, reference
+from hetseq.update.agreement import checksum, disagreeing
 
 
 def test_checksum_is_exact_order_sensitive_and_dtype_blind():

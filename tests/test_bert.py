@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from hetseq.bert.pretraining_data import KEYS, BertH5Dataset, find_shards
-from hetseq.bert.preprocess import DTYPES, Settings, create_pretraining_data
-from hetseq.distributed import DistContext
-from hetseq.bert import BertConfig, BertForPreTraining, hf_to_hetseq, load_hf_weights
-
 from conftest import assert_ok, require_module, run_job, run_train
+from hetseq.bert import BertConfig, BertForPreTraining, hf_to_hetseq, load_hf_weights
+from hetseq.bert.preprocess import DTYPES, Settings, create_pretraining_data
+from hetseq.bert.pretraining_data import KEYS, BertH5Dataset, find_shards
+from hetseq.distributed import DistContext
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -190,8 +189,8 @@ def test_bare_encoder_checkpoint_reports_missing_heads():
 
 def test_loss_decreases_on_a_tiny_corpus(shards):
     from hetseq import cli
-    from hetseq.controller import Controller
-    from hetseq.tasks.bert import BertTask
+    from hetseq.tasks.bert_pretraining import BertTask
+    from hetseq.update.controller import Controller
     args, job, _ = cli.parse(["--task", "bert", "--data", str(shards["dir"]), "--config_file",
                            str(shards["config"]), "--dict", str(shards["vocab"]), "--lr", "0.003",
                            "--optimizer", "adam", "--lr-scheduler", "fixed", "--max-sentences", "16",

@@ -6,13 +6,12 @@ import random
 import re
 
 import pytest
-
-from hetseq.capacity import Plan, proportional
-from hetseq.rebalance import Rebalancer
-from hetseq.errors import UserError
+from test_parity import COMMON, EXACT, reference
 
 from conftest import assert_ok, final_params, max_diff, run_job
-from test_parity import COMMON, EXACT, reference
+from hetseq.errors import UserError
+from hetseq.plan.capacity import Plan, proportional
+from hetseq.plan.rebalance import Rebalancer
 
 
 def test_proportional_split_sums_exactly():

@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 
-from hetseq import checkpoint
+from conftest import (EXACT, EXACT_SGD, MNIST, ROOT, TOY, UPDATE_LINE, Watched, assert_ok,
+                      child_env, final_params, node_commands, require, run_job, run_train,
+                      start_nodes, train_cmd)
 from hetseq.errors import UserError
-
-from conftest import (EXACT, EXACT_SGD, MNIST, ROOT, TOY, UPDATE_LINE, Watched, assert_ok, child_env, final_params,
-                      node_commands, require, run_job, run_train, start_nodes, train_cmd)
+from hetseq.run import checkpoint
 
 
 def mnist_nodes(data, save_dir, updates, *extra):
@@ -433,11 +433,11 @@ def test_every_key_of_a_checkpoint_is_declared_once():
     """The keys of the previous release's checkpoints are all declared
     (checkpoint.Component), by the modules that write them, and --reset-*
     leave out what their help says."""
-    from hetseq.checkpoint import Component
+    import hetseq.run.loop  # noqa: F401
+    import hetseq.update.local_steps  # noqa: F401  (declares its keys)
     from hetseq.config import CheckpointConfig
-    from hetseq.controller import CONTROLLER
-    import hetseq.local_steps   # noqa: F401  (declares its keys)
-    import hetseq.train         # noqa: F401
+    from hetseq.run.checkpoint import Component
+    from hetseq.update.controller import CONTROLLER
     for name in PREVIOUS_FLAGS:
         state = torch.load(PREVIOUS / name, weights_only=True)
         keys = set(state) | {f"{CONTROLLER.name}.{key}" for key in state[CONTROLLER.name]}

@@ -5,10 +5,10 @@ import torch
 from torch import nn
 
 from hetseq import cli
-from hetseq.controller import Controller
 from hetseq.distributed import DistContext
 from hetseq.errors import UserError
 from hetseq.tasks import Task
+from hetseq.update.controller import Controller
 
 CTX = DistContext(0, 1, 0, torch.device("cpu"))
 

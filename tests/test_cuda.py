@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from hetseq.capacity import cuda_memory_cap
-
 from conftest import TOY
+from hetseq.plan.capacity import cuda_memory_cap
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -28,6 +27,7 @@ def test_memory_probe_finds_the_largest_micro_batch():
 def test_trains_on_one_gpu():
     import subprocess
     import sys
+
     from conftest import ROOT, child_env
     cmd = [sys.executable, str(ROOT / "train.py"), *map(str, TOY), "--max-sentences", "8",
            "--max-update", "3", "--no-save", "--no-progress-bar", "--distributed-world-size", "1"]
@@ -40,6 +40,7 @@ def test_trains_on_one_gpu():
 def _run(*args, timeout=600):
     import subprocess
     import sys
+
     from conftest import ROOT, child_env
     cmd = [sys.executable, str(ROOT / "train.py"), *map(str, args)]
     return subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
@@ -71,7 +72,7 @@ def test_zero3_cpu_offload_on_one_gpu(tmp_path):
 
 def test_zero3_on_a_gpu_and_a_cpu_rank(tmp_path):
     """A GPU rank and a CPU rank in one job (gloo), uneven batches, --zero 3."""
-    from conftest import run_job, assert_ok
+    from conftest import assert_ok, run_job
     common = [*TOY, "--max-update", 3, "--save-dir", tmp_path, "--zero", 3,
               "--distributed-backend", "gloo"]
     assert_ok(run_job(common, [["--max-sentences", 24], ["--max-sentences", 8, "--cpu"]]))

@@ -72,13 +72,13 @@ def test_waiting_node_names_the_missing_ranks_and_the_time_left(tmp_path):
 def test_plot_of_a_real_run(tmp_path):
     save = tmp_path / "run"
     assert run_train(*COMMON, "--max-sentences", 8, "--save-dir", save).returncode == 0
-    plot = subprocess.run([sys.executable, "-m", "hetseq.plot", str(save)], cwd=ROOT,
+    plot = subprocess.run([sys.executable, "-m", "hetseq.reporting.plot", str(save)], cwd=ROOT,
                           env=child_env(), capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0, plot.stderr
     assert plot.stdout.strip() == str(save / "run.png")
     assert (save / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The figures it drew from: every update's loss and lr, and the plan.
-    from hetseq.plot import plan_changes, read_balance
+    from hetseq.reporting.plot import plan_changes, read_balance
     lines = read_balance(save)
     assert [line["update"] for line in lines] == list(range(1, 7))
     assert all(line["loss"] > 0 and 0.09 < line["lr"] <= 0.1 for line in lines)
@@ -86,7 +86,7 @@ def test_plot_of_a_real_run(tmp_path):
 
 
 def test_plot_without_a_run_is_one_line(tmp_path):
-    plot = subprocess.run([sys.executable, "-m", "hetseq.plot", str(tmp_path)], cwd=ROOT,
+    plot = subprocess.run([sys.executable, "-m", "hetseq.reporting.plot", str(tmp_path)], cwd=ROOT,
                           env=child_env(), capture_output=True, text=True, timeout=60)
     assert plot.returncode == 2
     assert plot.stderr.strip().splitlines() == [
@@ -95,7 +95,7 @@ def test_plot_without_a_run_is_one_line(tmp_path):
 
 
 def test_plan_changes_are_found():
-    from hetseq.plot import plan_changes
+    from hetseq.reporting.plot import plan_changes
     lines = [{"update": u, "batch_sizes": sizes}
              for u, sizes in enumerate([[2, 2], [2, 2], [3, 1], [3, 1], [2, 2]], 1)]
     assert plan_changes(lines) == [3, 5]

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import assert_ok, require_module, run_job, run_train
 from hetseq.bert import BertConfig, BertForPreTraining, BertForSequenceClassification, export_hf
-from hetseq.bert.glue import SPECS, GlueDataset, plain_spec, read_examples, spec_for, split_file
+from hetseq.bert.glue_data import (SPECS, GlueDataset, plain_spec, read_examples, spec_for,
+                                   split_file)
 from hetseq.bert.pretrained import StartingPoint
 from hetseq.bert.tokenizer import WordPiece
 from hetseq.errors import UserError
-
-from conftest import assert_ok, require_module, run_job, run_train
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = ("the of and to in is was for on that with as by at from his her an were are which "
@@ -360,7 +360,7 @@ def test_without_minilm_the_pretraining_checkpoint_is_the_start(tmp_path, tiny_h
         pretrained.default_starting_point(str(tmp_path))
     config = BertConfig.from_json(tiny_hf + "/config.json")
     source = BertForPreTraining(config)
-    from hetseq.checkpoint import FORMAT
+    from hetseq.run.checkpoint import FORMAT
     torch.save({"format": FORMAT, "controller": {"model": source.state_dict()}},
                tmp_path / "checkpoint_last.pt")
     start = pretrained.default_starting_point(str(tmp_path))

@@ -13,14 +13,12 @@ import threading
 import uuid
 
 import pytest
-
-from hetseq import secret
-from hetseq.distributed import rendezvous, tunnel
-from hetseq.errors import UserError
+from test_parity import COMMON, EXACT, reference
 
 from conftest import (assert_ok, final_params, finish, free_port, max_diff, node_commands,
                       start_nodes)
-from test_parity import COMMON, EXACT, reference
+from hetseq.distributed import rendezvous, secret, tunnel
+from hetseq.errors import UserError
 
 SECRET = "a8f3e1c97b2d4065a1e0c3b5d7f9e2a4"
 OTHER = "3c9b57e0d2a14f86b7e5c0a39d1f6284"   # valid, but not the job's
@@ -176,7 +174,7 @@ def test_hetseq_secret_makes_accepted_secrets_and_private_files(tmp_path):
                      base64.b64encode(raw).decode(), str(uuid.UUID(bytes=raw[:16], version=4))):
             assert tunnel.weakness(made.encode()) is None, made
     path = tmp_path / "job-secret"
-    run = [sys.executable, "-m", "hetseq.secret", "--file", str(path)]
+    run = [sys.executable, "-m", "hetseq.distributed.secret", "--file", str(path)]
     os.umask(old := os.umask(0))   # the widest umask: the file must still be 600
     try:
         assert subprocess.run(run, capture_output=True, timeout=60).returncode == 0

@@ -1,13 +1,12 @@
-"""Each rank's own compute time (hetseq/timing.py): what capacity planning and
+"""Each rank's own compute time (hetseq/update/timing.py): what capacity planning and
 rebalancing read. A rank that waits for a slower one inside a collective must
 not count the wait as its own work."""
 
 import pytest
 import torch
 
-from hetseq import timing
-
 from conftest import GROUP_TIMEOUT, TOY, build_controller, leave_process_group
+from hetseq.update import timing
 
 SLEEP_MS = 100     # rank 1 sleeps this per sample before its forward: 0.3 s an update
 
@@ -31,6 +30,7 @@ def test_the_clock_stops_at_the_end_of_backward():
 
 def _times(rank, world, init, zero, out):
     import torch.distributed as dist
+
     from hetseq.distributed import DistContext
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,

@@ -10,7 +10,7 @@ hosts on two cores still compute as before.
 import time
 
 from hetseq.tasks import register_task
-from hetseq.tasks.bert import BertTask
+from hetseq.tasks.bert_pretraining import BertTask
 
 
 @register_task("bert-slowed")

@@ -8,11 +8,11 @@
     glue.py              GLUE's TSV files and plain CSV/JSONL sentence pairs
     corpus.py, demo.py   the built-in demos, made from Python's own documentation
 
-The tasks that train these models are thin: ``hetseq/tasks/bert.py`` and
+The tasks that train these models are thin: ``hetseq/tasks/bert_pretraining.py`` and
 ``hetseq/tasks/glue.py``.
 """
 
-from hetseq.bert.hf import export_hf, hf_to_hetseq, hetseq_to_hf, load_hf_weights, read_hf_config
+from hetseq.bert.hf import export_hf, hetseq_to_hf, hf_to_hetseq, load_hf_weights, read_hf_config
 from hetseq.bert.model import (BertConfig, BertForPreTraining, BertForSequenceClassification,
                                BertModel)
 

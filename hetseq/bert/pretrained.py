@@ -10,13 +10,13 @@ import importlib.util
 import logging
 import os
 
-from hetseq import checkpoint
 from hetseq.bert import demo
 from hetseq.bert.hf import load_hf_weights, read_hf_config
 from hetseq.bert.model import BertConfig
 from hetseq.bert.tokenizer import WordPiece
-from hetseq.controller import CONTROLLER, MODEL
 from hetseq.errors import UserError
+from hetseq.run import checkpoint
+from hetseq.update.controller import CONTROLLER, MODEL
 
 logger = logging.getLogger(__name__)
 

@@ -165,7 +165,10 @@ class GlobalBatchIterator:
         left = self.batches.dataset_size - self.samples_in_epoch
         return -(-left // self.batches.global_batch_size)
 
-    def set_shares(self, shares):
+    def set_shares(self, shares, min_micro_batches=1):
+        """Every rank's share from the next global batch on, and the
+        micro-batches each must run per step (padding under FSDP)."""
+        self.min_micro_batches = min_micro_batches
         if list(shares) != self.shares:
             self.shares = list(shares)
             self._shares_changed = True

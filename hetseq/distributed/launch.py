@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from hetseq.distributed import health, rendezvous, tunnel
 from hetseq.distributed.topology import resolve_topology
 from hetseq.errors import HetSeqError, PeerLost
-from hetseq.logging import NODE, rank_ranges, setup_logging
+from hetseq.reporting import NODE, rank_ranges, setup_logging
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from hetseq.distributed import health, identity, interfaces, network, store, tunnel
 from hetseq.distributed.topology import ready_backend
 from hetseq.errors import UserError
-from hetseq.logging import NODE, Every, rank_ranges
+from hetseq.reporting import NODE, Every, rank_ranges
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ import logging
 import time
 
 from hetseq.distributed import generations
-from hetseq.logging import NODE
+from hetseq.reporting import NODE
 
-logger = logging.getLogger("hetseq.distributed.elastic")
+logger = logging.getLogger("hetseq.distributed.membership")
 
 SETTLE_S = 3.0     # a round with enough members closes when nobody new came for this long
 POLL_S = 0.05

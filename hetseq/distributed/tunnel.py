@@ -342,7 +342,7 @@ def asks_for_secret(address):
 
 
 SECRET_VARIABLE = "HETSEQ_JOB_SECRET"
-MAKE_ONE = "hetseq-secret"   # hetseq/secret.py; also python -m hetseq.secret
+MAKE_ONE = "hetseq-secret"   # hetseq/distributed/secret.py; also python -m hetseq.distributed.secret
 MIN_BITS = 128
 MIN_DISTINCT = 8
 MAX_RUN = 8
@@ -404,7 +404,7 @@ def read_secret(path, env=os.environ):
     why = weakness(text)
     if why is not None:
         raise UserError(f"{where}: the secret could be guessed ({why}); {RULE}. Make one "
-                        f"with: {MAKE_ONE} (or python -m hetseq.secret)")
+                        f"with: {MAKE_ONE} (or python -m hetseq.distributed.secret)")
     return hashlib.sha256(b"hetseq job secret\0" + text).digest()
 
 

@@ -19,7 +19,7 @@ TASKS = Registry("task", base=Task, hint="; tasks of your own load with --user-d
 register_task = TASKS.register
 
 # Built-in tasks register themselves on import.
-_BUILTIN_MODULES = ("hetseq.tasks.bert", "hetseq.tasks.glue")
+_BUILTIN_MODULES = ("hetseq.tasks.bert_pretraining", "hetseq.tasks.glue")
 
 
 def import_builtin_tasks():

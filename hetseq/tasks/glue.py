@@ -20,13 +20,13 @@ import torch.nn.functional as F
 
 from hetseq import metrics
 from hetseq.bert import demo
-from hetseq.bert.glue import GlueDataset, GlueSpec, plain_spec, spec_for, split_file
+from hetseq.bert.glue_data import GlueDataset, GlueSpec, plain_spec, spec_for, split_file
 from hetseq.bert.hf import export_hf
 from hetseq.bert.model import BertForSequenceClassification
 from hetseq.bert.pretrained import StartingPoint, default_starting_point, starting_point
 from hetseq.errors import UserError
-from hetseq.stats import Gathered
 from hetseq.tasks import Task, register_task
+from hetseq.update.stats import Gathered
 
 logger = logging.getLogger(__name__)
 

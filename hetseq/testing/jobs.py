@@ -49,7 +49,7 @@ def _mark_updates(controller):
 
 def _build(argv, ctx):
     from hetseq import cli
-    from hetseq.train import Run
+    from hetseq.run.loop import Run
     args, job, node = cli.parse([str(a) for a in argv])
     return Run(args, job, node, ctx)
 

@@ -42,12 +42,13 @@ import math
 
 import torch
 
-from hetseq import exchange, precision, randomness, sharding
-from hetseq.checkpoint import Component
+from hetseq import randomness
 from hetseq.errors import TrainingFailed, UserError
 from hetseq.optim import OPTIMIZERS, build_lr_scheduler, build_optimizer
-from hetseq.stats import Backward
-from hetseq.timing import ComputeClock
+from hetseq.run.checkpoint import Component
+from hetseq.update import exchange, precision, sharding
+from hetseq.update.stats import Backward
+from hetseq.update.timing import ComputeClock
 
 logger = logging.getLogger(__name__)
 

@@ -39,9 +39,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hetseq import timing
 from hetseq.errors import UserError
 from hetseq.registry import Registry
+from hetseq.update import timing
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ class FullyShard(Sharding):
         return Shard(max(even, key=lambda d: param.shape[d])) if even else Shard(0)
 
     def policies(self):
-        from hetseq.precision import mixed_precision_policy
+        from hetseq.update.precision import mixed_precision_policy
         policy = mixed_precision_policy(self.precision)
         return {"mp_policy": policy} if policy is not None else {}
 

@@ -349,6 +349,7 @@ class Checkpointer:
         checkpoint_<DATA_EPOCH>_<UPDATES>.pt mid-epoch, and checkpoint_best.pt
         when ``metric`` improved."""
         from hetseq.distributed import all_gather_object
+
         # Every rank, whatever its own --no-save (rank 0's decides): the RNG
         # states and sharded components are gathered to rank 0.
         rngs = all_gather_object(rng_state(), self.ctx)

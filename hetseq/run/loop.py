@@ -1,4 +1,5 @@
-"""Training entry point: parse flags, start this node's ranks, run the loop.
+"""One rank's training run: the loop over epochs and updates (hetseq/main.py
+starts the ranks).
 
 One update, as ``Run.train_epoch`` drives it (docs/design.md follows the
 route through the code): the iterator yields this rank's micro-batches of the
@@ -12,43 +13,28 @@ import itertools
 import logging
 import time
 
-from hetseq import capacity, checkpoint, cli, precision, randomness, rebalance
-from hetseq.agreement import Agreement
-from hetseq.checkpoint import Component
-from hetseq.controller import CONTROLLER, MODEL, Controller
+from hetseq import randomness
 from hetseq.data.splits import Splits
-from hetseq.distributed import WorkerFailed, broadcast_from_main, launch
-from hetseq.distributed.launch import exit_now
-from hetseq.elastic import Reconfigure, train_elastic
-from hetseq.errors import HetSeqError, UserError
-from hetseq.logging import setup_logging
-from hetseq.logging.report import Reporter
+from hetseq.distributed import broadcast_from_main
+from hetseq.errors import UserError
 from hetseq.optim.lr_scheduler import planned_updates
+from hetseq.plan import capacity, rebalance
+from hetseq.reporting.report import Reporter
+from hetseq.run import checkpoint
+from hetseq.run.checkpoint import Component
+from hetseq.run.elastic import Reconfigure
+from hetseq.run.validation import Validation
 from hetseq.tasks import TASKS, Task, import_builtin_tasks, import_user_dir
-from hetseq.validation import Validation
+from hetseq.update import precision
+from hetseq.update.agreement import Agreement
+from hetseq.update.controller import CONTROLLER, MODEL, Controller
 
-logger = logging.getLogger("hetseq.train")
+logger = logging.getLogger("hetseq.run")
 
 # The run's parts of a checkpoint beside the Controller's (controller.CONTROLLER).
 TRAIN_ITERATOR = Component("train_iterator", reset="dataloader")   # the data position
 PLAN = Component("plan")                                             # the split of the batch
 METERS = Component("meters", reset="meters")
-
-
-def main(argv=None):
-    setup_logging(0)
-    try:
-        args, job, node = cli.parse(argv)
-        inputs = TASKS.get(job.task).resolve_inputs(args)
-        if job.elastic.elastic:
-            train_elastic(lambda ctx, restore, membership: Run(
-                args, job, node, ctx, inputs, restore, membership), job, node)
-            return
-        launch(node, job.distributed_backend, train_worker, args, job, node, inputs,
-               identity=job.identity())
-    except (HetSeqError, WorkerFailed) as err:
-        logger.error("%s", err)
-        exit_now(err.exit_code)
 
 
 def train_worker(ctx, args, job, node, inputs=None):
@@ -67,7 +53,7 @@ def build_task(args, inputs):
 class Run:
     """One rank's training run. ``args``: the flags (for the task); ``job``
     and ``node``: the JobConfig and NodeConfig (config.py). An elastic
-    member's run (hetseq/elastic.py) also gets ``restore`` = (rank, make):
+    member's run (hetseq/run/elastic.py) also gets ``restore`` = (rank, make):
     where its state comes from, and its ``membership``."""
 
     def __init__(self, args, job, node, ctx, inputs=None, restore=None, membership=None):
@@ -269,7 +255,3 @@ def _chunks(iterable, size):
     iterator = iter(iterable)
     while chunk := list(itertools.islice(iterator, size)):
         yield chunk
-
-
-if __name__ == "__main__":
-    main()

@@ -6,12 +6,12 @@ what it shows was computed by every rank anyway."""
 import logging
 import os
 
-from hetseq.logging.balance import BalanceLog
-from hetseq.logging.meters import Meters, RateMeter
-from hetseq.logging.progress import Clock, Progress, format_ranks
-from hetseq.logging.tensorboard import TensorBoard
+from hetseq.reporting.balance import BalanceLog
+from hetseq.reporting.meters import Meters, RateMeter
+from hetseq.reporting.progress import Clock, Progress, format_ranks
+from hetseq.reporting.tensorboard import TensorBoard
 
-logger = logging.getLogger("hetseq.train")
+logger = logging.getLogger("hetseq.run")
 
 
 class Reporter:

@@ -32,9 +32,9 @@ registers itself in EXCHANGES and names itself in ``mode_of``):
 
 import importlib
 
-from hetseq import precision
 from hetseq.registry import Registry
-from hetseq.stats import RankReport, StatsExchange, StepResult
+from hetseq.update import precision
+from hetseq.update.stats import RankReport, StatsExchange, StepResult
 
 
 class Exchange:
@@ -126,5 +126,5 @@ def mode_of(cfg):
 
 def build(cfg, precision_cfg, ctx):
     """This run's Exchange (``cfg``: the job's ExchangeConfig)."""
-    importlib.import_module("hetseq.local_steps")   # registers "local-steps" (built on this)
+    importlib.import_module("hetseq.update.local_steps")   # registers "local-steps" (built on this)
     return EXCHANGES.get(mode_of(cfg))(cfg, precision_cfg, ctx)

@@ -34,7 +34,7 @@ import logging
 import math
 import statistics
 
-from hetseq.capacity import Plan, describe, proportional
+from hetseq.plan.capacity import Plan, describe, proportional
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class Rebalancer:
         self.reason = (f"rates {'/'.join(f'{r:.1f}' for r in levels)} samples/s, "
                        f"predicted {100 * gain:.1f}% faster (threshold {100 * threshold:.1f}%: "
                        f"{why})")
-        return self._switch(new)
+        return self.adopt(new)
 
     def _judge_trial(self):
         """Keep a change unless it made updates slower by more than half the
@@ -185,9 +185,10 @@ class Rebalancer:
         self.reason = (f"undoing the last change: updates took {1000 * after:.1f} ms of "
                        f"compute after it, {1000 * before:.1f} ms before (predicted "
                        f"{100 * gain:.1f}% faster)")
-        return self._switch(previous)
+        return self.adopt(previous)
 
-    def _switch(self, plan):
+    def adopt(self, plan):
+        """The plan in force from now on (its own choice, or a resumed one)."""
         self.plan, self.since_change = plan, 0
         return plan
 
@@ -234,10 +235,9 @@ class Balance:
 
     def set_plan(self, plan, reason, update):
         old, self.plan = self.plan, plan
-        self.iterator.set_shares(plan.batch_sizes)
-        self.iterator.min_micro_batches = self.micro_batches(plan.batch_sizes)
+        self.iterator.set_shares(plan.batch_sizes, self.micro_batches(plan.batch_sizes))
         if self.rebalancer is not None:
-            self.rebalancer.plan = plan
+            self.rebalancer.adopt(plan)
         if self.ctx.is_main:
             logger.info("capacity plan changed at update %d: batches %s -> %s; %s", update,
                         "/".join(map(str, old.batch_sizes)), "/".join(map(str, plan.batch_sizes)),

@@ -56,13 +56,13 @@ import logging
 import torch
 import torch.distributed as dist
 
-from hetseq.controller import CONTROLLER
 from hetseq.distributed.collectives import gather_to_main
 from hetseq.distributed.compress import CODECS
 from hetseq.errors import UserError
-from hetseq.exchange import EXCHANGES, Exchange
-from hetseq.sharding import Sharding
-from hetseq.stats import RankReport, StatsExchange, StepResult
+from hetseq.update.controller import CONTROLLER
+from hetseq.update.exchange import EXCHANGES, Exchange
+from hetseq.update.sharding import Sharding
+from hetseq.update.stats import RankReport, StatsExchange, StepResult
 
 logger = logging.getLogger(__name__)
 

@@ -245,7 +245,7 @@ SHARES = {"manual": _shares_manual, "equal": _shares_equal, "auto": _shares_auto
 def _weights(cfg, peers):
     node_weights = [peer["weight"] for peer in peers]
     if any(w is not None for w in node_weights):
-        if None in node_weights or cfg.capacity not in ("manual", "weights"):
+        if None in node_weights or cfg.capacity != "manual":
             raise UserError("--capacity-weight must be given on every node (ranks without it: "
                             f"{[r for r, w in enumerate(node_weights) if w is None]}) and not "
                             "together with another --capacity mode")

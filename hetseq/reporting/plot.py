@@ -1,4 +1,4 @@
-"""A picture of a run: ``hetseq-plot SAVE_DIR`` (or ``python -m hetseq.plot
+"""A picture of a run: ``hetseq-plot SAVE_DIR`` (or ``python -m hetseq.reporting.plot
 SAVE_DIR``) writes ``SAVE_DIR/run.png`` from ``SAVE_DIR/balance.jsonl``
 (logging/balance.py, one line per update, written by rank 0):
 
@@ -18,9 +18,9 @@ import os
 import sys
 
 from hetseq.errors import UserError
-from hetseq.logging.balance import BalanceLog
+from hetseq.reporting.balance import BalanceLog
 
-logger = logging.getLogger("hetseq.plot")
+logger = logging.getLogger("hetseq.reporting.plot")
 
 
 def read_balance(save_dir):

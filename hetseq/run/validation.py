@@ -9,7 +9,7 @@ computes on the whole split. Batches per rank are this node's
 import logging
 
 from hetseq.distributed import all_gather_object
-from hetseq.stats import StatsExchange
+from hetseq.update.stats import StatsExchange
 
 logger = logging.getLogger(__name__)
 

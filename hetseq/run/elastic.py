@@ -33,15 +33,15 @@ import socket
 import torch
 import torch.distributed as dist
 
-from hetseq import checkpoint
-from hetseq.controller import CONTROLLER, UPDATES
 from hetseq.distributed import health, rendezvous, tunnel
-from hetseq.distributed.elastic import JobDone, Membership, TooFew
 from hetseq.distributed.launch import DistContext
+from hetseq.distributed.membership import JobDone, Membership, TooFew
 from hetseq.errors import PeerLost, UserError
-from hetseq.logging import NODE, setup_logging
+from hetseq.reporting import NODE, setup_logging
+from hetseq.run import checkpoint
+from hetseq.update.controller import CONTROLLER, UPDATES
 
-logger = logging.getLogger("hetseq.elastic")
+logger = logging.getLogger("hetseq.run.elastic")
 
 
 class Reconfigure(Exception):

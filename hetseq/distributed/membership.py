@@ -50,7 +50,7 @@ from hetseq.distributed import identity, interfaces, network, rendezvous, tunnel
 from hetseq.distributed.generations import Generation
 from hetseq.distributed.rounds import POLL_S, SETTLE_S, LeadRound, Moved, NoRound, describe
 from hetseq.errors import UserError
-from hetseq.logging import NODE
+from hetseq.reporting import NODE
 
 logger = logging.getLogger(__name__)
 

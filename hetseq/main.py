@@ -1,0 +1,35 @@
+"""``hetseq-train`` and ``python train.py``: parse the flags, start this node's
+ranks (or its elastic member), each running hetseq/run/loop.py's Run."""
+
+import logging
+
+from hetseq import cli
+from hetseq.distributed import WorkerFailed, launch
+from hetseq.distributed.launch import exit_now
+from hetseq.errors import HetSeqError
+from hetseq.reporting import setup_logging
+from hetseq.run.elastic import train_elastic
+from hetseq.run.loop import Run, train_worker
+from hetseq.tasks import TASKS
+
+logger = logging.getLogger("hetseq.run")
+
+
+def main(argv=None):
+    setup_logging(0)
+    try:
+        args, job, node = cli.parse(argv)
+        inputs = TASKS.get(job.task).resolve_inputs(args)
+        if job.elastic.elastic:
+            train_elastic(lambda ctx, restore, membership: Run(
+                args, job, node, ctx, inputs, restore, membership), job, node)
+            return
+        launch(node, job.distributed_backend, train_worker, args, job, node, inputs,
+               identity=job.identity())
+    except (HetSeqError, WorkerFailed) as err:
+        logger.error("%s", err)
+        exit_now(err.exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""One rank's run: the training loop, validation, checkpoints, elastic generations."""
