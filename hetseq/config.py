@@ -172,7 +172,7 @@ class CapacityConfig(_Section):
 
 @section
 class ElasticConfig(_Section):
-    """Nodes that come and go (hetseq/run/elastic.py, distributed/elastic.py)."""
+    """Nodes that come and go (hetseq/run/elastic.py, distributed/membership.py)."""
     elastic: bool
     min_nodes: int
     max_nodes: int

@@ -103,3 +103,27 @@ def test_ci_runs_the_readme_test_command():
 
 def test_readme_is_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 130
+
+
+def _design_map():
+    """The modules docs/design.md's layout lists, as paths (indentation: 2 per level)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    listed, folders = set(), []
+    for line in block.strip("\n").splitlines():
+        name = line.split()[0]
+        depth = (len(line) - len(line.lstrip())) // 2
+        folders = folders[:depth]
+        if name.endswith("/"):
+            folders.append(name.rstrip("/"))
+        elif name.endswith(".py"):
+            listed.add("/".join([*folders, name]))
+    return listed
+
+
+def test_the_design_map_lists_every_module_and_only_those():
+    listed = {path for path in _design_map() if path.startswith("hetseq/")}
+    present = {str(p.relative_to(ROOT)) for p in (ROOT / "hetseq").rglob("*.py")
+               if p.name != "__init__.py" or p.parent.name in ("optim", "tasks", "reporting")}
+    assert sorted(listed - present) == [], "docs/design.md lists modules that do not exist"
+    assert sorted(present - listed) == [], "modules missing from docs/design.md's layout"

@@ -83,7 +83,7 @@ def _client(url, host, port, world_size, timeout, secret):
 
 
 def serve_meeting_point(url, address, port, secret, timeout_s):
-    """An elastic member's store (elastic.py) on ``address``: at ``port``, or,
+    """An elastic member's store (membership.py) on ``address``: at ``port``, or,
     when another node of this same job on this host holds that port (its
     gate proves the job's secret), at a port the OS picks. A port held by
     anything else (another job, a job with another secret) is an error: the

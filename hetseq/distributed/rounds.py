@@ -1,4 +1,4 @@
-"""A round of an elastic job as its leader runs it (distributed/elastic.py
+"""A round of an elastic job as its leader runs it (distributed/membership.py
 runs the rest: finding the leader, arriving, waiting for the outcome).
 
 The leader waits at its own store for a quorum of the previous generation

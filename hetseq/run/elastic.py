@@ -1,6 +1,6 @@
 """An elastic node (--elastic): train in generations, carry the state across.
 
-A node runs one rank. Each generation (distributed/elastic.py says how the
+A node runs one rank. Each generation (distributed/membership.py says how the
 members meet) starts a process group and a fresh ``Run`` whose state comes
 from one member: the one holding the most completed updates. Every member
 then holds that state, so the job continues on the same trajectory:
