@@ -89,6 +89,10 @@ def test_a_handshake_that_trickles_is_dropped_at_its_deadline():
 
 
 def test_over_its_cap_the_gate_answers_busy_at_once_and_a_member_gets_its_turn():
+    """Over its cap of handshakes the gate answers 'busy' at once and keeps
+    no thread for it; a member that cannot wait is told why, and one told
+    'busy' asks again until its patience (BUSY_WAIT_S) ends, so it gets in
+    once a slot frees."""
     port = open_gate(handshakes=2)
     idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
     for sock in idle:                                # both hold a handshake slot
@@ -105,7 +109,12 @@ def test_over_its_cap_the_gate_answers_busy_at_once_and_a_member_gets_its_turn()
         tunnel.check(("127.0.0.1", port), key(), f"tcp://127.0.0.1:{port}", patience_s=0.3)
     # One that can gets in once a slot frees (the idle ones' deadline).
     start = time.monotonic()
-    assert echoed(port) == b"ping"
+    try:
+        answer = echoed(port)
+    except tunnel.Busy as err:
+        pytest.fail(f"a member told 'busy' gave up after {time.monotonic() - start:.1f} s instead "
+                    f"of asking again for up to {tunnel.BUSY_WAIT_S} s: {err}")
+    assert answer == b"ping"
     assert time.monotonic() - start < tunnel.HANDSHAKE_S + 2
     for sock in idle + over:
         sock.close()
@@ -149,12 +158,22 @@ class FailingListener:
 
 
 def test_failed_accepts_are_waited_out_and_only_a_close_ends_the_gate(caplog):
+    """An accept that fails (here: out of descriptors, four times) is logged
+    once and waited out: the gate goes on accepting and a member gets in.
+    Only closing the listener ends the gate's accept loop."""
     listener = FailingListener(failures=4)
     before = set(threading.enumerate())
     with caplog.at_level(logging.WARNING, logger=tunnel.__name__):
         port = open_gate(listener=listener)
-        loop, = [t for t in set(threading.enumerate()) - before if t.name == "hetseq-gate"]
-        assert echoed(port) == b"ping"
+        try:
+            answer = echoed(port)
+        except OSError as err:       # socket.timeout: nothing accepts the connection any more
+            pytest.fail(f"after {4 - listener.failures} failed accept(s) the gate no longer "
+                        f"accepts: a member got no greeting ({err!r})")
+        assert answer == b"ping"
+    loops = [t for t in set(threading.enumerate()) - before if t.name == "hetseq-gate"]
+    assert len(loops) == 1, f"the gate's accept loop ended before its listener closed: {loops}"
+    loop, = loops
     assert listener.failures == 0
     assert caplog.text.count("accepting a connection failed") == 1, caplog.text
     listener.real.close()
@@ -236,19 +255,29 @@ def test_a_flood_of_idle_connections_neither_stops_the_job_nor_shuts_its_door():
 # ---- meeting points -------------------------------------------------------------------
 
 def test_an_elastic_member_serves_an_ipv6_address_at_the_urls_port():
+    """A meeting point whose URL names an IPv6 address ([::1]) is served
+    there, at the URL's port, and a member reaches it."""
     require(socket.has_ipv6, "needs IPv6")
     try:
         socket.create_server(("::1", 0), family=socket.AF_INET6).close()
     except OSError as err:
         require(False, f"needs IPv6 loopback (::1): {err}")
     port = free_port()
-    store, served = rendezvous.serve_meeting_point(f"tcp://[::1]:{port}", "::1", port, key(), 10)
+    try:
+        store, served = rendezvous.serve_meeting_point(f"tcp://[::1]:{port}", "::1", port,
+                                                       key(), 10)
+    except UserError as err:
+        pytest.fail(f"a meeting point on an IPv6 address (::1, where this host listens) "
+                    f"was not served: {err}")
     assert served == port
     rendezvous.join_meeting_point(("::1", port), key(), 10).set("k", "v")
     assert store.get("k") == b"v"
 
 
 def test_a_taken_port_is_an_error_unless_a_node_of_this_job_holds_it():
+    """A port held by another program, or by another job, is an error that
+    says how to find the holder; a port held by a node of this job (the same
+    secret) is not: a second node of the job on this host takes another port."""
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"
     with socket.create_server(("127.0.0.1", port)):          # another program
@@ -260,7 +289,11 @@ def test_a_taken_port_is_an_error_unless_a_node_of_this_job_holds_it():
     other = key("7d2b9f41c6e80a35b1f4d9e27c6a0b83")
     with pytest.raises(UserError, match=f"port {port} on 127.0.0.1 is in use"):
         rendezvous.serve_meeting_point(url, "127.0.0.1", port, other, 10)   # another job's
-    _, second = rendezvous.serve_meeting_point(url, "127.0.0.1", port, key(), 10)
+    try:
+        _, second = rendezvous.serve_meeting_point(url, "127.0.0.1", port, key(), 10)
+    except UserError as err:
+        pytest.fail(f"a second node of this job on this host was refused the port a node of "
+                    f"the same job holds, instead of taking another: {err}")
     assert second not in (port, 0)                           # this job's second node here
 
 
@@ -293,7 +326,24 @@ def test_a_store_never_listens_on_every_address(monkeypatch):
 
 # ---- collectives ----------------------------------------------------------------------
 
+def refused(call, announced):
+    """``call()`` must raise PeerLost naming the size a peer ``announced``;
+    any other exception means that size was used (allocated, sliced,
+    unpickled) before it was checked."""
+    try:
+        with pytest.raises(PeerLost, match=f"rank 1 announced an object of {announced} bytes"):
+            call()
+    except AssertionError:
+        raise
+    except Exception as err:
+        pytest.fail(f"a size of {announced} bytes announced by a peer was used instead of "
+                    f"refused with PeerLost: {type(err).__name__}: {str(err)[:300]}")
+
+
 def test_sizes_announced_by_peers_are_bounded_before_anything_is_allocated(monkeypatch):
+    """A size a peer announces outside 0..MAX_OBJECT_BYTES (too large, or
+    negative) is refused with PeerLost before anything is allocated or decoded,
+    by all_gather_object and broadcast_from alike."""
     ctx = types.SimpleNamespace(distributed=True, backend="gloo", device=torch.device("cpu"),
                                 world_size=2, rank=0, is_main=True)
 
@@ -303,7 +353,5 @@ def test_sizes_announced_by_peers_are_bounded_before_anything_is_allocated(monke
     monkeypatch.setattr(collectives.dist, "all_gather", gather)
     monkeypatch.setattr(collectives.dist, "broadcast", lambda tensor, src: tensor.fill_(announced))
     for announced in (collectives.MAX_OBJECT_BYTES + 1, -1):
-        with pytest.raises(PeerLost, match=f"rank 1 announced an object of {announced} bytes"):
-            collectives.all_gather_object({"x": 1}, ctx)
-        with pytest.raises(PeerLost, match=f"rank 1 announced an object of {announced} bytes"):
-            collectives.broadcast_from(1, dict, ctx)
+        refused(lambda: collectives.all_gather_object({"x": 1}, ctx), announced)
+        refused(lambda: collectives.broadcast_from(1, dict, ctx), announced)
