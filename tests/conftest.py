@@ -194,11 +194,6 @@ def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.fixture
-def tmp(tmp_path):
-    return tmp_path
-
-
 # The exact-parity recipe (docs/testing.md): the float64 toy with plain SGD,
 # whose update is linear in the gradient (a wrong scale shows; Adam would
 # hide it), at a fixed rate, unclipped, without validation.

@@ -146,8 +146,8 @@ def test_plan_state_round_trip():
     assert Plan.from_state_dict(plan.state_dict()) == plan
 
 
-def auto_nodes(tmp, name, ranks, *extra):
-    out = tmp / name
+def auto_nodes(tmp_path, name, ranks, *extra):
+    out = tmp_path / name
     results = run_job([*COMMON, "--capacity", "auto", "--global-batch-size", 32, "--save-dir", out,
                        *extra], [[]] * ranks)
     assert_ok(results)
@@ -159,43 +159,43 @@ def plan_batches(log, rank):
 
 
 @pytest.mark.parametrize("zero", ["0", "3"])
-def test_slowed_rank_gets_a_smaller_share_after_profiling(tmp, zero):
+def test_slowed_rank_gets_a_smaller_share_after_profiling(tmp_path, zero):
     # Under --zero 3 every forward waits for the slowest rank: the probe counts
     # this rank's own compute, not the time it waited in FSDP's collectives.
-    _, log = auto_nodes(tmp, "slow", 2, "--toy-slow-rank", 1, "--toy-slow-ms", 3,
+    _, log = auto_nodes(tmp_path, "slow", 2, "--toy-slow-rank", 1, "--toy-slow-ms", 3,
                         "--max-update", 2, "--no-rebalance", "--zero", zero)
     assert plan_batches(log, 1)[0] < 12 < 20 < plan_batches(log, 0)[0], log[-2000:]
 
 
 @pytest.mark.parametrize("ranks, extra", [(2, []), (3, ["--micro-batch-cap", 5]),
                                           (2, ["--zero", 3])])
-def test_parity_holds_while_the_split_changes(tmp, ranks, extra):
+def test_parity_holds_while_the_split_changes(tmp_path, ranks, extra):
     ref = reference("--max-update", 32)
     # Rank 1 turns slow after a few updates (start-up profiling makes 6 calls):
     # the plan must change mid-run, and the result must not.
-    params, log = auto_nodes(tmp, "auto", ranks, "--toy-slow-rank", 1, "--toy-slow-ms", 4,
+    params, log = auto_nodes(tmp_path, "auto", ranks, "--toy-slow-rank", 1, "--toy-slow-ms", 4,
                              "--toy-slow-after", 12, "--max-update", 32, *extra)
     assert "capacity plan changed" in log, log[-3000:]
     assert max_diff(ref, params) < EXACT
     # Every rank's own compute time is positive: under --zero 3 the FSDP waits
     # are subtracted only up to the end of its backward (the root's
     # reduce-scatter comes after it), else a rank's time went negative.
-    with open(tmp / "auto" / "balance.jsonl") as f:
+    with open(tmp_path / "auto" / "balance.jsonl") as f:
         times = [t for line in f for t in json.loads(line).get("rank_compute_s", [])]
     assert len(times) >= 31 * ranks and min(times) > 0, times
 
 
 @pytest.mark.parametrize("per_rank", [[["--capacity", "3,1"]] * 2,
                                       [["--capacity-weight", 3], ["--capacity-weight", 1]]])
-def test_weights_split_the_global_batch(tmp, per_rank):
-    out = tmp / "weights"
+def test_weights_split_the_global_batch(tmp_path, per_rank):
+    out = tmp_path / "weights"
     results = run_job([*COMMON, "--global-batch-size", 32, "--save-dir", out], per_rank)
     assert_ok(results)
     assert plan_batches(results[0][1], 0) == [24] and plan_batches(results[0][1], 1) == [8]
     assert max_diff(reference(), final_params(out)) < EXACT
 
 
-def test_half_the_memory_gives_half_the_micro_batch_and_the_same_update(tmp):
+def test_half_the_memory_gives_half_the_micro_batch_and_the_same_update(tmp_path):
     """--capacity auto on a CPU measures a sample's activations (what autograd
     saves) and divides each rank's memory left after the model state by it.
     Rank 1 has half the activation memory of rank 0: its micro-batch cap is
@@ -203,7 +203,7 @@ def test_half_the_memory_gives_half_the_micro_batch_and_the_same_update(tmp):
     width = ["--toy-width", 65536, "--lr", 0.001, "--max-update", 3]
     state = 2 * 8 * (10 * 65536 + 1)          # float64 params + grads (SGD keeps no state)
     budgets = [(state + 8 * 2**20) / 2**30, (state + 4 * 2**20) / 2**30]
-    out = tmp / "memory"
+    out = tmp_path / "memory"
     results = run_job([*COMMON, *width, "--capacity", "auto", "--global-batch-size", 32,
                        "--save-dir", out], [["--max-memory-gb", budget] for budget in budgets])
     assert_ok(results)

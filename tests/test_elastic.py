@@ -145,122 +145,122 @@ def test_ranks_are_ordered_before_max_nodes_cuts():
     assert [m["id"] for m in ordered(arrived, "b", previous, max_nodes=2)] == ["b", "a"]
 
 
-def test_an_elastic_node_without_a_secret_is_told_to_set_one(tmp):
-    watched = node(None, None, f"tcp://127.0.0.1:{free_port()}", tmp / "a", env={})
+def test_an_elastic_node_without_a_secret_is_told_to_set_one(tmp_path):
+    watched = node(None, None, f"tcp://127.0.0.1:{free_port()}", tmp_path / "a", env={})
     code, out = watched.finish(60)
     assert code == 2 and "--elastic needs a job secret" in out, out[-3000:]
     assert "Traceback" not in out and len(out.strip().splitlines()) == 1, out
 
 
-def test_two_nodes_on_one_host_train_exactly_and_a_node_with_other_flags_is_refused(tmp):
+def test_two_nodes_on_one_host_train_exactly_and_a_node_with_other_flags_is_refused(tmp_path):
     """The smallest elastic job, on loopback: nodes met at the URL, ranks
     given out there, shares 16 and 32 of 48. A third node started with
     another --seed is refused (exit 2, the flag named) while they train."""
     url = f"tcp://127.0.0.1:{free_port()}"
     short = ["--toy-sample-ms", 3, "--max-update", 40]
-    nodes = [node(None, None, url, tmp / "a", *short),
-             node(None, None, url, tmp / "b", *short, "--max-sentences", 32)]
+    nodes = [node(None, None, url, tmp_path / "a", *short),
+             node(None, None, url, tmp_path / "b", *short, "--max-sentences", 32)]
     nodes[0].wait_for(r"generation 1: 2 nodes")
-    code, out = node(None, None, url, tmp / "c", *short, "--seed", 2).finish(60)
+    code, out = node(None, None, url, tmp_path / "c", *short, "--seed", 2).finish(60)
     assert code == 2 and "--seed 2 here, 19940802 in the job" in out and "Traceback" not in out, out
     outputs = finish_ok(*nodes)
     leader = 0 if "this node is rank 0" in outputs[0] else 1
     expected = alone(*COMMON, "--max-update", 40, "--max-sentences", 48)
-    assert max_diff(expected["model"], final_params(tmp / "ab"[leader])) < EXACT
+    assert max_diff(expected["model"], final_params(tmp_path / "ab"[leader])) < EXACT
 
 
 # ---- namespace hosts ----
 
-def test_a_lost_host_an_intruder_and_a_late_joiner(three_hosts, tmp):
+def test_a_lost_host_an_intruder_and_a_late_joiner(three_hosts, tmp_path):
     """Host C is switched off after 10 updates; A and B go on from the last
     update they completed. An uninvited node on C is refused without
     disturbing them; then C comes back and joins, receiving the state from
     the members. The URL names host A, as the issue's command does (on A
     itself the name resolves to 127.0.1.1)."""
     url = f"tcp://{three_hosts.names[0]}:29517"
-    a, b, c = (node(three_hosts, i, url, tmp / f"host{i}") for i in range(3))
+    a, b, c = (node(three_hosts, i, url, tmp_path / f"host{i}") for i in range(3))
     a.wait_for(UPDATE_LINE, 10)
     switch_off(three_hosts, 2, c)
     a.wait_for(changed("hostC", "left"), timeout=90)
     a.wait_for(r"resumed from the state of rank", timeout=30)
     three_hosts.plug(2)
-    code, out = node(three_hosts, 2, url, tmp / "intruder",
+    code, out = node(three_hosts, 2, url, tmp_path / "intruder",
                      env={"HETSEQ_JOB_SECRET": "9e4c7a1f0b3d5e2a8c6f4d1b7e9a0c3f"}).finish(60)
     assert code == 2 and "its secret differs" in out and "Traceback" not in out, out[-3000:]
     assert len(out.strip().splitlines()) == 1, out
-    joiner = node(three_hosts, 2, url, tmp / "joiner")
+    joiner = node(three_hosts, 2, url, tmp_path / "joiner")
     a.wait_for(changed("hostC", "joined"), timeout=90)
     out_a, out_b, out_c = finish_ok(a, b, joiner)
     # Rank 0 (A) says what the new splits are; B says who left and joined.
     assert out_a.count("capacity plan") == 3, out_a[-4000:]
     assert "left: hostC" in out_b and "joined: hostC" in out_b, out_b[-4000:]
     assert "refused a connection to the job's store from 10.213.0.3" in out_a
-    assert max_diff(reference(), final_params(tmp / "host0")) < EXACT
+    assert max_diff(reference(), final_params(tmp_path / "host0")) < EXACT
 
 
-def test_a_frozen_host_is_left_behind(three_hosts, tmp):
+def test_a_frozen_host_is_left_behind(three_hosts, tmp_path):
     """Host B stops answering (SIGSTOP) after 10 updates: A and C notice
     when their collective times out and finish without it."""
     url = f"tcp://{three_hosts.addresses[0]}:29518"
-    a, b, c = (node(three_hosts, i, url, tmp / f"host{i}") for i in range(3))
+    a, b, c = (node(three_hosts, i, url, tmp_path / f"host{i}") for i in range(3))
     a.wait_for(UPDATE_LINE, 10)
     os.killpg(b.proc.pid, signal.SIGSTOP)
     out_a, out_c = finish_ok(a, c)
     assert "left: hostB" in out_a and "left: hostB" in out_c, out_a[-4000:]
-    assert max_diff(reference(), final_params(tmp / "host0")) < EXACT
+    assert max_diff(reference(), final_params(tmp_path / "host0")) < EXACT
 
 
-def test_the_meeting_point_host_is_lost_and_a_node_joins_through_another(three_hosts, tmp):
+def test_the_meeting_point_host_is_lost_and_a_node_joins_through_another(three_hosts, tmp_path):
     """Host A serves the URL's meeting point and is rank 0; it is switched
     off. The lowest surviving rank becomes the meeting point and rank 0. A
     restarted node names B's address (every member serves the same port)."""
     url = f"tcp://{three_hosts.addresses[0]}:29519"
-    a, b, c = (node(three_hosts, i, url, tmp / f"host{i}") for i in range(3))
+    a, b, c = (node(three_hosts, i, url, tmp_path / f"host{i}") for i in range(3))
     a.wait_for(UPDATE_LINE, 10)
     switch_off(three_hosts, 0, a)
     b.wait_for(changed("hostA", "left"), timeout=90)
     three_hosts.plug(0)
-    again = node(three_hosts, 0, f"tcp://{three_hosts.addresses[1]}:29519", tmp / "again")
+    again = node(three_hosts, 0, f"tcp://{three_hosts.addresses[1]}:29519", tmp_path / "again")
     b.wait_for(changed("hostA", "joined"), timeout=90)
     # Ranks were given in the order of arrival: B or C is now rank 0.
     leader = new_rank_0(finish_ok(b, c, again)[:2], "left: hostA") + 1
-    assert max_diff(reference(), final_params(tmp / f"host{leader}")) < EXACT
+    assert max_diff(reference(), final_params(tmp_path / f"host{leader}")) < EXACT
 
 
-def test_too_few_nodes_save_and_stop_and_the_job_resumes(three_hosts, tmp):
+def test_too_few_nodes_save_and_stop_and_the_job_resumes(three_hosts, tmp_path):
     """--min-nodes 3 and C killed: A and B wait --distributed-timeout, save
     the last completed update each in its own --save-dir and stop (exit 3).
     The same three commands again resume from the newest checkpoint."""
     url = f"tcp://{three_hosts.addresses[0]}:29520"
     three = ["--min-nodes", 3]
-    a, b, c = (node(three_hosts, i, url, tmp / f"host{i}", *three) for i in range(3))
+    a, b, c = (node(three_hosts, i, url, tmp_path / f"host{i}", *three) for i in range(3))
     a.wait_for(UPDATE_LINE, 10)
     os.killpg(c.proc.pid, signal.SIGKILL)
     for watched in (a, b):
         code, out = watched.finish(120)
         assert code == 3 and "only 2 of --min-nodes 3 nodes" in out, out[-3000:]
         assert "Traceback" not in out
-    nodes = [node(three_hosts, i, url, tmp / f"host{i}", *three) for i in range(3)]
+    nodes = [node(three_hosts, i, url, tmp_path / f"host{i}", *three) for i in range(3)]
     out_a = finish_ok(*nodes)[0]
     assert "resumed from the state of rank" in out_a, out_a[-3000:]
-    assert max_diff(reference(), final_params(tmp / "host0")) < EXACT
+    assert max_diff(reference(), final_params(tmp_path / "host0")) < EXACT
 
 
-def test_the_leader_lost_while_it_saves(three_hosts, tmp):
+def test_the_leader_lost_while_it_saves(three_hosts, tmp_path):
     """Rank 0's host is switched off in the middle of a checkpoint save (its
     state takes 3 s to gather). The others finish exactly, and the
     checkpoint A had written before is intact."""
     url = f"tcp://{three_hosts.addresses[0]}:29521"
     saving = ["--save-interval-updates", 5, "--toy-slow-state-ms", 3000]
-    a = node(three_hosts, 0, url, tmp / "host0", *saving)
-    b, c = (node(three_hosts, i, url, tmp / f"host{i}", "--save-interval-updates", 5)
+    a = node(three_hosts, 0, url, tmp_path / "host0", *saving)
+    b, c = (node(three_hosts, i, url, tmp_path / f"host{i}", "--save-interval-updates", 5)
             for i in (1, 2))
     a.wait_for(r"saved .*checkpoint_last.pt \(5 updates\)", timeout=120)
     a.wait_for(r"toy: state after", count=2, timeout=60)     # the save at 10 updates
     switch_off(three_hosts, 0, a)
     leader = new_rank_0(finish_ok(b, c), "left: hostA") + 1
-    assert max_diff(reference(), final_params(tmp / f"host{leader}")) < EXACT
-    last = torch.load(tmp / "host0" / "checkpoint_last.pt", weights_only=True)
+    assert max_diff(reference(), final_params(tmp_path / f"host{leader}")) < EXACT
+    last = torch.load(tmp_path / "host0" / "checkpoint_last.pt", weights_only=True)
     assert last["controller"]["num_updates"] == 5
 
 
@@ -281,14 +281,14 @@ def one_job(outputs):
     return seen
 
 
-def test_a_paused_meeting_point_rejoins_the_job_and_never_trains_alone(three_hosts, tmp):
+def test_a_paused_meeting_point_rejoins_the_job_and_never_trains_alone(three_hosts, tmp_path):
     """Host A (the URL's meeting point, rank 0) is paused past
     --distributed-timeout; B and C go on as generation 2. When A wakes up
     (--min-nodes 1: alone it would be enough) it finds the job went on,
     joins it as a late joiner and takes the job's state: one job, exactly."""
     url = f"tcp://{three_hosts.addresses[0]}:29522"
     slow = ["--min-nodes", 1, "--toy-sample-ms", 15]
-    a, b, c = (node(three_hosts, i, url, tmp / f"host{i}", *slow) for i in range(3))
+    a, b, c = (node(three_hosts, i, url, tmp_path / f"host{i}", *slow) for i in range(3))
     a.wait_for(UPDATE_LINE, 5)
     os.killpg(a.proc.pid, signal.SIGSTOP)
     b.wait_for(changed("hostA", "left"), timeout=90)
@@ -299,16 +299,16 @@ def test_a_paused_meeting_point_rejoins_the_job_and_never_trains_alone(three_hos
     counts = one_job(outputs)
     assert 1 not in counts.values(), counts      # A never trained alone
     leader = new_rank_0(outputs[1:], "left: hostA") + 1
-    assert max_diff(reference(), final_params(tmp / f"host{leader}")) < EXACT
+    assert max_diff(reference(), final_params(tmp_path / f"host{leader}")) < EXACT
 
 
-def test_a_split_into_halves_trains_on_one_side_only(tmp):
+def test_a_split_into_halves_trains_on_one_side_only(tmp_path):
     """Four hosts, the network split 2 | 2. The half with the old rank 0 (A)
     has its tie-breaking quorum and finishes exactly; the other half has no
     quorum: it trains nothing, saves and stops (exit 3)."""
     with _cluster(4) as hosts:
         url = f"tcp://{hosts.addresses[0]}:29523"
-        nodes = [node(hosts, i, url, tmp / f"host{i}") for i in range(4)]
+        nodes = [node(hosts, i, url, tmp_path / f"host{i}") for i in range(4)]
         nodes[0].wait_for(UPDATE_LINE, 10)
         hosts.split(2, 3)
         for watched in nodes[2:]:
@@ -318,21 +318,21 @@ def test_a_split_into_halves_trains_on_one_side_only(tmp):
             assert "Traceback" not in out and 2 not in generation_lines(out), out[-3000:]
         outputs = finish_ok(*nodes[:2])
     assert one_job(outputs)[2] == 2
-    assert max_diff(reference(), final_params(tmp / "host0")) < EXACT
+    assert max_diff(reference(), final_params(tmp_path / "host0")) < EXACT
 
 
-def test_max_nodes_keeps_its_leader_and_a_waiting_node_takes_a_freed_place(tmp):
+def test_max_nodes_keeps_its_leader_and_a_waiting_node_takes_a_freed_place(tmp_path):
     """--max-nodes 2: a third node waits for a place without calling
     meetings (generation 1 goes on untouched); when B is killed, the waiting
     node takes its place and A, the leader, stays rank 0."""
     url = f"tcp://127.0.0.1:{free_port()}"
     bounded = ["--max-update", 40, "--min-nodes", 1, "--max-nodes", 2, "--toy-sample-ms", 12]
-    first = [node(None, None, url, tmp / name, *bounded) for name in "ab"]
+    first = [node(None, None, url, tmp_path / name, *bounded) for name in "ab"]
     for watched in first:
         watched.wait_for(r"generation 1: 2 nodes")
     # The node that got the URL's port leads (the other's meeting point is elsewhere).
     a, b = first if "this node is rank 0" in first[0].output() else first[::-1]
-    c = node(None, None, url, tmp / "c", *bounded)
+    c = node(None, None, url, tmp_path / "c", *bounded)
     c.wait_for(r"waits for a place")
     a.wait_for(UPDATE_LINE, count=len([ln for ln in a.lines if re.search(UPDATE_LINE, ln)]) + 3)
     b.proc.kill()
@@ -342,7 +342,7 @@ def test_max_nodes_keeps_its_leader_and_a_waiting_node_takes_a_freed_place(tmp):
     assert re.search(r"generation 2: 2 nodes, this node is rank 0", out_a), out_a[-3000:]
     assert "generation 2: 2 nodes, this node is rank 1" in out_c, out_c[-3000:]
     expected = alone(*COMMON, "--max-update", 40, "--max-sentences", 48)
-    assert max_diff(expected["model"], final_params(tmp / "ab"[first.index(a)])) < EXACT
+    assert max_diff(expected["model"], final_params(tmp_path / "ab"[first.index(a)])) < EXACT
 
 
 @pytest.mark.parametrize("fooled", [(1, 3), (2, 3)])

@@ -45,8 +45,8 @@ def run_on_hosts(cluster, commands, timeout=180):
     return [(out, code) for code, out in results]
 
 
-def test_torchrun_recipe_two_hosts_different_process_counts(hosts, tmp):
-    out, script = tmp / "torchrun", ["bash", LAUNCH / "torchrun.sh"]
+def test_torchrun_recipe_two_hosts_different_process_counts(hosts, tmp_path):
+    out, script = tmp_path / "torchrun", ["bash", LAUNCH / "torchrun.sh"]
     common = dict(RDZV="hostA:29400", NNODES=2, HETSEQ_ARGS=hetseq_args(out))
     results = run_on_hosts(hosts, [(0, script, recipe_env(NPROC=2, BATCH=8, **common)),
                                    (1, script, recipe_env(NPROC=1, BATCH=16, **common))])
@@ -55,12 +55,12 @@ def test_torchrun_recipe_two_hosts_different_process_counts(hosts, tmp):
     assert max_diff(reference(), final_params(out)) < EXACT
 
 
-def test_torchrun_restart_resumes_from_the_checkpoint_exactly(tmp):
+def test_torchrun_restart_resumes_from_the_checkpoint_exactly(tmp_path):
     """torchrun --max-restarts: its store outlives the workers, so the
     restarted ones must not see the previous round's rank claims. Both
     workers fail at their 6th step; the restart resumes from the checkpoint
     of update 4 and ends at the weights of one uninterrupted process."""
-    out = tmp / "restarted"
+    out = tmp_path / "restarted"
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
             "--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(ROOT / "train.py"),
@@ -75,9 +75,9 @@ def test_torchrun_restart_resumes_from_the_checkpoint_exactly(tmp):
     assert max_diff(expected["model"], final_params(out)) < EXACT
 
 
-def test_mpirun_recipe_one_host_two_ranks(mpirun, tmp):
-    out = tmp / "mpi"
-    hostfile = tmp / "hostfile"
+def test_mpirun_recipe_one_host_two_ranks(mpirun, tmp_path):
+    out = tmp_path / "mpi"
+    hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
     env = recipe_env(HOSTFILE=hostfile, PPN=2, MASTER_PORT=free_port(), OMP_NUM_THREADS=1,
                      HETSEQ_ARGS=hetseq_args(out, "--max-sentences", 16), **MPI_AS_ROOT)
@@ -88,10 +88,10 @@ def test_mpirun_recipe_one_host_two_ranks(mpirun, tmp):
     assert max_diff(reference(), final_params(out)) < EXACT
 
 
-def test_mpirun_hostfile_recipe_across_two_hosts(hosts, mpirun, tmp):
+def test_mpirun_hostfile_recipe_across_two_hosts(hosts, mpirun, tmp_path):
     # mpirun runs on hostA and starts hostB's rank through an ssh stand-in
     # that enters hostB's namespace (Open MPI's plm_rsh_agent).
-    out, hostfile = tmp / "mpi", tmp / "hostfile"
+    out, hostfile = tmp_path / "mpi", tmp_path / "hostfile"
     hostfile.write_text("hostA slots=1\nhostB slots=1\n")
     env = recipe_env(HOSTFILE=hostfile, PPN=1, HETSEQ_ARGS=hetseq_args(out, "--max-sentences", 16),
                      OMPI_MCA_plm_rsh_agent=STAND_INS / "netns-rsh", NETNS_HOSTS=",".join(
@@ -119,17 +119,17 @@ def sbatch(cluster, script, groups, **values):
     return result.stderr
 
 
-def test_slurm_recipe_one_task_per_device(hosts, tmp):
-    out = tmp / "slurm"
+def test_slurm_recipe_one_task_per_device(hosts, tmp_path):
+    out = tmp_path / "slurm"
     log = sbatch(hosts, "slurm.sbatch", [{"nodes": ["hostA", "hostB"], "tasks_per_node": 1}],
                  BATCH=16, HETSEQ_ARGS=hetseq_args(out))
     assert "ranks from SLURM" in log, log[-3000:]
     assert max_diff(reference(), final_params(out)) < EXACT
 
 
-def test_slurm_heterogeneous_job_recipe(hosts, tmp):
+def test_slurm_heterogeneous_job_recipe(hosts, tmp_path):
     # Component 0: hostA, 1 process of 16; component 1: hostB, 2 processes of 8.
-    out = tmp / "hetjob"
+    out = tmp_path / "hetjob"
     log = sbatch(hosts, "slurm_hetjob.sbatch",
                  [{"nodes": ["hostA"], "tasks_per_node": 1}, {"nodes": ["hostB"], "tasks_per_node": 1}],
                  NODES0=1, GPUS0=1, BATCH0=16, NODES1=1, GPUS1=2, BATCH1=8,

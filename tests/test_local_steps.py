@@ -141,14 +141,14 @@ def test_codecs_sum_over_ranks_within_their_rounding(tmp_path, name, bound):
     assert (err <= bound * size).all() and (name == "float32" or err.max() > 0), err / size
 
 
-def test_uneven_ranks_finish_each_round_together(tmp):
+def test_uneven_ranks_finish_each_round_together(tmp_path):
     """Rank 1 computes 4 ms more per sample (5 ms against 1 ms); --capacity
     auto gives it a smaller share of every global batch, so both ranks spend
     about the same time per round. Measured from the compute times the ranks
     report (balance.jsonl), with a margin for a loaded machine: an equal split
     would put them 5x apart, a balanced one within 10% on an idle machine
     (bench/hetero.py measures how close)."""
-    out = tmp / "uneven"
+    out = tmp_path / "uneven"
     results = run_job([*COMMON, "--capacity", "auto", "--global-batch-size", 32,
                        "--local-steps", 4, "--max-update", 36, "--toy-size", 384,
                        "--toy-slow-rank", 1, "--toy-slow-ms", 4, "--toy-sample-ms", 1,
@@ -168,11 +168,11 @@ def _rounds_run(out, *extra):
             "--save-dir", out, *extra]
 
 
-def test_resume_mid_round_is_exact_and_keeps_every_ranks_optimizer(tmp):
+def test_resume_mid_round_is_exact_and_keeps_every_ranks_optimizer(tmp_path):
     """Epochs of 4 updates: rounds 1-3, 4, then a save at update 5 ends the
     round 5-7 early; the resumed run (each rank its own Adam state, the outer
     momentum) equals the uninterrupted one."""
-    whole, parts = tmp / "whole", tmp / "parts"
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
     nodes = [["--max-sentences", 24], ["--max-sentences", 8]]
     assert_ok(run_job(_rounds_run(whole, "--save-interval-updates", 5), nodes))
     assert_ok(run_job(_rounds_run(parts, "--save-interval-updates", 5, "--max-update", 5), nodes))
@@ -182,8 +182,8 @@ def test_resume_mid_round_is_exact_and_keeps_every_ranks_optimizer(tmp):
     assert max_diff(final_params(whole), final_params(parts)) == 0
 
 
-def test_resume_with_another_number_of_local_steps(tmp):
-    out = tmp / "change"
+def test_resume_with_another_number_of_local_steps(tmp_path):
+    out = tmp_path / "change"
     nodes = [["--max-sentences", 24], ["--max-sentences", 8]]
     assert_ok(run_job(_rounds_run(out, "--max-update", 4), nodes))
     results = run_job([*_rounds_run(out), "--local-steps", 2], nodes)
@@ -193,8 +193,8 @@ def test_resume_with_another_number_of_local_steps(tmp):
     assert state["num_updates"] == 7 and state["local_steps"]["local_steps"] == 2
 
 
-def test_a_synchronous_checkpoint_resumes_into_rounds_and_back(tmp):
-    out = tmp / "modes"
+def test_a_synchronous_checkpoint_resumes_into_rounds_and_back(tmp_path):
+    out = tmp_path / "modes"
     nodes = [["--max-sentences", 24], ["--max-sentences", 8]]
     assert_ok(run_job([*COMMON, "--max-update", 3, "--save-dir", out], nodes))
     assert_ok(run_job([*COMMON, "--max-update", 5, "--local-steps", 2, "--save-dir", out], nodes))
@@ -219,8 +219,8 @@ def test_flags_that_make_no_sense_together_are_refused(flags, message):
         cli.parse([*TOY, *flags])
 
 
-def test_a_bad_combination_exits_2_with_one_line(tmp):
+def test_a_bad_combination_exits_2_with_one_line(tmp_path):
     from conftest import run_train
-    result = run_train(*TOY, "--local-steps", 8, "--zero", 3, "--save-dir", tmp)
+    result = run_train(*TOY, "--local-steps", 8, "--zero", 3, "--save-dir", tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--local-steps 8: --zero 3" in result.stderr

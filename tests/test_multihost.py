@@ -28,10 +28,10 @@ def start(cluster, layout, url, *common, only=None):
                        on=[layout[i][0] for i in picked])
 
 
-def test_tcp_by_hostname_two_plus_one_processes_match_one_process(shared_hosts, tmp):
+def test_tcp_by_hostname_two_plus_one_processes_match_one_process(shared_hosts, tmp_path):
     # tcp://hostA: on host A the name resolves to 127.0.1.1, which gloo alone
     # would advertise to host B (the hang this guards against).
-    out = tmp / "split"
+    out = tmp_path / "split"
     results = finish(start(shared_hosts, [(0, 2, 8), (1, 1, 16)], f"tcp://hostA:{next_port()}",
                            *COMMON, "--save-dir", out))
     assert_ok(results)
@@ -42,9 +42,9 @@ def test_tcp_by_hostname_two_plus_one_processes_match_one_process(shared_hosts, 
     assert max_diff(reference(), final_params(out)) < EXACT
 
 
-def test_file_rendezvous_one_plus_two_processes_match_one_process(shared_hosts, tmp):
-    out = tmp / "split"
-    results = finish(start(shared_hosts, [(0, 1, 24), (1, 2, 4)], f"file://{tmp / 'meet'}",
+def test_file_rendezvous_one_plus_two_processes_match_one_process(shared_hosts, tmp_path):
+    out = tmp_path / "split"
+    results = finish(start(shared_hosts, [(0, 1, 24), (1, 2, 4)], f"file://{tmp_path / 'meet'}",
                            *COMMON, "--save-dir", out))
     assert_ok(results)
     assert "hostB 10.213.0.2 (eth0): ranks 1-2" in results[0][1], results[0][1][-3000:]

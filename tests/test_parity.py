@@ -139,9 +139,9 @@ def test_plain_mean_averaging_does_not_match(two_ranks):
 
 # ---- real nodes: separate train.py commands, spawning ranks ----
 
-def nodes(tmp, name, layout, *extra):
+def nodes(tmp_path, name, layout, *extra):
     """One command per node; ``layout`` lists (processes, batch per process)."""
-    out = tmp / name
+    out = tmp_path / name
     assert_ok(run_job([*COMMON, *extra, "--save-dir", out],
                       [(procs, ["--max-sentences", batch]) for procs, batch in layout]))
     return final_params(out)
@@ -149,13 +149,13 @@ def nodes(tmp, name, layout, *extra):
 
 # --find-unused-parameters: DDP's search for unreached parameters each backward.
 @pytest.mark.parametrize("extra", [[], ["--find-unused-parameters"]])
-def test_two_nodes_24_plus_8_match_one_process_32(tmp, extra):
-    assert max_diff(reference(), nodes(tmp, "split", [(1, 24), (1, 8)], *extra)) < EXACT
+def test_two_nodes_24_plus_8_match_one_process_32(tmp_path, extra):
+    assert max_diff(reference(), nodes(tmp_path, "split", [(1, 24), (1, 8)], *extra)) < EXACT
 
 
-def test_nodes_with_different_process_counts_match(tmp):
+def test_nodes_with_different_process_counts_match(tmp_path):
     # A node spawning 2 processes (8 each) and a node with 1 process (16).
-    assert max_diff(reference(), nodes(tmp, "split", [(2, 8), (1, 16)])) < EXACT
+    assert max_diff(reference(), nodes(tmp_path, "split", [(2, 8), (1, 16)])) < EXACT
 
 
 def _count_collectives(rank, world, init, plain, out):
@@ -191,14 +191,14 @@ def _count_collectives(rank, world, init, plain, out):
 
 
 @pytest.mark.parametrize("plain", [False, True])
-def test_stats_travel_in_one_all_reduce_started_before_backward(tmp, plain):
+def test_stats_travel_in_one_all_reduce_started_before_backward(tmp_path, plain):
     """An update makes exactly one collective of its own: the stats all-reduce.
     With the stats passed to backward it starts before backward (and runs
     during it); a task calling backward(loss) alone starts it afterwards."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    init = f"file://{tmp / 'rendezvous'}"
+    init = f"file://{tmp_path / 'rendezvous'}"
     mp.start_processes(_count_collectives, args=(2, init, plain, out), nprocs=2, start_method="spawn")
     when = "after backward" if plain else "before backward"
     for _ in range(2):

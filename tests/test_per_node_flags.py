@@ -92,15 +92,15 @@ def check(extra, name, result):
 ALL_AT_ONCE = [name for name in VARIED if name != "num_workers"]
 
 
-def _jobs_of(mode, tmp):
+def _jobs_of(mode, tmp_path):
     """(name, clip, argv per rank): all per-node flags differing at once,
     clipped or not, and under --zero 0 and 3 each flag alone."""
     jobs = [(f"{mode}, clip {clip}: all flags", clip,
              [_argv([*MODES[mode], "--clip-norm", clip], ALL_AT_ONCE, r,
-                    tmp / f"{mode}-all-{clip}") for r in (0, 1)]) for clip in (0, 0.5)]
+                    tmp_path / f"{mode}-all-{clip}") for r in (0, 1)]) for clip in (0, 0.5)]
     if mode in ("zero0", "zero3"):
         jobs += [(f"{mode}, clip 0: {name}", 0,
-                  [_argv([*MODES[mode], "--clip-norm", 0], [name], r, tmp / f"{mode}-{name}")
+                  [_argv([*MODES[mode], "--clip-norm", 0], [name], r, tmp_path / f"{mode}-{name}")
                    for r in (0, 1)]) for name in VARIED]
     return jobs
 
@@ -108,21 +108,21 @@ def _jobs_of(mode, tmp):
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     """Every job of every mode, run by one pair of processes."""
-    tmp = tmp_path_factory.mktemp("per-node")
-    jobs = [job for mode in MODES for job in _jobs_of(mode, tmp)]
-    return tmp, run_jobs(2, [(name, argvs) for name, _, argvs in jobs], tmp / "runner",
+    tmp_path = tmp_path_factory.mktemp("per-node")
+    jobs = [job for mode in MODES for job in _jobs_of(mode, tmp_path)]
+    return tmp_path, run_jobs(2, [(name, argvs) for name, _, argvs in jobs], tmp_path / "runner",
                          timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_per_node_flags_never_change_the_collectives(recorded, mode):
-    tmp, results = recorded
-    for name, clip, _ in _jobs_of(mode, tmp):
+    tmp_path, results = recorded
+    for name, clip, _ in _jobs_of(mode, tmp_path):
         check([*MODES[mode], "--clip-norm", clip], name, results[name])
 
 
 @pytest.mark.parametrize("zero", [0, 3])
-def test_every_rank_takes_the_same_update_path(tmp, zero):
+def test_every_rank_takes_the_same_update_path(tmp_path, zero):
     """Two real nodes: TensorBoard on rank 0's node only, another log interval
     on the other. With --clip-norm 0 that must not change how the gradients
     are scaled or which collectives run: every rank must hold bit-identical
@@ -131,15 +131,15 @@ def test_every_rank_takes_the_same_update_path(tmp, zero):
     rank that showed the norm made one more all-reduce.)"""
     recipe = [*TOY, "--max-update", 6, "--clip-norm", 0, "--lr", 0.1, "--optimizer", "sgd",
               "--disable-validation"]
-    common = [*recipe, "--zero", zero, "--save-dir", tmp / "ckpt",
-              "--toy-dump-params", tmp / "params"]
+    common = [*recipe, "--zero", zero, "--save-dir", tmp_path / "ckpt",
+              "--toy-dump-params", tmp_path / "params"]
     # 8 + 5 samples: the factor 2/13 is not exact in float32.
-    assert_ok(run_job(common, [["--max-sentences", 8, "--tensorboard-logdir", tmp / "tb"],
+    assert_ok(run_job(common, [["--max-sentences", 8, "--tensorboard-logdir", tmp_path / "tb"],
                                ["--max-sentences", 5, "--log-interval", 1000]], timeout=120))
-    rank0, rank1 = (torch.load(f"{tmp / 'params'}.{r}") for r in (0, 1))
+    rank0, rank1 = (torch.load(f"{tmp_path / 'params'}.{r}") for r in (0, 1))
     if zero == 0:     # under --zero 3 each rank holds other shards
         assert all(torch.equal(a, b) for a, b in zip(rank0, rank1)), \
             max((a - b).abs().max().item() for a, b in zip(rank0, rank1))
     # Both ways, the weights of one process training on the 13 samples.
     ref = alone(*recipe, "--max-sentences", 13)["model"]
-    assert max_diff(ref, final_params(tmp / "ckpt")) < 1e-10
+    assert max_diff(ref, final_params(tmp_path / "ckpt")) < 1e-10

@@ -224,12 +224,12 @@ def test_a_secret_needs_a_tcp_meeting_point(tmp_path):
                               access=rendezvous.Access(key(SECRET)))
 
 
-def test_uninvited_nodes_are_refused_and_the_job_trains_on_exactly(three_hosts, tmp):
+def test_uninvited_nodes_are_refused_and_the_job_trains_on_exactly(three_hosts, tmp_path):
     """Rank 0 on host A waits for rank 1; from host C a node with another
     secret and one with none try to take rank 1 first: both are refused
     (exit 2, one line) before they can claim it. Then host B's node joins
     and the job ends with one process's weights."""
-    out = tmp / "job"
+    out = tmp_path / "job"
     url = f"tcp://{three_hosts.addresses[0]}:29511"
     commands = node_commands([*COMMON, "--save-dir", out, "--distributed-timeout", 60],
                              [["--max-sentences", 20], ["--max-sentences", 12]], url)
