@@ -357,11 +357,11 @@ def test_two_rounds_of_one_generation_meet_at_the_lower_ranked_leader(fooled):
     import secrets
     import threading
     import types
-    from hetseq.distributed import elastic, tunnel
+    from hetseq.distributed import membership, tunnel
     secret = tunnel.read_secret(None, {tunnel.SECRET_VARIABLE: secrets.token_hex(32)})
     launch = types.SimpleNamespace(distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
                                    distributed_timeout=10.0, distributed_interface=None)
-    nodes = [elastic.Membership(launch, "gloo", secret, 1, 0) for _ in range(5)]
+    nodes = [membership.Membership(launch, "gloo", secret, 1, 0) for _ in range(5)]
 
     def meet(group):
         results = {}

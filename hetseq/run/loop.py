@@ -238,8 +238,11 @@ class Run:
         """--export-hf: the best checkpoint's model when there is one, else the last."""
         has_best = broadcast_from_main(self.checkpointer.has_best, self.ctx)
         # The full weights (a collective when they are sharded), into a plain copy.
-        state = self.checkpointer.best_state()[CONTROLLER.name][MODEL] if has_best else \
-            self.controller.full_model_state()
+        if has_best:
+            best = self.checkpointer.best_state()     # on rank 0 only
+            state = best[CONTROLLER.name][MODEL] if best is not None else None
+        else:
+            state = self.controller.full_model_state()
         if not self.ctx.is_main:
             return
         if has_best:
