@@ -283,7 +283,7 @@ def check_args(args, defaults):
         raise UserError(f"--divergence-check-interval {args.divergence_check_interval} / "
                         f"--divergence-tolerance {args.divergence_tolerance}: expected an "
                         "interval >= 0 updates and a relative distance >= 0")
-    check_elastic(args)
+    check_elastic(args, defaults)
     local_steps.check_args(args, defaults)
     sharding.check_args(args)
     precision.check_args(args)
@@ -291,11 +291,12 @@ def check_args(args, defaults):
     SCHEDULERS.get(args.lr_scheduler)
 
 
-def check_elastic(args):
+def check_elastic(args, defaults):
     """--elastic: the meeting point gives out ranks and the split follows the members."""
     if not args.elastic:
-        if args.min_nodes != 1 or args.max_nodes:
-            raise UserError("--min-nodes and --max-nodes bound an --elastic job; add --elastic")
+        given = config.given_flags(args, defaults, ("min_nodes", "max_nodes"))
+        if given:
+            raise UserError(f"{' and '.join(given)} bound an --elastic job; add --elastic")
         return
     given = [flag for flag, value in (("--distributed-rank", args.distributed_rank),
                                       ("--distributed-world-size", args.distributed_world_size))

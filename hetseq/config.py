@@ -353,6 +353,13 @@ def per_node_flags(node):
     return frozenset(node.flags())
 
 
+def given_flags(args, defaults, dests):
+    """The flags among ``dests`` set to other than their default (``defaults``:
+    the parser's, so a default is written once, where its flag is declared)."""
+    return ["--" + dest.replace("_", "-") for dest in dests
+            if getattr(args, dest) != defaults[dest]]
+
+
 # ---- digests for the identity ----
 
 _DIGESTS = {}

@@ -31,23 +31,6 @@ SUITE_LIMIT_S = float(os.environ.get("HETSEQ_SUITE_LIMIT_S") or 0)
 _SESSION = {}
 
 
-# Seconds each of the slowest test files takes (pytest --durations=0, summed
-# per file, 2026-11-25). The two workers take files longest first, so that the
-# long, mostly waiting elastic scenarios overlap the busy files instead of
-# running at the end alone; a file not listed counts as short.
-FILE_SECONDS = {"test_elastic.py": 320, "test_checkpoint.py": 200, "test_sharding.py": 110,
-                "test_startup.py": 95, "test_glue.py": 70, "test_local_steps.py": 70,
-                "test_precision.py": 60, "test_multihost.py": 60, "test_mnist_example.py": 55,
-                "test_launchers.py": 55, "test_parity.py": 50, "test_bad_inputs.py": 50,
-                "test_capacity.py": 45, "test_bert.py": 45, "test_per_node_flags.py": 40,
-                "test_first_hour.py": 35}
-
-
-def pytest_collection_modifyitems(config, items):
-    """The slowest files first (a stable sort: tests keep their order in a file)."""
-    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))
-
-
 def pytest_sessionstart(session):
     _SESSION["start"] = time.monotonic()
 

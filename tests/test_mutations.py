@@ -2,6 +2,7 @@
 mutation still applies to the source and names tests that exist, and only a
 named test failing on an assertion counts as a catch."""
 
+import os
 import re
 import sys
 
@@ -11,6 +12,9 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
 import mutations  # noqa: E402
+# bench/ holds a package named 'tasks' too: left on sys.path, it would shadow
+# tests/tasks for every later test in this process (an xdist worker's).
+sys.path[:] = [p for p in sys.path if os.path.abspath(p) != str(ROOT / "bench")]
 
 
 @pytest.mark.parametrize("name", sorted(mutations.MUTATIONS))

@@ -51,7 +51,12 @@ def import_user_dir(path):
                         "imported; rename the directory")
     if parent not in sys.path:
         sys.path.insert(0, parent)
-    importlib.import_module(name)
+    module = importlib.import_module(name)
+    found = {os.path.abspath(p) for p in getattr(module, "__path__", [])}
+    if path not in found:
+        del sys.modules[name]
+        raise UserError(f"--user-dir {path}: importing '{name}' found {sorted(found)[:1] or module} "
+                        "first on the module path; rename the directory")
     if not os.path.exists(os.path.join(path, "__init__.py")):
         # A plain folder of modules: import each one so its tasks register.
         for entry in sorted(os.listdir(path)):

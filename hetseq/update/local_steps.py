@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from hetseq.distributed.collectives import gather_to_main
 from hetseq.distributed.compress import CODECS
+from hetseq.config import given_flags
 from hetseq.errors import UserError
 from hetseq.update.controller import CONTROLLER
 from hetseq.update.exchange import EXCHANGES, Exchange
@@ -108,7 +109,7 @@ def check_args(args, defaults):
         raise UserError(f"--local-steps {args.local_steps}: expected H >= 1 inner steps per "
                         "round (or leave it out for synchronous updates)")
     if not args.local_steps:
-        given = _given(args, defaults, ("outer_lr", "outer_momentum", "outer_overlap",
+        given = given_flags(args, defaults, ("outer_lr", "outer_momentum", "outer_overlap",
                                         "outer_dtype"))
         if given:
             raise UserError(f"{', '.join(given)} set the outer step of --local-steps; add "
@@ -117,11 +118,6 @@ def check_args(args, defaults):
         _check_local_steps(args)
     _check_powersgd(args, defaults)
 
-
-def _given(args, defaults, dests):
-    """The flags among ``dests`` set to other than their default."""
-    return ["--" + dest.replace("_", "-") for dest in dests
-            if getattr(args, dest) != defaults[dest]]
 
 
 def _check_local_steps(args):
@@ -153,7 +149,7 @@ def _refuse(prefix, refused):
 
 def _check_powersgd(args, defaults):
     if args.grad_compression != "powersgd":
-        given = _given(args, defaults, ("powersgd_rank", "powersgd_start",
+        given = given_flags(args, defaults, ("powersgd_rank", "powersgd_start",
                                         "powersgd_min_compression"))
         if given:
             raise UserError(f"{', '.join(given)} set PowerSGD; add --grad-compression powersgd")
