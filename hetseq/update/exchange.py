@@ -69,8 +69,12 @@ class Exchange:
 
     def stats(self, checksum, signal):
         """The stats of the update about to run, with this rank's report."""
+        return StatsExchange(self.ctx, self._reporting(checksum, signal))
+
+    def _reporting(self, checksum, signal):
+        """This rank's RankReport for what it sends next (kept for a round's end)."""
         self._report = RankReport(*self._last, checksum, signal)
-        return StatsExchange(self.ctx, self._report)
+        return self._report
 
     def finish(self, stats, seconds, controller, boundary):
         """The gradients are summed (inside backward): the Controller scales,

@@ -63,7 +63,7 @@ from hetseq.errors import UserError
 from hetseq.update.controller import CONTROLLER
 from hetseq.update.exchange import EXCHANGES, Exchange
 from hetseq.update.sharding import Sharding
-from hetseq.update.stats import RankReport, StatsExchange, StepResult
+from hetseq.update.stats import StatsExchange, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ class LocalSteps(Exchange):
 
     def stats(self, checksum, signal):
         # The report goes with the round's exchange; an inner step's stats stay here.
-        self._report = RankReport(*self._last, checksum, signal)
+        self._reporting(checksum, signal)
         return StatsExchange(self.ctx, local=True)
 
     def finish(self, stats, seconds, controller, boundary):
