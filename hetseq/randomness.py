@@ -259,7 +259,25 @@ def _check_batch(tensor_batch, draws, what):
 
 # ---- what tasks and models call ----
 
-@torch.compiler.disable
+def _eager(fn):
+    """``fn`` run outside any compiled graph (torch.compiler.disable): a
+    draw advances Python-side call counts that a trace must not freeze.
+    Applied only while something compiles, since importing torch._dynamo
+    (which torch.compiler.disable does) is about a second of every rank's
+    start-up, half of it."""
+    twin = []
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            if not twin:
+                twin.append(torch.compiler.disable(fn))
+            return twin[0](*args, **kwargs)
+        return fn(*args, **kwargs)
+    return call
+
+
+@_eager
 def uniform(site, shape, device=None):
     """Uniform floats in [0, 1) of shape [batch, *shape], row i drawn for the
     batch's sample i at ``site`` (a name unique in the task's forward)."""
@@ -268,7 +286,7 @@ def uniform(site, shape, device=None):
     return bits.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).float().mul_(2.0 ** -24)
 
 
-@torch.compiler.disable
+@_eager
 def generators(site):
     """One CPU ``torch.Generator`` per sample of the batch, seeded from its
     key at ``site``: for a task's own per-sample draws (``torch.randint(...,
@@ -288,7 +306,7 @@ def dropout(x, p, site, training=True):
     return _keyed_dropout(x, p, site)
 
 
-@torch.compiler.disable
+@_eager
 def _keyed_dropout(x, p, site):
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability must be in [0, 1], got {p}")

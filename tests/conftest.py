@@ -188,6 +188,22 @@ def final_params(save_dir):
     return state[CONTROLLER.name][MODEL]
 
 
+def start_ranks(worker, nprocs, *args):
+    """Run ``worker(rank, *args)`` in ``nprocs`` processes and wait for them:
+    forked from a fork server that imported torch once (launch.start_method)."""
+    import torch.multiprocessing as mp
+    from hetseq.distributed.launch import start_method
+    mp.start_processes(worker, args=args, nprocs=nprocs,
+                       start_method=start_method("cpu", "hetseq.run.loop"))
+
+
+def rank_queue():
+    """A queue that ranks of ``start_ranks`` can put on."""
+    import torch.multiprocessing as mp
+    from hetseq.distributed.launch import start_method
+    return mp.get_context(start_method("cpu", "hetseq.run.loop")).SimpleQueue()
+
+
 def leave_process_group():
     """End a test worker's process group the way a run ends (launch.py):
     collect first, since objects holding the group (DDP, FSDP's mesh) kept

@@ -14,7 +14,8 @@ from hetseq import cli
 from hetseq.errors import UserError
 from hetseq.testing.jobs import run_jobs
 
-from conftest import EXACT, GROUP_TIMEOUT, TOY, alone, assert_ok, final_params, max_diff, run_job
+from conftest import (EXACT, GROUP_TIMEOUT, TOY, alone, assert_ok, final_params, max_diff, run_job,
+                      start_ranks)
 
 from test_parity import COMMON, reference
 # H = 1 with the outer step theta_0 - 1 * D: the synchronous update (local_steps.py).
@@ -128,9 +129,7 @@ def _codec_worker(rank, world, folder, name, out):
 @pytest.mark.parametrize("name, bound", [("float32", 1e-6), ("bfloat16", 2 ** -7),
                                          ("int8", 2 / 127)])
 def test_codecs_sum_over_ranks_within_their_rounding(tmp_path, name, bound):
-    import torch.multiprocessing as mp
-    mp.start_processes(_codec_worker, args=(3, tmp_path, name, tmp_path / "out"), nprocs=3,
-                       start_method="spawn")
+    start_ranks(_codec_worker, 3, 3, tmp_path, name, tmp_path / "out")
     parts = [torch.load(tmp_path / f"out.{r}") for r in range(3)]
     exact = sum(values for values, _ in parts)
     for _, summed in parts:

@@ -15,7 +15,8 @@ import torch
 from hetseq.testing.jobs import run_jobs
 
 from conftest import (EXACT, EXACT_SGD, GROUP_TIMEOUT, alone, assert_ok, build_controller,
-                      final_params, leave_process_group, max_diff, run_job)
+                      final_params, leave_process_group, max_diff, rank_queue, run_job,
+                      start_ranks)
 
 COMMON = [*EXACT_SGD, "--max-update", "7"]
 # Adam with a clip that binds (the state --zero 1 shards; the norm of the
@@ -195,11 +196,8 @@ def test_stats_travel_in_one_all_reduce_started_before_backward(tmp_path, plain)
     """An update makes exactly one collective of its own: the stats all-reduce.
     With the stats passed to backward it starts before backward (and runs
     during it); a task calling backward(loss) alone starts it afterwards."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    mp.start_processes(_count_collectives, args=(2, init, plain, out), nprocs=2, start_method="spawn")
+    out = rank_queue()
+    start_ranks(_count_collectives, 2, 2, f"file://{tmp_path / 'rendezvous'}", plain, out)
     when = "after backward" if plain else "before backward"
     for _ in range(2):
         rank, calls, sizes = out.get()

@@ -12,8 +12,8 @@ from hetseq.testing.jobs import run_jobs
 from test_parity import EXACT
 
 from conftest import (EXACT_SGD, GROUP_TIMEOUT, TOY, assert_ok, build_controller, keyed,
-                      leave_process_group, max_diff, portable, run_job, run_nodes, run_train,
-                      unpack)
+                      leave_process_group, max_diff, portable, rank_queue, run_job, run_nodes,
+                      run_train, start_ranks, unpack)
 
 BASE = [*TOY, "--optimizer", "adamw", "--lr", "0.05", "--weight-decay", "0.01",
         "--lr-scheduler", "fixed", "--clip-norm", "0.5", "--disable-validation",
@@ -112,7 +112,6 @@ ADADELTA = [*TOY, "--optimizer", "adadelta", "--lr", "1.0", "--lr-scheduler", "f
 def test_an_optimizer_saved_before_its_first_step_resumes_in_every_mode(tmp_path, zero):
     """Adadelta holds no state until it steps: a checkpoint made then loads
     under --zero 1/2/3 on 2 ranks and trains as one process would."""
-    import torch.multiprocessing as mp
     from hetseq.distributed import DistContext
     alone, task = build_controller(ADADELTA, DistContext(0, 1, 0, torch.device("cpu")))
     state = unpack(portable(alone.state_dict()))     # a copy, as a checkpoint file holds
@@ -121,9 +120,8 @@ def test_an_optimizer_saved_before_its_first_step_resumes_in_every_mode(tmp_path
     for step in range(3):
         batch = keyed(data, list(range(4 * step, 4 * step + 4)))
         alone.train_step([batch], batch)
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_load_fresh_state, args=(2, f"file://{tmp_path / 'meet'}", zero, state,
-                                                queue), nprocs=2, start_method="spawn")
+    queue = rank_queue()
+    start_ranks(_load_fresh_state, 2, 2, f"file://{tmp_path / 'meet'}", zero, state, queue)
     assert max_diff(alone.model.state_dict(), unpack(queue.get())) < 1e-10
 
 
@@ -225,7 +223,6 @@ def test_each_mode_holds_exactly_its_share_of_the_model_state(tmp_path):
     """Counted from the tensors each rank holds (float64: 8 bytes), after one
     AdamW update: parameters, gradients and two moments. The estimate made
     before the first step (capacity planning uses it) is exact too."""
-    import torch.multiprocessing as mp
     shapes = {"0.weight": (65536, 8), "0.bias": (65536,), "2.weight": (1, 65536), "2.bias": (1,)}
     sizes = {name: math.prod(shape) for name, shape in shapes.items()}
     params = sum(sizes.values())
@@ -240,9 +237,8 @@ def test_each_mode_holds_exactly_its_share_of_the_model_state(tmp_path):
                 "1": [8 * (2 * params + 2 * owned[rank]) for rank in (0, 1)],
                 "2": [4 * 8 * shard for shard in shards],
                 "3": [4 * 8 * shard for shard in shards]}
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_state_bytes, args=(2, f"file://{tmp_path / 'meet'}", queue), nprocs=2,
-                       start_method="spawn")
+    queue = rank_queue()
+    start_ranks(_state_bytes, 2, 2, f"file://{tmp_path / 'meet'}", queue)
     for _ in range(2):
         rank, held = queue.get()
         for zero, (estimated, counted) in held.items():

@@ -5,7 +5,8 @@ not count the wait as its own work."""
 import pytest
 import torch
 
-from conftest import GROUP_TIMEOUT, TOY, build_controller, leave_process_group
+from conftest import (GROUP_TIMEOUT, TOY, build_controller, leave_process_group, rank_queue,
+                      start_ranks)
 from hetseq.update import timing
 
 SLEEP_MS = 100     # rank 1 sleeps this per sample before its forward: 0.3 s an update
@@ -56,10 +57,8 @@ def test_a_rank_waiting_for_a_slower_one_does_not_count_the_wait(tmp_path, zero)
     gradient all-reduce, after its backward; under FSDP (--zero 3) inside
     the parameters' all-gathers of forward and backward. Either way its
     compute time stays far below rank 1's."""
-    import torch.multiprocessing as mp
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_times, args=(2, f"file://{tmp_path / 'meet'}", zero, queue), nprocs=2,
-                       start_method="spawn")
+    queue = rank_queue()
+    start_ranks(_times, 2, 2, f"file://{tmp_path / 'meet'}", zero, queue)
     for fast, slow in queue.get():
         assert slow >= 3 * SLEEP_MS / 1000
         assert 0 < fast < slow / 3, (fast, slow)
