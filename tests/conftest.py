@@ -165,6 +165,19 @@ def start_nodes(commands, cluster=None, on=None, env=None):
     return procs
 
 
+def _children(pid):
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(child) for child in found.split()]
+
+
+def ranks_of(pid):
+    """The rank processes a train.py process ``pid`` started: CPU ranks are
+    children of its fork server (launch.start_method)."""
+    servers = [child for child in _children(pid)
+               if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes()]
+    return [rank for server in servers for rank in _children(server)]
+
+
 UPDATE_LINE = r"\| epoch \d+ \| update \d+"     # rank 0's plain log line after an update
 
 
@@ -191,10 +204,8 @@ def final_params(save_dir):
 def start_ranks(worker, nprocs, *args):
     """Run ``worker(rank, *args)`` in ``nprocs`` processes and wait for them:
     forked from a fork server that imported torch once (launch.start_method)."""
-    import torch.multiprocessing as mp
-    from hetseq.distributed.launch import start_method
-    mp.start_processes(worker, args=args, nprocs=nprocs,
-                       start_method=start_method("cpu", "hetseq.run.loop"))
+    from hetseq.distributed.launch import start_ranks as start
+    start(worker, args, nprocs, "cpu", "hetseq.run.loop")
 
 
 def rank_queue():

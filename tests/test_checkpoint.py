@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import (EXACT, EXACT_SGD, MNIST, ROOT, TOY, UPDATE_LINE, Watched, assert_ok,
-                      child_env, final_params, node_commands, require, run_job, run_train,
+                      child_env, final_params, node_commands, ranks_of, require, run_job, run_train,
                       start_nodes, train_cmd)
 from hetseq.errors import UserError
 from hetseq.run import checkpoint
@@ -299,8 +299,7 @@ def test_rank_killed_by_a_signal_gives_exit_3_not_the_signal_number():
                                  "--no-save", "--disable-validation",
                                  "--distributed-world-size", 2]])[0])
     node.wait_for(UPDATE_LINE, count=10)                # both ranks are training
-    children = subprocess.run(["pgrep", "-P", str(node.proc.pid), "-f", "spawn_main"],
-                              capture_output=True, text=True).stdout.split()
+    children = ranks_of(node.proc.pid)
     assert len(children) == 2, children
     os.kill(int(children[1]), signal.SIGKILL)
     code, out = node.finish(timeout=60)

@@ -34,6 +34,18 @@ def test_single_node_spawn_picks_its_own_port():
     assert "joined the job at tcp://127.0.0.1:" in result.stderr
 
 
+def test_cpu_ranks_fork_from_a_preloaded_server_and_cuda_ranks_are_spawned():
+    """A CPU node's ranks fork from a server that imported torch once; CUDA
+    ranks are spawned, since a fork after an import touched the driver
+    could not use the GPU (launch.start_method)."""
+    from multiprocessing import forkserver
+    from hetseq.distributed.launch import start_method
+    assert start_method("cuda", "hetseq.run.loop") == "spawn"
+    assert start_method("cpu", "hetseq.run.loop") == "forkserver"
+    preload = forkserver._forkserver._preload_modules
+    assert {"torch", "hetseq.run.loop"} <= set(preload), preload
+
+
 LAUNCHER_ENVS = {
     "torchrun": lambda r: {"RANK": r, "WORLD_SIZE": "2", "LOCAL_RANK": r},
     "openmpi": lambda r: {"OMPI_COMM_WORLD_RANK": r, "OMPI_COMM_WORLD_SIZE": "2",

@@ -68,10 +68,8 @@ def launch(node, backend, worker, *worker_args, identity=None):
         return _run_rank(0, topology, node, identity, worker, worker_args)
     with _hosted_store(topology, secret) as topology:
         try:
-            mp.start_processes(_spawned_rank,
-                               args=(topology, node, identity, worker, worker_args),
-                               nprocs=topology.nprocs, join=True,
-                               start_method=start_method(topology.device_type, worker.__module__))
+            start_ranks(_spawned_rank, (topology, node, identity, worker, worker_args),
+                        topology.nprocs, topology.device_type, worker.__module__)
         except mp.ProcessExitedException as err:
             raise _exited(topology.first_rank + err.error_index, err) from None
         except mp.ProcessRaisedException as err:
@@ -95,6 +93,21 @@ def start_method(device_type, *modules):
     multiprocessing.set_forkserver_preload(
         [*PRELOAD, *(m for m in modules if m != "__main__")])
     return "forkserver"
+
+
+def start_ranks(fn, args, nprocs, device_type="cpu", *modules):
+    """Run ``fn(index, *args)`` in ``nprocs`` processes started as
+    ``start_method`` says, with this process's environment of now (a fork
+    server's children would otherwise inherit its environment of when it
+    started); wait for all of them."""
+    mp.start_processes(_in_environment, args=(dict(os.environ), fn, args), nprocs=nprocs,
+                       join=True, start_method=start_method(device_type, *modules))
+
+
+def _in_environment(index, environ, fn, args):
+    os.environ.clear()
+    os.environ.update(environ)
+    fn(index, *args)
 
 
 def _exited(rank, err):

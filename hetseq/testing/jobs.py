@@ -84,11 +84,9 @@ def _worker(rank, world, folder, jobs, timeout):
 def run_jobs(world, jobs, folder, timeout=60):
     """Run ``jobs`` ([(name, [argv of each rank])]) on ``world`` ranks, one
     after the other; {name: JobResult}. ``folder``: an empty directory."""
-    import torch.multiprocessing as mp
-    from hetseq.distributed.launch import start_method
+    from hetseq.distributed.launch import start_ranks
     os.makedirs(folder, exist_ok=True)
-    mp.start_processes(_worker, args=(world, str(folder), jobs, timeout), nprocs=world,
-                       start_method=start_method("cpu", "hetseq.run.loop"))
+    start_ranks(_worker, (world, str(folder), jobs, timeout), world, "cpu", "hetseq.run.loop")
     per_rank = [torch.load(os.path.join(folder, f"results.{rank}"), weights_only=False)
                 for rank in range(world)]
     return {name: JobResult([ranks[name].calls for ranks in per_rank], per_rank[0][name].state,
