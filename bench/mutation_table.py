@@ -335,6 +335,12 @@ MUTATIONS = {
         '    raise UserError(_in_use(address, port))',
         '    return _listen(url, address, 0)',
         ['tests/test_gate.py::test_a_taken_port_is_an_error_unless_a_node_of_this_job_holds_it']),
+    'heartbeat-cuts-nothing': (
+        "a member whose heartbeat stopped has its connections cut (not left to the timeout)",
+        'hetseq/distributed/health.py',
+        '        closed = cut(address)',
+        '        closed = 0',
+        ['tests/test_elastic.py::test_a_frozen_host_is_left_behind']),
     'meeting-port-no-second-node': (
         'a second node of the same job on one host takes another port',
         'hetseq/distributed/rendezvous.py',

@@ -8,6 +8,7 @@ import argparse
 import difflib
 
 from hetseq import config
+from hetseq.distributed import health
 from hetseq.errors import UserError
 from hetseq.optim import OPTIMIZERS, SCHEDULERS, add_optimization_args
 from hetseq.plan import capacity
@@ -114,6 +115,11 @@ def add_distributed_args(parser):
                             "--distributed-timeout, then save and stop (default: 1)")
     group.add_argument("--max-nodes", type=int, default=0, metavar="M",
                        help="--elastic: at most M nodes take part (0: no limit)")
+    group.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="SECONDS",
+                       help="--elastic: a member whose heartbeat stood still this long is lost "
+                            "(its connections are cut, so a collective waiting on it ends at "
+                            "once); --distributed-timeout then bounds a slow step only "
+                            "(default: 5; 0: only --distributed-timeout tells)")
     group.add_argument("--distributed-no-spawn", action="store_true",
                        help="this process is exactly one rank (--distributed-rank), spawn nothing")
     group.add_argument("--device-id", "--local_rank", "--local-rank", type=int, default=0,
@@ -294,7 +300,8 @@ def check_args(args, defaults):
 def check_elastic(args, defaults):
     """--elastic: the meeting point gives out ranks and the split follows the members."""
     if not args.elastic:
-        given = config.given_flags(args, defaults, ("min_nodes", "max_nodes"))
+        given = config.given_flags(args, defaults, ("min_nodes", "max_nodes",
+                                                    "heartbeat_timeout"))
         if given:
             raise UserError(f"{' and '.join(given)} bound an --elastic job; add --elastic")
         return
@@ -318,6 +325,9 @@ def check_elastic(args, defaults):
     if args.zero:
         raise UserError(f"--elastic supports --zero 0 only (got --zero {args.zero}): a sharded "
                         "state is lost with the host that held a shard")
+    if args.heartbeat_timeout and args.heartbeat_timeout < 2 * health.INTERVAL_S:
+        raise UserError(f"--heartbeat-timeout {args.heartbeat_timeout:g}: expected 0 (off) or at "
+                        f"least {2 * health.INTERVAL_S:g} s, two heartbeats")
     if args.min_nodes < 1 or (args.max_nodes and args.max_nodes < args.min_nodes):
         raise UserError(f"--min-nodes {args.min_nodes} / --max-nodes {args.max_nodes}: expected "
                         "1 <= min-nodes <= max-nodes (0: no maximum)")

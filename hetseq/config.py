@@ -176,6 +176,7 @@ class ElasticConfig(_Section):
     elastic: bool
     min_nodes: int
     max_nodes: int
+    heartbeat_timeout: float      # a member silent this long is lost (health.Watchdog)
 
 
 @section

@@ -13,6 +13,9 @@ their collective passes --distributed-timeout (10 s here).
 import os
 import re
 import signal
+import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -87,6 +90,7 @@ def changed(host, how):
     (["--global-batch-size", 8, "--distributed-gpus", 2], "one rank per node"),
     (["--global-batch-size", 8, "--zero", 1], "--zero 0 only"),
     (["--global-batch-size", 8, "--min-nodes", 3, "--max-nodes", 2], "min-nodes <= max-nodes"),
+    (["--global-batch-size", 8, "--heartbeat-timeout", 1], "at least 2 s, two heartbeats"),
 ])
 def test_elastic_flags_are_checked(extra, words):
     argv = ["--task", "toy", "--user-dir", "tests/tasks", "--elastic",
@@ -95,9 +99,29 @@ def test_elastic_flags_are_checked(extra, words):
         cli.parse(argv)
 
 
+def test_cutting_a_members_address_ends_a_blocked_receive_at_once():
+    """health.cut: what the heartbeats do to a frozen member's connections."""
+    from hetseq.distributed import health
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+        got = {}
+        waiting = threading.Thread(target=lambda: got.update(data=accepted.recv(10)))
+        waiting.start()
+        assert health.cut("127.0.0.2") == 0                 # another address: untouched
+        waiting.join(0.2)
+        assert waiting.is_alive()
+        assert health.cut("127.0.0.1") == 2                 # both ends are this process's
+        waiting.join(5)
+        assert not waiting.is_alive() and got["data"] == b""
+        client.close()
+        accepted.close()
+
+
 def test_bounds_need_elastic_and_elastic_needs_tcp():
-    with pytest.raises(UserError, match="add --elastic"):
-        cli.parse(["--task", "toy", "--user-dir", "tests/tasks", "--min-nodes", "2"])
+    for bound in (["--min-nodes", "2"], ["--heartbeat-timeout", "3"]):
+        with pytest.raises(UserError, match="add --elastic"):
+            cli.parse(["--task", "toy", "--user-dir", "tests/tasks", *bound])
     with pytest.raises(UserError, match="needs --distributed-init-method tcp://"):
         cli.parse(["--task", "toy", "--user-dir", "tests/tasks", "--elastic",
                    "--global-batch-size", "8", "--distributed-init-method", "file:///tmp/x"])
@@ -203,15 +227,22 @@ def test_a_lost_host_an_intruder_and_a_late_joiner(three_hosts, tmp_path):
 
 
 def test_a_frozen_host_is_left_behind(three_hosts, tmp_path):
-    """Host B stops answering (SIGSTOP) after 10 updates: A and C notice
-    when their collective times out and finish without it."""
+    """Host B stops answering (SIGSTOP) after 10 updates: its heartbeat
+    stands still, A and C cut their connections to it after
+    --heartbeat-timeout (3 s) and train on without it. Their next generation
+    comes before --distributed-timeout (10 s) could even have ended the
+    collective that waited for B."""
     url = f"tcp://{three_hosts.addresses[0]}:29518"
-    a, b, c = (node(three_hosts, i, url, tmp_path / f"host{i}", "--max-update", SHORT)
-               for i in range(3))
+    a, b, c = (node(three_hosts, i, url, tmp_path / f"host{i}", "--max-update", SHORT,
+                    "--heartbeat-timeout", 3) for i in range(3))
     a.wait_for(UPDATE_LINE, 10)
     os.killpg(b.proc.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    a.wait_for(changed("hostB", "left"), timeout=90)
+    assert time.monotonic() - stopped < 10, "a frozen member was told by the timeout only"
     out_a, out_c = finish_ok(a, c)
     assert "left: hostB" in out_a and "left: hostB" in out_c, out_a[-4000:]
+    assert "no heartbeat from rank 1 (10.213.0.2)" in out_a + out_c, out_a[-4000:]
     assert max_diff(reference(SHORT), final_params(tmp_path / "host0")) < EXACT
 
 

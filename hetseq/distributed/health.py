@@ -1,4 +1,4 @@
-"""Naming the rank that stopped answering.
+"""Naming the rank that stopped answering, and not waiting for it.
 
 A collective whose peer died raises within a second (gloo: connection
 closed) or, for a frozen peer, after --distributed-timeout; neither says
@@ -6,9 +6,19 @@ which rank it was. Every rank therefore bumps a counter in the rendezvous
 store once a second from a daemon thread. When a collective fails, the
 survivors watch the counters for a few seconds: the ranks whose counters
 stand still are the lost ones, named with the host and pid they registered.
+
+An elastic member does not wait for the timeout (``Watchdog``): a member
+whose counter stood still for --heartbeat-timeout is lost, and this process
+shuts down its TCP connections to that member's address (``cut``). A
+collective blocked on the member then fails at once, as it would had the
+member been killed (gloo's own abort does not unblock a waiting collective:
+measured with torch 2.13, ../shared/PLATFORM_NOTES.md).
 """
 
+import ipaddress
 import logging
+import os
+import socket
 import threading
 import time
 
@@ -80,6 +90,115 @@ def silent_ranks(store, world_size, watch_s=3 * INTERVAL_S):
     except Exception:
         return None
     return [r for r in range(world_size) if after[r] == before[r]]
+
+
+class Watchdog:
+    """Beats for this member in the generation's ``store`` and watches every
+    member's beats there (one check and one multi-get a beat: 2 requests a
+    second per member at the leader's store). A member silent for
+    ``timeout_s`` is lost: its connections are cut. The leader's store
+    silent that long means the leader is lost."""
+
+    def __init__(self, store, rank, addresses, own_address, timeout_s, key="beat"):
+        self.store, self.rank, self.timeout_s = store, rank, timeout_s
+        self.addresses, self.own_address = list(addresses), own_address
+        self.keys = [f"{key}/{r}" for r in range(len(self.addresses))]
+        self.lost = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hetseq-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        beats, seen, heard = 0, {}, {r: time.monotonic() for r in range(len(self.keys))}
+        while not self._stop.wait(INTERVAL_S / 2):
+            beats += 1
+            now = time.monotonic()
+            try:
+                counts = within(self.timeout_s, lambda: self._beat(beats))
+            except Exception:       # the leader's store: silent (paused, cut off) or gone
+                counts = None
+            if counts == []:        # a member has not beaten yet: nothing to compare
+                continue
+            for r, count in enumerate(counts or ()):
+                if count != seen.get(r):
+                    seen[r], heard[r] = count, now
+            # Without an answer only the leader, whose process serves the
+            # store, can be told silent.
+            watched = heard if counts is not None else [0]
+            for r in [r for r in watched if now - heard[r] > self.timeout_s]:
+                if r != self.rank and r not in self.lost:
+                    self.lost.append(r)
+                    self._give_up(r)
+
+    def _beat(self, beats):
+        self.store.set(self.keys[self.rank], str(beats))
+        if not self.store.check(self.keys):     # a member has not beaten yet
+            return []
+        return [bytes(v).decode() for v in self.store.multi_get(self.keys)]
+
+    def _give_up(self, rank):
+        address = self.addresses[rank]
+        if address == self.own_address:
+            logger.warning("no heartbeat from rank %d for %.0f s; it shares this host's address "
+                           "%s, so its connections cannot be told apart: waiting for "
+                           "--distributed-timeout", rank, self.timeout_s, address)
+            return
+        closed = cut(address)
+        logger.warning("no heartbeat from rank %d (%s) for %.0f s: lost; closed %d connection(s) "
+                       "to it", rank, address, self.timeout_s, closed)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=2 * INTERVAL_S)
+
+
+def cut(address):
+    """Shut down every TCP connection of this process to ``address``; how
+    many. A blocked recv on one of them returns at once (end of stream)."""
+    target = ipaddress.ip_address(address)
+    sockets = _socket_fds()
+    closed = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            remote, inode = _proc_address(fields[2]), int(fields[9])
+            if inode not in sockets or remote != target:
+                continue
+            sock = socket.socket(fileno=os.dup(sockets[inode]))
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                closed += 1
+            except OSError:
+                pass
+            finally:
+                sock.close()        # the duplicate only; the connection is shut for both
+    return closed
+
+
+def _socket_fds():
+    """{socket inode: fd} of this process."""
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found[int(target[8:-1])] = int(fd)
+    return found
+
+
+def _proc_address(field):
+    """The IP address of /proc/net/tcp's ``HEX:PORT`` (each 32-bit word in
+    host order); an IPv4-mapped IPv6 address as its IPv4 address."""
+    raw = bytes.fromhex(field.split(":")[0])
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(raw)
+    return ip.ipv4_mapped or ip if ip.version == 6 else ip
 
 
 def is_communication_error(err):

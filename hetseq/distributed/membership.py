@@ -46,7 +46,7 @@ import uuid
 
 import torch.distributed as dist
 
-from hetseq.distributed import identity, interfaces, network, rendezvous, tunnel
+from hetseq.distributed import health, identity, interfaces, network, rendezvous, tunnel
 from hetseq.distributed.generations import Generation
 from hetseq.distributed.rounds import POLL_S, SETTLE_S, LeadRound, Moved, NoRound, describe
 from hetseq.errors import UserError
@@ -87,6 +87,9 @@ class Membership:
             url, self.binding.address, self.port, secret, self.timeout_s)
         self._clients = {}
         self.generation, self.known = None, []
+        # Members of this generation that this node's heartbeats found lost:
+        # the next meeting neither probes them nor waits for them.
+        self.lost = set()
         # Every member's store holds the job's identity (JobConfig.identity()),
         # so that a node with other flags or code is refused wherever it knocks.
         self.identity, self.who = job_identity, f"{socket.gethostname()} pid {os.getpid()}"
@@ -170,7 +173,7 @@ class Membership:
             running = self._newer(self._live(self.known))
             return (self._entry_store() if running is None else
                     self._connect((running["addr"], running["port"]))), True
-        live = self._live(list(self.generation.members))
+        live = self._live([m for m in self.generation.members if m["id"] not in self.lost])
         newer = self._newer(live)
         if newer is not None:
             NODE.warning("the job went on without this node (generation %d at %s:%d); joining it",
@@ -380,6 +383,19 @@ class Membership:
     def join_waiting(self):
         """Rank 0 only: whether a node asked to join (read once per update)."""
         return self.generation.rank == 0 and self.store.check(["e/join"])
+
+    def mark_lost(self, ranks):
+        """Ranks of this generation that the heartbeats found lost."""
+        self.lost = {self.generation.members[r]["id"] for r in ranks}
+
+    def watchdog(self, timeout_s):
+        """This generation's heartbeats (health.Watchdog, on a connection of
+        its own to the leader's store); None when --heartbeat-timeout is 0."""
+        if not timeout_s:
+            return None
+        gen = self.generation
+        return health.Watchdog(gen.store.clone(), gen.rank, [m["addr"] for m in gen.members],
+                               self.binding.address, timeout_s, key=f"e/{gen.number}/beat")
 
     def process_group(self, backend):
         """Start this generation's process group (its own key prefix, so a

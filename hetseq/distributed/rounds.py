@@ -53,7 +53,8 @@ class LeadRound:
     def close(self):
         """Wait for a quorum and the members, then write them; what was published."""
         previous = self.m.generation
-        expected = set() if previous is None else set(previous.ids)
+        # Every previous member, except those this node's heartbeats found lost.
+        expected = set() if previous is None else set(previous.ids) - self.m.lost
         deadline = time.monotonic() + self.m.timeout_s
         seen, changed, probed = 0, time.monotonic(), time.monotonic()
         while True:
@@ -83,7 +84,8 @@ class LeadRound:
         the other as lost for a moment: without this, neither round might
         reach its quorum). Everyone in this round follows to that leader,
         so the rounds of one generation end up at the lowest-ranked one."""
-        live = self.m._live([m for m in previous.members if m["id"] != self.m.id])
+        live = self.m._live([m for m in previous.members
+                             if m["id"] != self.m.id and m["id"] not in self.m.lost])
         newer = self.m._newer(live)
         target = newer or self._lower_round(live, previous)
         if target is None:

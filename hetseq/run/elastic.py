@@ -6,8 +6,11 @@ from one member: the one holding the most completed updates. Every member
 then holds that state, so the job continues on the same trajectory:
 
 - a member lost (killed, frozen, cut off): the survivors' collective fails
-  (at once, or after --distributed-timeout), each takes a *snapshot* of the
-  last update it completed, and they meet again;
+  (at once when it was killed; within --heartbeat-timeout when it froze or
+  was cut off, since its heartbeat stops and the survivors cut their
+  connections to it, health.Watchdog; else after --distributed-timeout),
+  each takes a *snapshot* of the last update it completed, and they meet
+  again;
 - a node asking to join: rank 0 sees it in its store and says so in the
   update's stats; after that update every member snapshots and they meet
   again, the newcomer included;
@@ -80,9 +83,10 @@ def train_elastic(make_run, job, node):
         setup_logging(generation.rank, all_ranks=node.log.log_all_ranks, node_first=True)
         ctx = DistContext(generation.rank, generation.world_size, device.index or 0, device,
                           backend, 1)
-        run, mine = None, carried
+        run, mine, watch = None, carried, None
         try:
             membership.process_group(backend)
+            watch = membership.watchdog(job.elastic.heartbeat_timeout)
             source = generation.members[generation.source]["lineage"]
             run = make_run(ctx, (generation.source, lambda: mine, source), membership)
             run.train()
@@ -95,17 +99,27 @@ def train_elastic(make_run, job, node):
                            str(err).strip().splitlines()[0][:160])
             carried = run.snapshot() if run is not None else carried
         else:
+            _stop(watch)
             updates = run.controller.num_updates
             del run, mine
             _leave(membership, generation, updates)
             NODE.info("node %s finished its part: rank %d after %d updates",
                       socket.gethostname(), generation.rank, updates)
             return
+        _stop(watch, membership)
         # Objects holding the process group (DDP) go before the group does.
         del run, mine
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _stop(watch, membership=None):
+    """Stop this generation's heartbeats; tell ``membership`` whom they found lost."""
+    if watch is not None:
+        watch.stop()
+        if membership is not None:
+            membership.mark_lost(watch.lost)
 
 
 def _device(launch):
