@@ -233,8 +233,9 @@ def test_a_frozen_host_is_left_behind(three_hosts, tmp_path):
     comes before --distributed-timeout (10 s) could even have ended the
     collective that waited for B."""
     url = f"tcp://{three_hosts.addresses[0]}:29518"
+    # Every rank's lines: whichever survivor's heartbeats tell first cuts.
     a, b, c = (node(three_hosts, i, url, tmp_path / f"host{i}", "--max-update", SHORT,
-                    "--heartbeat-timeout", 3) for i in range(3))
+                    "--heartbeat-timeout", 3, "--log-all-ranks") for i in range(3))
     a.wait_for(UPDATE_LINE, 10)
     os.killpg(b.proc.pid, signal.SIGSTOP)
     stopped = time.monotonic()
