@@ -128,7 +128,10 @@ class Watchdog:
             for r in [r for r in watched if now - heard[r] > self.timeout_s]:
                 if r != self.rank and r not in self.lost:
                     self.lost.append(r)
-                    self._give_up(r)
+                    try:
+                        self._give_up(r)
+                    except OSError as err:    # /proc unreadable: the timeout still tells
+                        logger.warning("could not cut rank %d's connections: %s", r, err)
 
     def _beat(self, beats):
         self.store.set(self.keys[self.rank], str(beats))
@@ -166,17 +169,33 @@ def cut(address):
         for line in lines:
             fields = line.split()
             remote, inode = _proc_address(fields[2]), int(fields[9])
-            if inode not in sockets or remote != target:
-                continue
-            sock = socket.socket(fileno=os.dup(sockets[inode]))
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
+            if inode in sockets and remote == target and _shut(sockets[inode], inode):
                 closed += 1
-            except OSError:
-                pass
-            finally:
-                sock.close()        # the duplicate only; the connection is shut for both
     return closed
+
+
+def _shut(fd, inode):
+    """Shut down the connection of socket ``inode`` at ``fd``, unless another
+    thread closed it meanwhile (or ``fd`` now names another socket)."""
+    try:
+        duplicate = os.dup(fd)
+    except OSError:
+        return False
+    try:
+        if os.fstat(duplicate).st_ino != inode:
+            return False
+        sock = socket.socket(fileno=duplicate)
+        duplicate = None            # the socket object owns it now
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            return True
+        except OSError:
+            return False
+        finally:
+            sock.close()            # the duplicate only; the connection is shut for both
+    finally:
+        if duplicate is not None:
+            os.close(duplicate)
 
 
 def _socket_fds():

@@ -99,10 +99,9 @@ def train_elastic(make_run, job, node):
                            str(err).strip().splitlines()[0][:160])
             carried = run.snapshot() if run is not None else carried
         else:
-            _stop(watch)
             updates = run.controller.num_updates
             del run, mine
-            _leave(membership, generation, updates)
+            _leave(membership, generation, updates, watch)
             NODE.info("node %s finished its part: rank %d after %d updates",
                       socket.gethostname(), generation.rank, updates)
             return
@@ -159,11 +158,14 @@ def _save_alone(state, save):
     logger.warning("saved %s (%d updates)", path, _updates(state))
 
 
-def _leave(membership, generation, updates):
+def _leave(membership, generation, updates, watch):
     """The end of the job: every member passes one barrier and lets go of the
-    group; rank 0 serves the store, so it waits until the others left it."""
+    group; rank 0 serves the store, so it waits until the others left it.
+    Heartbeats stop only after the barrier: a member still saving or
+    exporting would otherwise find the others silent and cut them."""
     gc.collect()
     dist.barrier()
+    _stop(watch)
     dist.destroy_process_group()
     membership.finish(updates)
     rendezvous.leave(generation.store, generation.rank, generation.world_size)
