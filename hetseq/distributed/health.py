@@ -117,7 +117,7 @@ class Watchdog:
                 counts = within(self.timeout_s, lambda: self._beat(beats))
             except Exception:       # the leader's store: silent (paused, cut off) or gone
                 counts = None
-            if counts == []:        # a member has not beaten yet: nothing to compare
+            if counts == [] or self._stop.is_set():   # nothing to compare; or stopped meanwhile
                 continue
             for r, count in enumerate(counts or ()):
                 if count != seen.get(r):
