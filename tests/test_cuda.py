@@ -70,9 +70,46 @@ def test_zero3_cpu_offload_on_one_gpu(tmp_path):
         result.stderr
 
 
+def _gpu_and_cpu_job(common, gpu_node, cpu_node):
+    """A job of a GPU node (rank 0) and a CPU node (rank 1) over gloo:
+    [(exit code, output)] per node. conftest's train_cmd puts --cpu on every
+    node, so the GPU node's command is made here without it."""
+    import subprocess
+    import sys
+
+    from conftest import QUIET, ROOT, RUN_DIR, child_env, finish, node_commands
+    procs = []
+    for index, node in enumerate(node_commands([*common, "--distributed-backend", "gloo"],
+                                               [gpu_node, [*cpu_node, "--cpu"]])):
+        quiet = [flag for flag in QUIET if flag != "--cpu"]
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *quiet,
+                                       *map(str, node)], cwd=RUN_DIR, env=child_env(),
+                                      text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT))
+    results = finish(procs, timeout=300)
+    for code, out in results:
+        assert code == 0, out[-3000:]
+    assert "cuda:0" in results[0][1], results[0][1][-3000:]     # rank 0 really took the GPU
+    return results
+
+
 def test_zero3_on_a_gpu_and_a_cpu_rank(tmp_path):
     """A GPU rank and a CPU rank in one job (gloo), uneven batches, --zero 3."""
-    from conftest import assert_ok, run_job
-    common = [*TOY, "--max-update", 3, "--save-dir", tmp_path, "--zero", 3,
-              "--distributed-backend", "gloo"]
-    assert_ok(run_job(common, [["--max-sentences", 24], ["--max-sentences", 8, "--cpu"]]))
+    _gpu_and_cpu_job([*TOY, "--max-update", 3, "--save-dir", tmp_path, "--zero", 3],
+                     ["--max-sentences", 24], ["--max-sentences", 8])
+
+
+@pytest.mark.parametrize("split", ["manual 24+8", "auto"])
+def test_a_gpu_rank_and_a_cpu_rank_match_one_process(tmp_path, split):
+    """The float64 toy with SGD: a GPU rank and a CPU rank, split by hand or
+    by measured speed (--capacity auto), make the update of one CPU process
+    on the global batch of 32."""
+    from conftest import EXACT, EXACT_SGD, alone, final_params, max_diff
+    common = [*EXACT_SGD, "--max-update", 7, "--save-dir", tmp_path]
+    if split == "auto":
+        _gpu_and_cpu_job([*common, "--capacity", "auto", "--global-batch-size", 32], [], [])
+    else:
+        _gpu_and_cpu_job(common, ["--max-sentences", 24], ["--max-sentences", 8])
+    reference = alone(*EXACT_SGD, "--max-update", 7, "--max-sentences", 32)["model"]
+    trained = {name: value.cpu() for name, value in final_params(tmp_path).items()}
+    assert max_diff(reference, trained) < EXACT

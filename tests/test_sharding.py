@@ -166,6 +166,63 @@ def test_checkpoint_of_a_sharded_run_holds_the_full_weights(tmp_path):
         assert tuple(state["controller"]["model"][name].shape) == shape
 
 
+def _full_state_both_ways(rank, world, init, out):
+    """Rank ``rank`` of 3 under --zero 3 after two AdamW updates: the full
+    model and optimizer state as HetSeq gathers it over gloo (host tensors)
+    and as torch's own full-state gather does."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    from hetseq.distributed import DistContext
+    from hetseq.update.sharding import _full, _full_state
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=GROUP_TIMEOUT)
+    ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
+    # Width 17 over 3 ranks: rows split 6 + 6 + 5; the (1, 17) output weight
+    # has one row, held by rank 0 alone.
+    controller, task = build_controller([*BASE, "--toy-width", 17, "--zero", 3], ctx)
+    data = task.load_dataset("train")
+    for step in range(2):
+        batch = keyed(data, [4 * step + rank])
+        controller.train_step([batch], batch)
+    model, optimizer = controller.model, controller.optimizer
+    ours = (_full_state(get_model_state_dict, model),
+            _full_state(get_optimizer_state_dict, model, optimizer))
+    theirs = (get_model_state_dict(model, options=_full(cpu_offload=True)),
+              get_optimizer_state_dict(model, optimizer, options=_full(cpu_offload=True)))
+    if rank == 0:
+        out.put(portable((ours, theirs)))
+    else:
+        out.put(portable(ours))
+    del controller
+    leave_process_group()
+
+
+def _same(a, b):
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
+    return a == b
+
+
+def test_the_full_state_gathered_over_gloo_equals_torchs_own_gather(tmp_path):
+    """Over gloo HetSeq gathers a --zero 3 state itself (sharding._full_state:
+    torch's gather crashed with a GPU and a CPU rank); on uneven shards it
+    must give exactly what torch's gives, on rank 0 only."""
+    queue = rank_queue()
+    start_ranks(_full_state_both_ways, 3, 3, f"file://{tmp_path / 'meet'}", queue)
+    results = [unpack(queue.get()) for _ in range(3)]
+    (ours, theirs), = [r for r in results if isinstance(r, tuple) and len(r) == 2
+                       and isinstance(r[0], tuple)]
+    assert tuple(ours[0]["0.weight"].shape) == (17, 8) and ours[1]["state"]
+    assert _same(ours, theirs)
+    assert sum(r == ({}, {}) for r in results) == 2          # the other ranks: nothing
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--cpu-offload"], "--cpu-offload needs --zero 3"),
     (["--zero", 2, "--find-unused-parameters"], "--find-unused-parameters is a DDP option"),

@@ -97,7 +97,9 @@ def resync(tensors, ctx, tolerance, update):
     own = reference = 0.0
     for bucket in _buckets(tensors):
         # One broadcast per bucket of up to 64 MB, not one per tensor.
-        mine = torch.cat([t.reshape(-1) for t in bucket])
+        # On this rank's device: a GPU rank keeps some state on the host
+        # (Adam's step counts), a CPU rank all of it.
+        mine = torch.cat([t.reshape(-1).to(ctx.device) for t in bucket])
         received = mine.clone()
         dist.broadcast(received, src=0)
         own += float(torch.linalg.vector_norm(mine - received, dtype=torch.float64)) ** 2
@@ -126,11 +128,14 @@ def resync(tensors, ctx, tolerance, update):
 
 
 def _buckets(tensors, limit=2 ** 24):
-    """``tensors`` in runs of one device and dtype, up to ``limit`` elements each."""
+    """``tensors`` in runs of one dtype, up to ``limit`` elements each. Split by
+    what every rank agrees on (dtypes and sizes), never by device: a GPU rank
+    keeps Adam's step counts on the host where a CPU rank has everything
+    there, and ranks whose buckets differed would make different broadcasts
+    (a hang)."""
     bucket, size = [], 0
     for tensor in tensors:
-        if bucket and (size + tensor.numel() > limit or tensor.dtype != bucket[0].dtype
-                       or tensor.device != bucket[0].device):
+        if bucket and (size + tensor.numel() > limit or tensor.dtype != bucket[0].dtype):
             yield bucket
             bucket, size = [], 0
         bucket.append(tensor)

@@ -273,7 +273,7 @@ class FullyShard(Sharding):
     # Collectives: every rank calls these; the full state is on rank 0's CPU.
     def model_state(self, model):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
-        return get_model_state_dict(model, options=_full(cpu_offload=True))
+        return _full_state(get_model_state_dict, model)
 
     def load_model_state(self, model, state):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
@@ -282,7 +282,7 @@ class FullyShard(Sharding):
 
     def optimizer_state(self, model, optimizer):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-        state = get_optimizer_state_dict(model, optimizer, options=_full(cpu_offload=True))
+        state = _full_state(get_optimizer_state_dict, model, optimizer)
         return _by_index(model, state) if self.ctx.is_main else None
 
     def load_optimizer_state(self, model, optimizer, state):
@@ -322,6 +322,55 @@ def build(cfg, precision, ctx, comm_hook=None):
         logger.info("one process: nothing to shard, --zero %d trains as --zero 0", zero)
         zero = 0
     return SHARDING.get(str(zero))(cfg, precision, ctx, comm_hook)
+
+
+def _full_state(get, *objects):
+    """``get``'s state (get_model_state_dict, get_optimizer_state_dict) whole,
+    on rank 0's host; other ranks get an empty dict. A collective.
+
+    Over nccl torch gathers it. Over gloo the shards are gathered here, as
+    host tensors: torch's gather is a functional all-gather on each rank's
+    own device, which crashed (SIGSEGV, torch 2.11, an H200) in a job of a
+    GPU rank and a CPU rank; gloo moves host tensors natively anyway."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    if dist.get_backend() != "gloo":
+        return get(*objects, options=_full(cpu_offload=True))
+    state = _walk(get(*objects, options=StateDictOptions()), _whole_on_host)
+    return state if dist.get_rank() == 0 else {}
+
+
+def _walk(state, convert):
+    """``state`` (nested dicts and lists) with ``convert`` applied to each leaf,
+    in the same order on every rank (the same model and optimizer)."""
+    if isinstance(state, dict):
+        return {key: _walk(value, convert) for key, value in state.items()}
+    if isinstance(state, list):
+        return [_walk(value, convert) for value in state]
+    return convert(state)
+
+
+def _whole_on_host(value):
+    """A leaf of a sharded state as a whole host tensor. A DTensor sharded on
+    dim d of a 1-D mesh is split as torch.chunk splits (rank r holds rows
+    from r * ceil(n / W), the last ones fewer or none): each rank pads its
+    shard to ceil(n / W), all ranks gather them, and the padding is cut."""
+    from torch.distributed.tensor import DTensor, Shard
+    if not isinstance(value, DTensor):
+        return value.detach().cpu() if torch.is_tensor(value) else value
+    local = value.to_local().detach().cpu()
+    (placement,) = value.placements
+    if not isinstance(placement, Shard):
+        return local                               # replicated: every rank has it whole
+    dim, size = placement.dim, value.shape[placement.dim]
+    group = value.device_mesh.get_group()
+    world = dist.get_world_size(group)
+    shape = list(local.shape)
+    shape[dim] = -(-size // world)
+    padded = local.new_zeros(shape)
+    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat(parts, dim).narrow(dim, 0, size).contiguous()
 
 
 def _full(**options):
