@@ -118,6 +118,24 @@ def test_cutting_a_members_address_ends_a_blocked_receive_at_once():
         accepted.close()
 
 
+def test_a_watchdog_that_stalled_itself_gives_every_member_a_fresh_window():
+    """A member paused (SIGSTOP) while the others went on finds, when it
+    wakes, every other beat old: its watchdog must not take that for their
+    silence (it would cut them and never find the generation they went on
+    in: seen with test_a_paused_meeting_point_rejoins_the_job_...)."""
+    from hetseq.distributed.health import Silence
+    silence = Silence(3, 5.0, now=0.0)
+    assert silence.lost([1, 1, 1], 1.0) == []
+    silence.woke(1.0, 1.5)                                  # an ordinary half-second wait
+    assert silence.lost([2, 1, 2], 7.0) == [1]              # rank 1 stood still for 6 s
+    assert silence.lost(None, 12.5) == [0]                  # no store: only the leader is told
+    stalled = Silence(3, 5.0, now=0.0)
+    assert stalled.lost([1, 1, 1], 1.0) == []
+    stalled.woke(1.0, 21.0)                                 # its own process was stopped 20 s
+    assert stalled.lost([1, 1, 1], 21.0) == []
+    assert stalled.lost([1, 2, 1], 26.5) == [0, 2]          # still standing after the wake
+
+
 def test_bounds_need_elastic_and_elastic_needs_tcp():
     for bound in (["--min-nodes", "2"], ["--heartbeat-timeout", "3"]):
         with pytest.raises(UserError, match="add --elastic"):

@@ -109,23 +109,21 @@ class Watchdog:
         self._thread.start()
 
     def _run(self):
-        beats, seen, heard = 0, {}, {r: time.monotonic() for r in range(len(self.keys))}
-        while not self._stop.wait(INTERVAL_S / 2):
+        beats, silence = 0, Silence(len(self.keys), self.timeout_s, time.monotonic())
+        while True:
+            waited_from = time.monotonic()
+            if self._stop.wait(INTERVAL_S / 2):
+                return
             beats += 1
             now = time.monotonic()
+            silence.woke(waited_from, now)
             try:
                 counts = within(self.timeout_s, lambda: self._beat(beats))
             except Exception:       # the leader's store: silent (paused, cut off) or gone
                 counts = None
             if counts == [] or self._stop.is_set():   # nothing to compare; or stopped meanwhile
                 continue
-            for r, count in enumerate(counts or ()):
-                if count != seen.get(r):
-                    seen[r], heard[r] = count, now
-            # Without an answer only the leader, whose process serves the
-            # store, can be told silent.
-            watched = heard if counts is not None else [0]
-            for r in [r for r in watched if now - heard[r] > self.timeout_s]:
+            for r in silence.lost(counts, now):
                 if r != self.rank and r not in self.lost:
                     self.lost.append(r)
                     try:
@@ -153,6 +151,36 @@ class Watchdog:
     def stop(self):
         self._stop.set()
         self._thread.join(timeout=2 * INTERVAL_S)
+
+
+class Silence:
+    """When each member's beat last changed, as a watchdog sees it; which
+    members stood still for ``timeout_s``. A watchdog that did not run for a
+    while (its process paused with SIGSTOP, or starved of CPU) cannot tell
+    the others' silence from its own: it gives every member a fresh window
+    (``woke``). Without that, a paused member waking up would find every
+    other member silent (they went on without it) and cut them all, then
+    never look for the generation they went on in."""
+
+    def __init__(self, size, timeout_s, now):
+        self.timeout_s = timeout_s
+        self.seen, self.heard = {}, dict.fromkeys(range(size), now)
+
+    def woke(self, waited_from, now):
+        """The watchdog slept from ``waited_from`` to ``now``; over half the
+        timeout is a stall of its own."""
+        if now - waited_from > self.timeout_s / 2:
+            self.heard = dict.fromkeys(self.heard, now)
+
+    def lost(self, counts, now):
+        """The members silent for ``timeout_s``, given their beat ``counts``
+        (None: the leader's store did not answer; only the leader, whose
+        process serves it, can then be told silent)."""
+        for r, count in enumerate(counts or ()):
+            if count != self.seen.get(r):
+                self.seen[r], self.heard[r] = count, now
+        watched = self.heard if counts is not None else [0]
+        return [r for r in watched if now - self.heard[r] > self.timeout_s]
 
 
 def cut(address):
