@@ -310,9 +310,9 @@ def check_elastic(args, defaults):
              if value is not None]
     if given:
         raise UserError(f"--elastic gives out ranks at the meeting point: drop {' and '.join(given)}")
-    if (args.distributed_gpus or 1) != 1 or args.distributed_no_spawn:
-        raise UserError(f"--elastic runs one rank per node (--distributed-gpus 1), got "
-                        f"--distributed-gpus {args.distributed_gpus}: start one node per device")
+    if args.distributed_no_spawn:
+        raise UserError("--elastic starts the node's processes itself (--distributed-gpus "
+                        "of them): drop --distributed-no-spawn")
     if not (args.distributed_init_method or "").startswith("tcp://"):
         raise UserError(f"--elastic needs --distributed-init-method tcp://HOST:PORT (a node of "
                         f"the job), got {args.distributed_init_method}")

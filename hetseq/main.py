@@ -9,7 +9,7 @@ from hetseq.distributed.launch import exit_now
 from hetseq.errors import HetSeqError
 from hetseq.reporting import setup_logging
 from hetseq.run.elastic import train_elastic
-from hetseq.run.loop import Run, train_worker
+from hetseq.run.loop import train_worker
 from hetseq.tasks import TASKS
 
 logger = logging.getLogger("hetseq.run")
@@ -21,8 +21,7 @@ def main(argv=None):
         args, job, node = cli.parse(argv)
         inputs = TASKS.get(job.task).resolve_inputs(args)
         if job.elastic.elastic:
-            train_elastic(lambda ctx, restore, membership: Run(
-                args, job, node, ctx, inputs, restore, membership), job, node)
+            train_elastic(args, job, node, inputs)
             return
         launch(node, job.distributed_backend, train_worker, args, job, node, inputs,
                identity=job.identity())

@@ -87,7 +87,7 @@ def changed(host, how):
 @pytest.mark.parametrize("extra, words", [
     ([], "needs --global-batch-size"),
     (["--global-batch-size", 8, "--distributed-rank", 1], "drop --distributed-rank"),
-    (["--global-batch-size", 8, "--distributed-gpus", 2], "one rank per node"),
+    (["--global-batch-size", 8, "--distributed-no-spawn"], "drop --distributed-no-spawn"),
     (["--global-batch-size", 8, "--zero", 1], "--zero 0 only"),
     (["--global-batch-size", 8, "--min-nodes", 3, "--max-nodes", 2], "min-nodes <= max-nodes"),
     (["--global-batch-size", 8, "--heartbeat-timeout", 1], "at least 2 s, two heartbeats"),
@@ -218,13 +218,17 @@ def test_two_nodes_on_one_host_train_exactly_and_a_node_with_other_flags_is_refu
 # ---- namespace hosts ----
 
 def test_a_lost_host_an_intruder_and_a_late_joiner(three_hosts, tmp_path):
-    """Host C is switched off after 10 updates; A and B go on from the last
-    update they completed. An uninvited node on C is refused without
-    disturbing them; then C comes back and joins, receiving the state from
-    the members. The URL names host A, as the issue's command does (on A
-    itself the name resolves to 127.0.1.1)."""
+    """Host C, a node of 2 ranks, is switched off after 10 updates; A (2
+    ranks) and B (1) go on from the last update they completed. An
+    uninvited node on C is refused without disturbing them; then C comes
+    back with 2 ranks and joins, receiving the state from the members. The
+    URL names host A, as the issue's command does (on A itself the name
+    resolves to 127.0.1.1)."""
     url = f"tcp://{three_hosts.names[0]}:29517"
-    a, b, c = (node(three_hosts, i, url, tmp_path / f"host{i}") for i in range(3))
+    ranks = {0: 2, 1: 1, 2: 2}
+    a, b, c = (node(three_hosts, i, url, tmp_path / f"host{i}", "--cpu", "--distributed-gpus",
+                    ranks[i]) for i in range(3))
+    a.wait_for(r"generation 1: 3 nodes, this node is rank 0 \(ranks 0-1 of 5\)")
     a.wait_for(UPDATE_LINE, 10)
     switch_off(three_hosts, 2, c)
     a.wait_for(changed("hostC", "left"), timeout=90)
@@ -234,11 +238,15 @@ def test_a_lost_host_an_intruder_and_a_late_joiner(three_hosts, tmp_path):
                      env={"HETSEQ_JOB_SECRET": "9e4c7a1f0b3d5e2a8c6f4d1b7e9a0c3f"}).finish(60)
     assert code == 2 and "its secret differs" in out and "Traceback" not in out, out[-3000:]
     assert len(out.strip().splitlines()) == 1, out
-    joiner = node(three_hosts, 2, url, tmp_path / "joiner")
+    joiner = node(three_hosts, 2, url, tmp_path / "joiner", "--cpu", "--distributed-gpus", 2)
     a.wait_for(changed("hostC", "joined"), timeout=90)
     out_a, out_b, out_c = finish_ok(a, b, joiner)
-    # Rank 0 (A) says what the new splits are; B says who left and joined.
+    # Rank 0 (A) says what the new splits are, for 5 ranks, then 3, then 5;
+    # B says who left and joined.
     assert out_a.count("capacity plan") == 3, out_a[-4000:]
+    assert [len(re.findall(r"\n  rank \d ", plan)) for plan in
+            out_a.split("capacity plan")[1:]] == [5, 3, 5], out_a[-4000:]
+    assert "finished its part: ranks 3-4" in out_c, out_c[-3000:]
     assert "left: hostC" in out_b and "joined: hostC" in out_b, out_b[-4000:]
     assert "refused a connection to the job's store from 10.213.0.3" in out_a
     assert max_diff(reference(), final_params(tmp_path / "host0")) < EXACT

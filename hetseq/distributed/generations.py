@@ -37,23 +37,56 @@ import secrets
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-    """One generation: its number, the members in rank order (their JSON
-    infos), this node's rank, the store it met at (the leader's), the rank
-    whose state every member takes, and the generation's lineage."""
+    """One generation: its number, the members in order (their JSON infos),
+    this node's place among them (``index``), the store it met at (the
+    leader's), the member whose state every rank takes (``source``), and the
+    generation's lineage.
+
+    A member is a node; it runs ``ranks`` processes (--distributed-gpus) and
+    they hold consecutive ranks: member i's ranks follow member i-1's, so the
+    leader's first process is rank 0. ``holder`` is which of a member's ranks
+    holds the state it offered (after a failure one may have finished the
+    update in flight that the others did not)."""
     number: int
     members: tuple
-    rank: int
+    index: int
     store: object
     source: int = 0
     lineage: tuple = ()
 
     @property
     def world_size(self):
-        return len(self.members)
+        return sum(_ranks(m) for m in self.members)
 
     @property
     def ids(self):
         return [m["id"] for m in self.members]
+
+    def first_rank(self, index=None):
+        """Rank of the first process of member ``index`` (default: this node)."""
+        index = self.index if index is None else index
+        return sum(_ranks(m) for m in self.members[:index])
+
+    @property
+    def source_rank(self):
+        """The rank whose state every rank takes."""
+        return self.first_rank(self.source) + self.members[self.source].get("holder", 0)
+
+    def member_of(self, rank):
+        """Index of the member that runs ``rank``."""
+        for index in range(len(self.members)):
+            if rank < self.first_rank(index + 1):
+                return index
+        raise ValueError(f"rank {rank} is not in generation {self.number} "
+                         f"({self.world_size} ranks)")
+
+    def addresses(self):
+        """Each rank's host address, in rank order."""
+        return [m["addr"] for m in self.members for _ in range(_ranks(m))]
+
+
+def _ranks(member):
+    return member.get("ranks", 1)
 
 
 def has_quorum(previous, arrived_ids):

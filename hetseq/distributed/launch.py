@@ -95,6 +95,21 @@ def start_method(device_type, *modules):
     return "forkserver"
 
 
+def start_linked(index, fn, args, device_type="cpu", *modules):
+    """Start ``fn(index, conn, *args)`` in a process of its own (started as
+    ``start_method`` says, with this process's environment of now), ``conn``
+    being its end of a pipe to this process; returns (process, this end).
+    Not waited for. When either process ends, the other's next read of the
+    pipe fails (EOFError), since nobody else holds its ends."""
+    context = mp.get_context(start_method(device_type, *modules))
+    mine, theirs = context.Pipe()
+    process = context.Process(target=_in_environment,
+                              args=(index, dict(os.environ), fn, (theirs, *args)))
+    process.start()
+    theirs.close()
+    return process, mine
+
+
 def start_ranks(fn, args, nprocs, device_type="cpu", *modules):
     """Run ``fn(index, *args)`` in ``nprocs`` processes started as
     ``start_method`` says, with this process's environment of now (a fork
@@ -155,8 +170,8 @@ def exit_now(code):
 def _run_rank(index, topology, node, identity, worker, worker_args):
     rank = topology.first_rank + index
     setup_logging(rank, all_ranks=node.log.log_all_ranks, node_first=index == 0)
-    _set_threads(topology)
-    device = _device(topology, index)
+    set_threads(topology)
+    device = device_of(topology, index)
     ctx = DistContext(rank, topology.world_size, topology.first_device + index, device,
                       topology.backend, topology.local_world_size)
     if not ctx.distributed:
@@ -184,14 +199,15 @@ def _run_rank(index, topology, node, identity, worker, worker_args):
     return result
 
 
-def _set_threads(topology):
+def set_threads(topology):
     # Several CPU ranks on one node share its cores; oversubscribing them makes
     # every rank slower. An explicit OMP_NUM_THREADS wins.
     if topology.device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // topology.local_world_size))
 
 
-def _device(topology, index):
+def device_of(topology, index):
+    """The device of this node's process ``index``."""
     if topology.device_type == "cuda":
         device = torch.device("cuda", topology.first_device + index)
         torch.cuda.set_device(device)

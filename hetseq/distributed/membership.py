@@ -36,6 +36,7 @@ tells rank 0, which tells every rank in the update's stats).
 """
 
 import concurrent.futures
+import dataclasses
 import datetime
 import json
 import logging
@@ -69,8 +70,10 @@ class Membership:
     """This node's side of the elastic job: its own meeting point, the
     members it knows, and the rounds it takes part in."""
 
-    def __init__(self, launch, backend, secret, min_nodes, max_nodes, job_identity=None):
+    def __init__(self, launch, backend, secret, min_nodes, max_nodes, job_identity=None,
+                 ranks=1):
         url = launch.distributed_init_method
+        self.ranks = ranks        # this node's processes (--distributed-gpus)
         self.url, self.secret, self.timeout_s = url, secret, launch.distributed_timeout
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
         host, self.port = rendezvous.url_host_port(url)
@@ -204,14 +207,15 @@ class Membership:
 
     # ---- a round ----
 
-    def meet(self, updates, lineage=(), known=()):
+    def meet(self, updates, lineage=(), known=(), holder=0):
         """Take part in the next round; returns the new Generation.
-        ``updates`` and ``lineage``: the state this node holds (-1: none);
-        ``known``: the members its checkpoint names ({"addr", "port"})."""
+        ``updates`` and ``lineage``: the state this node holds (-1: none),
+        on its process ``holder``; ``known``: the members its checkpoint
+        names ({"addr", "port"})."""
         self.known = [m for m in known if (m["addr"], m["port"]) != self._address()]
         me = {"id": self.id, "host": socket.gethostname(), "pid": os.getpid(),
               "addr": self.binding.address, "port": self.store_port, "updates": updates,
-              "lineage": list(lineage),
+              "lineage": list(lineage), "ranks": self.ranks, "holder": holder,
               "generation": None if self.generation is None else self.generation.number}
         self._deadline, moved = time.monotonic() + self._limit(), None
         while True:
@@ -364,9 +368,48 @@ class Membership:
         joined = [describe(m) for i, m in after.items() if i not in before]
         # Every node's log says who left and joined (NODE: each node's own lines).
         log = NODE.info if previous is None else logger.warning
-        log("generation %d: %d nodes, this node is rank %d; left: %s; joined: %s",
-            now.number, now.world_size, now.rank, ", ".join(left) or "none",
+        first = now.first_rank()
+        ranks = f" (ranks {first}-{first + self.ranks - 1} of {now.world_size})" \
+            if self.ranks > 1 else ""
+        log("generation %d: %d nodes, this node is rank %d%s; left: %s; joined: %s",
+            now.number, len(now.members), first, ranks, ", ".join(left) or "none",
             ", ".join(joined) or "none")
+
+    def mark_lost(self, ranks):
+        """Ranks of this generation that the heartbeats found lost: their
+        members (a node's ranks are lost together)."""
+        gen = self.generation
+        self.lost = {gen.members[gen.member_of(r)]["id"] for r in ranks}
+
+
+class Place:
+    """One process's place in a generation: rank ``first_rank() + local``,
+    ``local`` being its index among its node's processes. The node's process
+    0 (its voice, run/elastic.py) meets for the node and reaches the
+    leader's store through its Membership; the node's other processes
+    connect to that store themselves (``Place.joining``)."""
+
+    def __init__(self, generation, local, binding, timeout_s):
+        self.generation, self.local = generation, local
+        self.binding, self.timeout_s = binding, timeout_s
+        self.rank = generation.first_rank() + local
+
+    @classmethod
+    def joining(cls, generation, local, binding, timeout_s, secret):
+        """A place of one of the node's other processes: ``generation`` as
+        the voice sent it (no store), with a connection of its own."""
+        leader = generation.members[0]
+        store = rendezvous.join_meeting_point((leader["addr"], leader["port"]), secret,
+                                              timeout_s)
+        return cls(dataclasses.replace(generation, store=store), local, binding, timeout_s)
+
+    @property
+    def world_size(self):
+        return self.generation.world_size
+
+    @property
+    def store(self):
+        return self.generation.store
 
     def record(self):
         """What a checkpoint of this generation keeps: its lineage and where
@@ -375,26 +418,17 @@ class Membership:
         return {"lineage": list(gen.lineage),
                 "members": [{"addr": m["addr"], "port": m["port"]} for m in gen.members]}
 
-    def finish(self, updates):
-        """The job is over: a node that still waits to join is told so."""
-        if self.generation.rank == 0:
-            self.store.set("e/done", f"the job finished after {updates} updates")
-
     def join_waiting(self):
         """Rank 0 only: whether a node asked to join (read once per update)."""
-        return self.generation.rank == 0 and self.store.check(["e/join"])
-
-    def mark_lost(self, ranks):
-        """Ranks of this generation that the heartbeats found lost."""
-        self.lost = {self.generation.members[r]["id"] for r in ranks}
+        return self.rank == 0 and self.store.check(["e/join"])
 
     def watchdog(self, timeout_s):
-        """This generation's heartbeats (health.Watchdog, on a connection of
+        """This process's heartbeats (health.Watchdog, on a connection of
         its own to the leader's store); None when --heartbeat-timeout is 0."""
         if not timeout_s:
             return None
         gen = self.generation
-        return health.Watchdog(gen.store.clone(), gen.rank, [m["addr"] for m in gen.members],
+        return health.Watchdog(gen.store.clone(), self.rank, gen.addresses(),
                                self.binding.address, timeout_s, key=f"e/{gen.number}/beat")
 
     def process_group(self, backend):
@@ -403,5 +437,5 @@ class Membership:
         gen = self.generation
         network.apply(self.binding, backend)
         dist.init_process_group(backend, store=dist.PrefixStore(f"e/{gen.number}/pg", gen.store),
-                                rank=gen.rank, world_size=gen.world_size,
+                                rank=self.rank, world_size=gen.world_size,
                                 timeout=datetime.timedelta(seconds=self.timeout_s))

@@ -151,6 +151,21 @@ def resolve_topology(launch, env, cuda_count, backend=None):
     return _from_flags(launch, backend, device_type, cuda_count)
 
 
+def resolve_elastic(launch, cuda_count, backend=None):
+    """An --elastic node's processes, whose ranks the meeting point gives
+    out: --distributed-gpus of them (default: every visible GPU, or one CPU
+    process). A Topology whose world and first rank are this node's own
+    until a generation places it."""
+    device_type = "cpu" if launch.cpu or cuda_count == 0 else "cuda"
+    nprocs = launch.distributed_gpus or (cuda_count if device_type == "cuda" else 1)
+    if nprocs < 1:
+        raise UserError(f"--distributed-gpus {nprocs}: expected 1 or more processes on this node")
+    _check_devices(device_type, launch.device_id, nprocs, cuda_count)
+    return Topology(nprocs, 0, nprocs, launch.distributed_init_method,
+                    choose_backend(backend, device_type), device_type, launch.device_id, nprocs,
+                    "--elastic")
+
+
 def _from_launcher(launch, backend, env, launched, device_type, cuda_count):
     flag_world = launch.distributed_world_size
     if flag_world is not None and flag_world != launched.world_size:

@@ -1,26 +1,36 @@
 """An elastic node (--elastic): train in generations, carry the state across.
 
-A node runs one rank. Each generation (distributed/membership.py says how the
-members meet) starts a process group and a fresh ``Run`` whose state comes
-from one member: the one holding the most completed updates. Every member
-then holds that state, so the job continues on the same trajectory:
+A node is one member of the job and runs --distributed-gpus processes (its
+ranks: consecutive, joining and leaving together). Its process 0, the
+node's *voice*, meets for the node (distributed/membership.py says how the
+members meet); the node's other processes follow it over a pipe each: for
+every generation the voice sends them where they stand, and each sends back
+how its part ended and what state it holds. A node of one process is its
+voice alone.
+
+Each generation starts a process group and a fresh ``Run`` on every rank,
+whose state comes from one rank: the one holding the most completed updates
+(a member offers the newest state among its processes). Every rank then
+holds that state, so the job continues on the same trajectory:
 
 - a member lost (killed, frozen, cut off): the survivors' collective fails
   (at once when it was killed; within --heartbeat-timeout when it froze or
-  was cut off, since its heartbeat stops and the survivors cut their
-  connections to it, health.Watchdog; else after --distributed-timeout),
-  each takes a *snapshot* of the last update it completed, and they meet
-  again;
+  was cut off, since its heartbeats stop and the survivors cut their
+  connections to its host, health.Watchdog; else after
+  --distributed-timeout), each rank takes a *snapshot* of the last update
+  it completed, and the members meet again;
 - a node asking to join: rank 0 sees it in its store and says so in the
-  update's stats; after that update every member snapshots and they meet
-  again, the newcomer included;
+  update's stats; after that update every rank snapshots and the members
+  meet again, the newcomer included;
 - too few nodes (below --min-nodes) for --distributed-timeout: each node
-  writes its snapshot to its own --save-dir and stops (exit 3); starting
-  the nodes again resumes from the newest of them.
+  writes its voice's snapshot to its own --save-dir and stops (exit 3);
+  starting the nodes again resumes from the newest of them;
+- one of a node's processes ends on its own (a crash, a kill): the node
+  leaves the job, with that process's exit code.
 
-Why the result is exact: an update either completed on every member or on
+Why the result is exact: an update either completed on every rank or on
 none before the failure was seen (the optimizer steps only after all of the
-update's collectives), except that some members may have completed update
+update's collectives), except that some ranks may have completed update
 k+1 while others failed inside it; taking the state with the most updates
 covers that case. The data position is part of the state and counts samples
 of the world-independent global batches (data/iterators.py), and the global
@@ -28,6 +38,7 @@ batch never changes with the members, so the next update is the one a single
 process would make next.
 """
 
+import dataclasses
 import gc
 import logging
 import os
@@ -37,10 +48,13 @@ import torch
 import torch.distributed as dist
 
 from hetseq.distributed import health, rendezvous, tunnel
-from hetseq.distributed.launch import DistContext
-from hetseq.distributed.membership import JobDone, Membership, TooFew
-from hetseq.errors import PeerLost, UserError
-from hetseq.reporting import NODE, setup_logging
+from hetseq.distributed.generations import choose_source
+from hetseq.distributed.launch import (DistContext, WorkerFailed, device_of, exit_now,
+                                       set_threads, start_linked)
+from hetseq.distributed.membership import JobDone, Membership, Place, TooFew
+from hetseq.distributed.topology import resolve_elastic
+from hetseq.errors import HetSeqError, PeerLost, UserError
+from hetseq.reporting import NODE, rank_ranges, setup_logging
 from hetseq.run import checkpoint
 from hetseq.update.controller import CONTROLLER, UPDATES
 
@@ -55,79 +69,172 @@ class TooFewNodes(PeerLost):
     """Fewer than --min-nodes nodes for --distributed-timeout: saved and stopped."""
 
 
-def train_elastic(make_run, job, node):
-    """Train this node's rank across generations. ``make_run(ctx, restore,
-    membership)`` builds a Run (train.py) that takes its state from
-    ``restore`` = (source rank, callable giving the state there, the
-    lineage that state must have)."""
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """How one process's part of a generation ended, and the state it holds
+    now (``updates`` -1: none; ``lineage`` and ``known``: generations.py)."""
+    finished: bool
+    updates: int
+    lineage: list
+    known: list
+    lost: tuple = ()       # ranks its heartbeats found lost
+
+
+def train_elastic(args, job, node, inputs):
+    """Train this node's ranks across generations, as its voice."""
     secret = tunnel.read_secret(node.launch.job_secret_file)
     if secret is None:
         raise UserError("--elastic needs a job secret, since nodes join by themselves: set "
                         f"HETSEQ_JOB_SECRET or --job-secret-file on every node ({tunnel.MAKE_ONE} "
                         "makes one)")
-    device = _device(node.launch)
-    backend = job.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
-    membership = Membership(node.launch, backend, secret, job.elastic.min_nodes,
-                            job.elastic.max_nodes, job.identity())
-    carried = _own_checkpoint(node.save)
+    cuda_count = torch.cuda.device_count() if not node.launch.cpu else 0
+    topology = resolve_elastic(node.launch, cuda_count, job.distributed_backend)
+    membership = Membership(node.launch, topology.backend, secret, job.elastic.min_nodes,
+                            job.elastic.max_nodes, job.identity(), ranks=topology.nprocs)
+    work = (args, job, node, inputs, topology)
+    followers = [start_linked(local, _follow, (*work, membership.binding, secret),
+                              topology.device_type, "hetseq.run.loop")
+                 for local in range(1, topology.nprocs)]
+    try:
+        _speak(membership, followers, *work)
+    finally:
+        for process, conn in followers:
+            conn.close()              # a follower still waiting reads the end of the pipe
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+
+
+def _speak(membership, followers, args, job, node, inputs, topology):
+    """The voice's loop: meet for the node, tell its followers where they
+    stand, train its own rank."""
+    set_threads(topology)
+    device = device_of(topology, 0)
+    state = _own_checkpoint(node.save)
+    ends = [_ended(False, state)] + [_hear(local, f) for local, f in enumerate(followers, 1)]
     while True:
+        holder = _newest(ends)
         try:
-            generation = membership.meet(_updates(carried), *_line(carried))
+            generation = membership.meet(ends[holder].updates, ends[holder].lineage,
+                                         ends[holder].known, holder)
         except TooFew as err:
-            _save_alone(carried, node.save)
+            _save_alone(state, node.save)
             raise TooFewNodes(f"--elastic: {err}; stopped. Start more nodes with the same "
                               "command to resume from the newest checkpoint") from None
         except JobDone as done:
             logger.warning("--elastic: %s before this node could join", done)
             return
-        setup_logging(generation.rank, all_ranks=node.log.log_all_ranks, node_first=True)
-        ctx = DistContext(generation.rank, generation.world_size, device.index or 0, device,
-                          backend, 1)
-        run, mine, watch = None, carried, None
-        try:
-            membership.process_group(backend)
-            watch = membership.watchdog(job.elastic.heartbeat_timeout)
-            source = generation.members[generation.source]["lineage"]
-            run = make_run(ctx, (generation.source, lambda: mine, source), membership)
-            run.train()
-        except Reconfigure:
-            carried = run.snapshot()
-        except RuntimeError as err:
-            if not health.is_communication_error(err):
-                raise
-            logger.warning("generation %d ended: a collective failed (%s)", generation.number,
-                           str(err).strip().splitlines()[0][:160])
-            carried = run.snapshot() if run is not None else carried
-        else:
-            updates = run.controller.num_updates
-            del run, mine
-            _leave(membership, generation, updates, watch)
-            NODE.info("node %s finished its part: rank %d after %d updates",
-                      socket.gethostname(), generation.rank, updates)
+        for _, conn in followers:
+            conn.send(dataclasses.replace(generation, store=None))
+        place = Place(generation, 0, membership.binding, node.launch.distributed_timeout)
+        ended, state = _serve(place, state, device, args, job, node, inputs, topology)
+        ends = [ended] + [_hear(local, f) for local, f in enumerate(followers, 1)]
+        if ended.finished:
             return
-        _stop(watch, membership)
-        # Objects holding the process group (DDP) go before the group does.
-        del run, mine
-        gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        membership.mark_lost({rank for end in ends for rank in end.lost})
 
 
-def _stop(watch, membership=None):
-    """Stop this generation's heartbeats; tell ``membership`` whom they found lost."""
-    if watch is not None:
-        watch.stop()
-        if membership is not None:
-            membership.mark_lost(watch.lost)
+def _follow(local, conn, args, job, node, inputs, topology, binding, secret):
+    """Process ``local`` (1 and up) of a node: train where the voice says,
+    each generation, until the job ends or the voice does."""
+    from hetseq.tasks import import_builtin_tasks, import_user_dir
+    try:
+        import_builtin_tasks()
+        import_user_dir(node.user_dir)   # a started process begins with an empty registry
+        set_threads(topology)
+        device = device_of(topology, local)
+        state = None
+        conn.send(_ended(False, state))
+        while True:
+            try:
+                generation = conn.recv()
+            except EOFError:          # the voice ended: the job, or this node, is over
+                return
+            place = Place.joining(generation, local, binding, node.launch.distributed_timeout,
+                                  secret)
+            ended, state = _serve(place, state, device, args, job, node, inputs, topology)
+            conn.send(ended)
+            if ended.finished:
+                return
+    except HetSeqError as err:
+        logging.getLogger("hetseq").error("process %d of this node: %s", local, err)
+        exit_now(err.exit_code)
 
 
-def _device(launch):
-    """This node's one device: its --device-id GPU, or the CPU."""
-    if launch.cpu or not torch.cuda.is_available():
-        return torch.device("cpu")
-    device = torch.device("cuda", launch.device_id)
-    torch.cuda.set_device(device)
-    return device
+def _hear(local, follower):
+    """What follower ``local`` said; WorkerFailed when it ended instead."""
+    process, conn = follower
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        process.join(10)
+        code = process.exitcode
+        if code is not None and code < 0:
+            raise WorkerFailed(PeerLost.exit_code, f"process {local} of this node was killed by "
+                               f"signal {-code}: the node leaves the job") from None
+        raise WorkerFailed(code or 1, f"process {local} of this node ended with exit code "
+                           f"{code}: the node leaves the job") from None
+
+
+def _newest(ends):
+    """Which of a node's processes holds the newest state (they train one
+    trajectory; after a failure one may hold an update more)."""
+    offered = [{"id": i, "updates": e.updates, "lineage": e.lineage} for i, e in enumerate(ends)]
+    return choose_source(offered)[0]
+
+
+def _serve(place, state, device, args, job, node, inputs, topology):
+    """This process's part of ``place``'s generation: (Ended, the state it
+    holds now). ``state``: what it held before (the source's goes to all)."""
+    from hetseq.run.loop import Run
+    setup_logging(place.rank, all_ranks=node.log.log_all_ranks, node_first=place.local == 0)
+    gen = place.generation
+    ctx = DistContext(place.rank, place.world_size, device.index or 0, device, topology.backend,
+                      topology.nprocs)
+    run, mine, watch = None, state, None
+    try:
+        place.process_group(topology.backend)
+        watch = place.watchdog(job.elastic.heartbeat_timeout)
+        source = (gen.source_rank, lambda: mine, gen.members[gen.source]["lineage"])
+        run = Run(args, job, node, ctx, inputs, source, place)
+        run.train()
+    except Reconfigure:
+        state = run.snapshot()
+    except RuntimeError as err:
+        if not health.is_communication_error(err):
+            raise
+        logger.warning("generation %d ended: a collective failed (%s)", gen.number,
+                       str(err).strip().splitlines()[0][:160])
+        state = run.snapshot() if run is not None else state
+    else:
+        updates = run.controller.num_updates
+        run = mine = None         # the model and states go before the group does
+        _leave(place, updates, watch)
+        if place.local == 0:
+            ranks = range(place.rank, place.rank + topology.nprocs)
+            NODE.info("node %s finished its part: rank%s %s after %d updates",
+                      socket.gethostname(), "s" if len(ranks) > 1 else "", rank_ranges(ranks),
+                      updates)
+        return Ended(True, updates, [], []), None
+    lost = _stop(watch)
+    # Objects holding the process group (DDP) go before the group does.
+    run = mine = None
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return _ended(False, state, lost), state
+
+
+def _ended(finished, state, lost=()):
+    return Ended(finished, _updates(state), *_line(state), tuple(lost))
+
+
+def _stop(watch):
+    """Stop this generation's heartbeats; the ranks they found lost."""
+    if watch is None:
+        return ()
+    watch.stop()
+    return tuple(watch.lost)
 
 
 def _updates(state):
@@ -158,14 +265,16 @@ def _save_alone(state, save):
     logger.warning("saved %s (%d updates)", path, _updates(state))
 
 
-def _leave(membership, generation, updates, watch):
-    """The end of the job: every member passes one barrier and lets go of the
-    group; rank 0 serves the store, so it waits until the others left it.
-    Heartbeats stop only after the barrier: a member still saving or
-    exporting would otherwise find the others silent and cut them."""
+def _leave(place, updates, watch):
+    """The end of the job: every rank passes one barrier and lets go of the
+    group; rank 0 serves the store (it is the leader's voice), so it tells a
+    node still waiting to join that the job is over and waits until the
+    others left it. Heartbeats stop only after the barrier: a rank still
+    saving or exporting would otherwise find the others silent and cut them."""
     gc.collect()
     dist.barrier()
     _stop(watch)
     dist.destroy_process_group()
-    membership.finish(updates)
-    rendezvous.leave(generation.store, generation.rank, generation.world_size)
+    if place.rank == 0:
+        place.store.set("e/done", f"the job finished after {updates} updates")
+    rendezvous.leave(place.store, place.rank, place.world_size)
