@@ -70,22 +70,24 @@ def test_zero3_cpu_offload_on_one_gpu(tmp_path):
         result.stderr
 
 
-def _gpu_and_cpu_job(common, gpu_node, cpu_node):
-    """A job of a GPU node (rank 0) and a CPU node (rank 1) over gloo:
-    [(exit code, output)] per node. conftest's train_cmd puts --cpu on every
-    node, so the GPU node's command is made here without it."""
+def _node(command, gpu, env=None):
+    """A started train.py node (conftest's train_cmd would add --cpu)."""
     import subprocess
     import sys
 
-    from conftest import QUIET, ROOT, RUN_DIR, child_env, finish, node_commands
-    procs = []
-    for index, node in enumerate(node_commands([*common, "--distributed-backend", "gloo"],
-                                               [gpu_node, [*cpu_node, "--cpu"]])):
-        quiet = [flag for flag in QUIET if flag != "--cpu"]
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *quiet,
-                                       *map(str, node)], cwd=RUN_DIR, env=child_env(),
-                                      text=True, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT))
+    from conftest import QUIET, ROOT, RUN_DIR, child_env
+    quiet = [flag for flag in QUIET if flag != "--cpu" or not gpu]
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *quiet, *map(str, command)],
+                            cwd=RUN_DIR, env=child_env(env), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _gpu_and_cpu_job(common, gpu_node, cpu_node):
+    """A job of a GPU node (rank 0) and a CPU node (rank 1) over gloo:
+    [(exit code, output)] per node."""
+    from conftest import finish, node_commands
+    procs = [_node(node, gpu=index == 0) for index, node in enumerate(
+        node_commands([*common, "--distributed-backend", "gloo"], [gpu_node, cpu_node]))]
     results = finish(procs, timeout=300)
     for code, out in results:
         assert code == 0, out[-3000:]
@@ -113,3 +115,43 @@ def test_a_gpu_rank_and_a_cpu_rank_match_one_process(tmp_path, split):
     reference = alone(*EXACT_SGD, "--max-update", 7, "--max-sentences", 32)["model"]
     trained = {name: value.cpu() for name, value in final_params(tmp_path).items()}
     assert max_diff(reference, trained) < EXACT
+
+
+def test_an_elastic_gpu_node_hands_its_state_to_a_cpu_joiner_exactly(tmp_path):
+    """--elastic over gloo: a GPU node (rank 0) and a CPU node train; a
+    second CPU node joins and receives the state from the GPU rank. The
+    weights equal one CPU process's (the float64 toy, SGD)."""
+    import socket
+    import time
+
+    from conftest import UPDATE_LINE, EXACT, Watched, final_params, free_port, max_diff
+    from test_elastic import ELASTIC, reference
+    from test_parity import COMMON
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    env = {"HETSEQ_JOB_SECRET": "5f0c1d2e3b4a69788796a5b4c3d2e1f0"}
+
+    def start(name, gpu):
+        # ELASTIC's 100 updates: at 40 a fast machine finished before the joiner came.
+        command = [*COMMON, *ELASTIC, "--distributed-backend", "gloo",
+                   "--distributed-init-method", url, "--save-dir", tmp_path / name]
+        return Watched(_node(command, gpu, env))
+    first = start("a", gpu=True)
+    deadline = time.monotonic() + 120
+    while True:           # the GPU node serves the URL's port, so it leads: rank 0
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline and first.proc.poll() is None, first.output()
+            time.sleep(0.1)
+    second = start("b", gpu=False)
+    first.wait_for(UPDATE_LINE, 5, timeout=120)
+    joiner = start("c", gpu=False)
+    first.wait_for(r"generation 2: 3 nodes", timeout=120)
+    for watched in (first, second, joiner):
+        code, out = watched.finish(240)
+        assert code == 0, out[-4000:]
+    assert "cuda:0" in first.output(), first.output()[-3000:]
+    trained = {k: v.cpu() for k, v in final_params(tmp_path / "a").items()}
+    assert max_diff(reference(), trained) < EXACT
