@@ -225,9 +225,11 @@ def test_a_lost_host_an_intruder_and_a_late_joiner(three_hosts, tmp_path):
     URL names host A, as the issue's command does (on A itself the name
     resolves to 127.0.1.1)."""
     url = f"tcp://{three_hosts.names[0]}:29517"
-    ranks = {0: 2, 1: 1, 2: 2}
+    # Slower samples than ELASTIC's: the survivors' 90 updates must outlast
+    # the intruder and the joiner's start (its second process forks too).
+    ranks, slower = {0: 2, 1: 1, 2: 2}, ["--toy-sample-ms", 10]
     a, b, c = (node(three_hosts, i, url, tmp_path / f"host{i}", "--cpu", "--distributed-gpus",
-                    ranks[i]) for i in range(3))
+                    ranks[i], *slower) for i in range(3))
     a.wait_for(r"generation 1: 3 nodes, this node is rank 0 \(ranks 0-1 of 5\)")
     a.wait_for(UPDATE_LINE, 10)
     switch_off(three_hosts, 2, c)
@@ -238,7 +240,8 @@ def test_a_lost_host_an_intruder_and_a_late_joiner(three_hosts, tmp_path):
                      env={"HETSEQ_JOB_SECRET": "9e4c7a1f0b3d5e2a8c6f4d1b7e9a0c3f"}).finish(60)
     assert code == 2 and "its secret differs" in out and "Traceback" not in out, out[-3000:]
     assert len(out.strip().splitlines()) == 1, out
-    joiner = node(three_hosts, 2, url, tmp_path / "joiner", "--cpu", "--distributed-gpus", 2)
+    joiner = node(three_hosts, 2, url, tmp_path / "joiner", "--cpu", "--distributed-gpus", 2,
+                  *slower)
     a.wait_for(changed("hostC", "joined"), timeout=90)
     out_a, out_b, out_c = finish_ok(a, b, joiner)
     # Rank 0 (A) says what the new splits are, for 5 ranks, then 3, then 5;
@@ -278,14 +281,19 @@ def test_a_frozen_host_is_left_behind(three_hosts, tmp_path):
 def test_the_meeting_point_host_is_lost_and_a_node_joins_through_another(three_hosts, tmp_path):
     """Host A serves the URL's meeting point and is rank 0; it is switched
     off. The lowest surviving rank becomes the meeting point and rank 0. A
-    restarted node names B's address (every member serves the same port)."""
+    restarted node names B's address (every member serves the same port).
+    The job runs in rounds of --local-steps 1 with the outer step theta_0 - D
+    (the synchronous update, local_steps.py): the round cut short by the
+    loss is trained again, and the joiner gets the outer step's state."""
     url = f"tcp://{three_hosts.addresses[0]}:29519"
-    a, b, c = (node(three_hosts, i, url, tmp_path / f"host{i}") for i in range(3))
+    rounds = ["--local-steps", 1, "--outer-lr", 1, "--outer-momentum", 0]
+    a, b, c = (node(three_hosts, i, url, tmp_path / f"host{i}", *rounds) for i in range(3))
     a.wait_for(UPDATE_LINE, 10)
     switch_off(three_hosts, 0, a)
     b.wait_for(changed("hostA", "left"), timeout=90)
     three_hosts.plug(0)
-    again = node(three_hosts, 0, f"tcp://{three_hosts.addresses[1]}:29519", tmp_path / "again")
+    again = node(three_hosts, 0, f"tcp://{three_hosts.addresses[1]}:29519", tmp_path / "again",
+                 *rounds)
     b.wait_for(changed("hostA", "joined"), timeout=90)
     # Ranks were given in the order of arrival: B or C is now rank 0.
     leader = new_rank_0(finish_ok(b, c, again)[:2], "left: hostA") + 1

@@ -221,6 +221,8 @@ def test_a_synchronous_checkpoint_resumes_into_rounds_and_back(tmp_path):
     (["--grad-compression", "powersgd", "--zero", "3"], "use --zero 0 or 1"),
     (["--grad-compression", "powersgd", "--powersgd-start", "1"], "expected N >= 2"),
     (["--powersgd-rank", "2"], "add --grad-compression powersgd"),
+    (["--local-steps", "8", "--outer-overlap", "--elastic", "--global-batch-size", "8",
+      "--distributed-init-method", "tcp://127.0.0.1:1"], "applies each round one round late"),
 ])
 def test_flags_that_make_no_sense_together_are_refused(flags, message):
     with pytest.raises(UserError, match=message):
@@ -232,3 +234,33 @@ def test_a_bad_combination_exits_2_with_one_line(tmp_path):
     result = run_train(*TOY, "--local-steps", 8, "--zero", 3, "--save-dir", tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--local-steps 8: --zero 3" in result.stderr
+
+
+def test_an_elastic_snapshot_inside_a_round_goes_back_to_its_start():
+    """--elastic with --local-steps: a round cut short by a lost member is
+    trained again by the next generation, so a snapshot taken inside a round
+    holds the model, the inner optimizer's state (SGD momentum here) and the
+    update count of the round's start, and the outer step's state of the
+    round before; one taken at a round's end holds that round."""
+    import copy
+    from hetseq.distributed import DistContext
+    from hetseq.update.local_steps import OPTIMIZERS, ROUNDS
+    from conftest import build_controller, keyed
+    flags = [*COMMON, "--local-steps", 3, "--momentum", 0.9, "--elastic",
+             "--global-batch-size", 8, "--distributed-init-method", "tcp://127.0.0.1:1"]
+    controller, task = build_controller(flags, DistContext(0, 1, 0, torch.device("cpu")))
+    data = task.load_dataset("train")
+    batches = [keyed(data, list(range(4 * i, 4 * i + 4))) for i in range(5)]
+    results = [controller.train_step([b], b, boundary=False) for b in batches[:3]]
+    assert results[:2] == [None, None] and results[2] is not None      # one round of 3
+    at_round_end = copy.deepcopy(controller.state_dict(local=True))
+    for batch in batches[3:]:                                           # 2 of the next 3
+        assert controller.train_step([batch], batch, boundary=False) is None
+    assert max_diff(at_round_end["model"], controller.model.state_dict()) > 1e-6
+    snapshot = controller.state_dict(local=True)
+    assert snapshot["num_updates"] == at_round_end["num_updates"] == 3
+    assert max_diff(at_round_end["model"], snapshot["model"]) == 0
+    momentum = [s["momentum_buffer"] for s in snapshot["optimizer"]["state"].values()]
+    before = [s["momentum_buffer"] for s in at_round_end["optimizer"]["state"].values()]
+    assert len(momentum) == 4 and all(torch.equal(a, b) for a, b in zip(momentum, before))
+    assert ROUNDS in snapshot and OPTIMIZERS not in snapshot           # no other rank's

@@ -377,9 +377,11 @@ class Membership:
 
     def mark_lost(self, ranks):
         """Ranks of this generation that the heartbeats found lost: their
-        members (a node's ranks are lost together)."""
+        members (a node's ranks are lost together). Never this node: one of
+        its processes may find another one silent (starved of CPU), but a
+        process of its own that ended is known for sure (run/elastic.py)."""
         gen = self.generation
-        self.lost = {gen.members[gen.member_of(r)]["id"] for r in ranks}
+        self.lost = {gen.members[gen.member_of(r)]["id"] for r in ranks} - {self.id}
 
 
 class Place:

@@ -175,9 +175,10 @@ class Run:
                                            checksum=self.agreement.pending,
                                            signal=float(self._join_waiting()),
                                            boundary=self._boundary())
-            if result is not None:    # None: inside a round of --local-steps
-                self.after_update(result, time.perf_counter() - started, steps)
-                started, steps = None, 0
+            if result is None:        # inside a round of --local-steps
+                continue
+            self.after_update(result, time.perf_counter() - started, steps)
+            started, steps = None, 0
             self._completed = (controller.num_updates, self._drawn)
             if training.max_update and controller.num_updates >= training.max_update:
                 break
@@ -206,11 +207,14 @@ class Run:
         collective (--elastic: the process group may be broken). The
         optimizer steps only after the update's collectives, so the model is
         either at the last completed update or one further, when this rank
-        finished an update the others did not."""
+        finished an update the others did not (under --local-steps an
+        update is a round: one cut short is undone, Controller.state_dict)."""
+        state = self.controller.state_dict(local=True)
         done, position = self._completed
         if self.controller.num_updates != done:
             position = self._drawn
-        return self.checkpointer.local_state({TRAIN_ITERATOR.name: position})
+        return self.checkpointer.local_state({TRAIN_ITERATOR.name: position,
+                                              CONTROLLER.name: state})
 
     def after_update(self, result, wall_time, steps=1):
         """Ranks kept equal, the split re-planned if a rank's speed changed,

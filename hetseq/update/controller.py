@@ -106,7 +106,7 @@ class Controller:
 
     def __init__(self, job, task, model, ctx):
         self.task, self.ctx, self.cfg = task, ctx, job.update
-        self.exchange = exchange.build(job.exchange, job.precision, ctx)
+        self.exchange = exchange.build(job.exchange, job.precision, ctx, job.elastic.elastic)
         self.sharding = self.exchange.hold(sharding.build(job.sharding, job.precision, ctx,
                                                           self.exchange.comm_hook()))
         # FSDP moves each shard to the device itself: the whole model never
@@ -186,7 +186,7 @@ class Controller:
         self._steps += 1
         clock = ComputeClock(self.sharding.waited)
         self._mode(True)
-        self.exchange.begin()
+        self.exchange.begin(self)
         self.optimizer.zero_grad(set_to_none=True)
         stats = self.exchange.stats(checksum, signal)
         loss_scale = self.scaler.scale if self.scaler else 1.0
@@ -320,16 +320,24 @@ class Controller:
         self.lr_scheduler.set_epoch(epoch)
         self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
 
-    def state_dict(self):
+    def state_dict(self, local=False):
         """The full state whatever the mode (sharding.py). Under sharding this is
         a collective (call it on every rank); the full optimizer state is then
         on rank 0 only. The exchange mode adds its own entries (--local-steps:
-        the outer step's state and every rank's own optimizer state)."""
-        self.exchange.settle()    # a round in flight lands in the model first
+        the outer step's state and every rank's own optimizer state).
+
+        ``local``: an elastic member's snapshot (--zero 0), with no
+        collective: the state of the last update every rank completed (under
+        --local-steps the last outer step: a round cut short by a lost member
+        is trained again), this rank's own optimizer state only."""
+        if local:
+            self.exchange.rewind(self)
+        else:
+            self.exchange.settle()    # a round in flight lands in the model first
         state = {MODEL: self.full_model_state(),
                  OPTIMIZER: self.sharding.optimizer_state(self.model, self.optimizer),
                  LR_SCHEDULER: self.lr_scheduler.state_dict(), UPDATES: self.num_updates}
-        state.update(self.exchange.state_dict(self.model, state[OPTIMIZER]))
+        state.update(self.exchange.state_dict(self.model, state[OPTIMIZER], local))
         if self.scaler is not None:
             state[LOSS_SCALER] = self.scaler.state_dict()
         return state

@@ -41,8 +41,11 @@ class Exchange:
     """Synchronous updates: the gradient collectives run inside the --zero
     mode's backward, the stats in their own all-reduce (stats.py)."""
 
-    def __init__(self, cfg, precision_cfg, ctx):
+    def __init__(self, cfg, precision_cfg, ctx, rewindable=False):
         self.cfg, self.precision, self.ctx = cfg, precision_cfg, ctx
+        # --elastic: a snapshot may have to go back to the last state every
+        # rank completed (``rewind``), so the exchange keeps what it needs.
+        self.rewindable = rewindable
         # Every --zero mode averages over the world (controller.py's math).
         self.divisor = ctx.world_size if ctx.distributed else 1
         self._last = (0.0, 0.0)      # this rank's compute seconds and samples, last update
@@ -64,8 +67,14 @@ class Exchange:
 
     # ---- one update ----
 
-    def begin(self):
+    def begin(self, controller):
         """Before the update's first forward."""
+
+    def rewind(self, controller):
+        """Back to the last update every rank completed, with no collective
+        (an elastic member's snapshot, the process group perhaps broken). A
+        synchronous update is complete on this rank or not begun: nothing to
+        undo."""
 
     def stats(self, checksum, signal):
         """The stats of the update about to run, with this rank's report."""
@@ -93,8 +102,9 @@ class Exchange:
     def settle(self):
         """Every rank holds the same model after this (nothing in flight)."""
 
-    def state_dict(self, model, optimizer_state):
-        """Its entries in the Controller's state (a collective where it says so)."""
+    def state_dict(self, model, optimizer_state, local=False):
+        """Its entries in the Controller's state (a collective where it says
+        so, unless ``local``: this rank's own view, for a snapshot)."""
         return {}
 
     def load_state_dict(self, model, state):
@@ -128,7 +138,8 @@ def mode_of(cfg):
     return "powersgd" if cfg.grad_compression == "powersgd" else "synchronous"
 
 
-def build(cfg, precision_cfg, ctx):
-    """This run's Exchange (``cfg``: the job's ExchangeConfig)."""
+def build(cfg, precision_cfg, ctx, rewindable=False):
+    """This run's Exchange (``cfg``: the job's ExchangeConfig; ``rewindable``:
+    --elastic, whose snapshots go back to the last completed update)."""
     importlib.import_module("hetseq.update.local_steps")   # registers "local-steps" (built on this)
-    return EXCHANGES.get(mode_of(cfg))(cfg, precision_cfg, ctx)
+    return EXCHANGES.get(mode_of(cfg))(cfg, precision_cfg, ctx, rewindable)

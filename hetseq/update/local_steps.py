@@ -51,6 +51,7 @@ run saves or stops: all decided by the job's flags, so every rank agrees.
 """
 
 import concurrent.futures
+import copy
 import logging
 
 import torch
@@ -131,8 +132,9 @@ def _check_local_steps(args):
          "--bf16"),
         (args.reduce_dtype != "float32", f"--reduce-dtype {args.reduce_dtype} sets the dtype "
          "of gradient all-reduces, which local steps do not make; use --outer-dtype"),
-        (args.elastic, "--elastic does not carry a round across members yet; leave out one "
-         "of the two"),
+        (args.elastic and args.outer_overlap, "--outer-overlap applies each round one round "
+         "late, and --elastic cannot yet go back to a state every member completed across "
+         "that lag; leave out one of the two"),
         (args.outer_lr <= 0, f"--outer-lr {args.outer_lr}: expected a rate > 0"),
         (not 0 <= args.outer_momentum < 1, f"--outer-momentum {args.outer_momentum}: "
          "expected 0 <= mu < 1"),
@@ -226,8 +228,8 @@ class LocalSteps(Exchange):
     """The rounds of one rank: what it did in the round so far, the outer
     optimizer and the exchange. ``cfg``: the job's ExchangeConfig."""
 
-    def __init__(self, cfg, precision_cfg, ctx):
-        super().__init__(cfg, precision_cfg, ctx)
+    def __init__(self, cfg, precision_cfg, ctx, rewindable=False):
+        super().__init__(cfg, precision_cfg, ctx, rewindable)
         # An inner step sums nothing: the gradient is divided by this rank's
         # samples alone, the gradient of ITS mean loss (the math above).
         self.divisor = 1
@@ -237,6 +239,7 @@ class LocalSteps(Exchange):
         self.anchor = None             # theta_0; with --outer-overlap: global
         self.start = None              # --outer-overlap: this rank's parameters at the round's start
         self.pending = None            # --outer-overlap: the exchange in flight
+        self.restart = None            # rewindable: (inner optimizer state, updates) at the round's start
         self._group = self._pool = None
         if cfg.outer_overlap and ctx.distributed:
             # Its own group: the exchange's collectives never pair with the
@@ -261,10 +264,14 @@ class LocalSteps(Exchange):
 
     # ---- inside a round ----
 
-    def begin(self):
-        """Before an inner step: the round's starting point, at its first step."""
+    def begin(self, controller):
+        """Before an inner step: the round's starting point, at its first step
+        (rewindable: with the inner optimizer's state and the update count)."""
         if self.anchor is None:
             self.anchor = self.flat.read()
+            if self.rewindable:
+                self.restart = (copy.deepcopy(controller.optimizer.state_dict()),
+                                controller.num_updates)
         if self.cfg.outer_overlap and self.start is None:
             self.start = self.flat.read()
 
@@ -354,14 +361,35 @@ class LocalSteps(Exchange):
         model = self.anchor if self.cfg.outer_overlap and self.anchor is not None else self.params
         return self.outer_mode.replicated_state(model, self.outer)
 
-    def state_dict(self, model, optimizer_state):
+    def rewind(self, controller):
+        """Back to the last outer step (--elastic, whose rule is: a round
+        either ends with its exchange on every member, or the next
+        generation trains it again from its start, on the same batches
+        split among the new members). The model goes back to theta_0, the
+        inner optimizer and the update count to where the round began; the
+        outer step's state changes only at a round's end, so it stands."""
+        if self.anchor is None:
+            return                        # at an outer step: nothing to undo
+        self.flat.write(self.anchor)
+        optimizer_state, updates = self.restart
+        controller.optimizer.load_state_dict(optimizer_state)
+        controller.num_updates = updates
+        controller.lr = controller.lr_scheduler.step_update(updates + 1)
+        self.anchor = self.restart = None
+        self.round, self.seconds, self.steps = StatsExchange(self.ctx, local=True), 0.0, 0
+
+    def state_dict(self, model, optimizer_state, local=False):
         """A save ends the round (settled). "local_steps": the outer step's state
         (a collective under --zero 1: consolidated on rank 0); "optimizers":
-        every rank's own inner optimizer state, gathered on rank 0."""
-        self.settle()
-        return {ROUNDS: {"outer_optimizer": self.outer_mode.optimizer_state(model, self.outer),
-                         "local_steps": self.cfg.local_steps},
-                OPTIMIZERS: gather_to_main(optimizer_state, self.ctx)}
+        every rank's own inner optimizer state, gathered on rank 0. ``local``
+        (a snapshot): none of the others' (a new generation's ranks all
+        continue from the source rank's own)."""
+        if not local:
+            self.settle()
+        rounds = {ROUNDS: {"outer_optimizer": self.outer_mode.optimizer_state(model, self.outer),
+                           "local_steps": self.cfg.local_steps}}
+        return rounds if local else {**rounds,
+                                     OPTIMIZERS: gather_to_main(optimizer_state, self.ctx)}
 
     def load_state_dict(self, model, state):
         saved = state.get(ROUNDS) or {}
