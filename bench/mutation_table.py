@@ -503,4 +503,23 @@ MUTATIONS = {
         'source = "--total-num-update" if self.cfg.total_num_update else "the planned run"',
         'source = "the planned run"',
         ["tests/test_first_hour.py::test_two_nodes_print_progress_rates_and_their_own_lines"]),
+    'resync-buckets-split-by-device': (
+        "a GPU and a CPU rank make the same broadcasts in a resync (buckets follow dtypes)",
+        'hetseq/update/agreement.py',
+        "        if bucket and (size + tensor.numel() > limit or tensor.dtype != bucket[0].dtype):",
+        "        if bucket and (size + tensor.numel() > limit or tensor.dtype != bucket[0].dtype\n"
+        "                       or tensor.device != bucket[0].device):",
+        ['tests/test_agreement.py::test_ranks_split_their_state_alike_whatever_device_holds_it']),
+    'watchdog-judges-after-its-own-stall': (
+        "a member that was paused does not take the others' silence for theirs",
+        'hetseq/distributed/health.py',
+        "            self.heard = dict.fromkeys(self.heard, now)",
+        "            pass",
+        ['tests/test_elastic.py::test_a_watchdog_that_stalled_itself_gives_every_member_a_fresh_window']),
+    'elastic-round-not-rewound': (
+        "--elastic with --local-steps: a snapshot inside a round goes back to its start",
+        'hetseq/update/local_steps.py',
+        "        if self.anchor is None:\n            return                        # at an outer step",
+        "        if True:\n            return                        # at an outer step",
+        ['tests/test_local_steps.py::test_an_elastic_snapshot_inside_a_round_goes_back_to_its_start']),
 }
