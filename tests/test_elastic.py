@@ -305,7 +305,7 @@ def test_too_few_nodes_save_and_stop_and_the_job_resumes(three_hosts, tmp_path):
     the last completed update each in its own --save-dir and stop (exit 3).
     The same three commands again resume from the newest checkpoint."""
     url = f"tcp://{three_hosts.addresses[0]}:29520"
-    three = ["--min-nodes", 3]
+    three = ["--min-nodes", 3, "--max-update", SHORT]
     a, b, c = (node(three_hosts, i, url, tmp_path / f"host{i}", *three) for i in range(3))
     a.wait_for(UPDATE_LINE, 10)
     os.killpg(c.proc.pid, signal.SIGKILL)
@@ -316,7 +316,7 @@ def test_too_few_nodes_save_and_stop_and_the_job_resumes(three_hosts, tmp_path):
     nodes = [node(three_hosts, i, url, tmp_path / f"host{i}", *three) for i in range(3)]
     out_a = finish_ok(*nodes)[0]
     assert "resumed from the state of rank" in out_a, out_a[-3000:]
-    assert max_diff(reference(), final_params(tmp_path / "host0")) < EXACT
+    assert max_diff(reference(SHORT), final_params(tmp_path / "host0")) < EXACT
 
 
 def test_the_leader_lost_while_it_saves(three_hosts, tmp_path):
@@ -359,7 +359,7 @@ def test_a_paused_meeting_point_rejoins_the_job_and_never_trains_alone(three_hos
     (--min-nodes 1: alone it would be enough) it finds the job went on,
     joins it as a late joiner and takes the job's state: one job, exactly."""
     url = f"tcp://{three_hosts.addresses[0]}:29522"
-    slow = ["--min-nodes", 1, "--toy-sample-ms", 15]
+    slow = ["--min-nodes", 1, "--toy-sample-ms", 15, "--max-update", SHORT]
     a, b, c = (node(three_hosts, i, url, tmp_path / f"host{i}", *slow) for i in range(3))
     a.wait_for(UPDATE_LINE, 5)
     os.killpg(a.proc.pid, signal.SIGSTOP)
@@ -371,7 +371,7 @@ def test_a_paused_meeting_point_rejoins_the_job_and_never_trains_alone(three_hos
     counts = one_job(outputs)
     assert 1 not in counts.values(), counts      # A never trained alone
     leader = new_rank_0(outputs[1:], "left: hostA") + 1
-    assert max_diff(reference(), final_params(tmp_path / f"host{leader}")) < EXACT
+    assert max_diff(reference(SHORT), final_params(tmp_path / f"host{leader}")) < EXACT
 
 
 def test_a_split_into_halves_trains_on_one_side_only(tmp_path):
