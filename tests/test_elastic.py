@@ -184,6 +184,19 @@ def test_a_round_needs_a_majority_of_the_previous_generation():
     assert has_quorum(None, {"a"})                          # a fresh start
 
 
+def test_a_node_of_several_ranks_places_its_ranks_after_the_members_before_it():
+    from hetseq.distributed.generations import MAX_RANKS, well_formed
+    members = ({"id": "a", "ranks": 2, "holder": 1}, {"id": "b"}, {"id": "c", "ranks": 4})
+    gen = Generation(3, members, 2, None, source=0)
+    assert gen.world_size == 7 and gen.first_rank() == 3 and gen.first_rank(1) == 2
+    assert gen.source_rank == 1                              # a's second process holds it
+    assert [gen.member_of(r) for r in range(7)] == [0, 0, 1, 2, 2, 2, 2]
+    # Sizes a member claims are bounded before a round uses them.
+    assert all(map(well_formed, members))
+    assert not any(well_formed({"ranks": r, "holder": h}) for r, h in
+                   ((0, 0), (MAX_RANKS + 1, 0), ("2", 0), (2, 2), (2, -1), (1.5, 0)))
+
+
 def test_ranks_are_ordered_before_max_nodes_cuts():
     previous = gen(2, "b", "a", "c")
     arrived = [{"id": i} for i in ("new", "c", "a", "b")]  # the waiting node arrived first

@@ -89,6 +89,17 @@ def _ranks(member):
     return member.get("ranks", 1)
 
 
+MAX_RANKS = 1024    # processes of one node: more than any machine has GPUs
+
+
+def well_formed(member):
+    """Whether a participant's ``ranks`` and ``holder`` are sizes a round
+    may use (a member's word, but it sizes lists and the process group)."""
+    ranks, holder = member.get("ranks", 1), member.get("holder", 0)
+    return (type(ranks) is int and 1 <= ranks <= MAX_RANKS and type(holder) is int
+            and 0 <= holder < ranks)
+
+
 def has_quorum(previous, arrived_ids):
     """Whether the nodes ``arrived_ids`` may close a round after the
     generation ``previous`` (None: a fresh start, no quorum needed)."""

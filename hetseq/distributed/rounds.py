@@ -151,7 +151,13 @@ class LeadRound:
         store, number = self.store, self.number
         count = store.add(f"e/{number}/n", 0)
         keys = [f"e/{number}/who/{i}" for i in range(1, count + 1)]
-        return [json.loads(store.get(key)) for key in keys if store.check([key])]
+        arrived = [json.loads(store.get(key)) for key in keys if store.check([key])]
+        for member in arrived:
+            if not generations.well_formed(member):
+                logger.warning("left out %s: it claims %r ranks (holder %r); expected 1 to %d",
+                               describe(member), member.get("ranks"), member.get("holder"),
+                               generations.MAX_RANKS)
+        return [m for m in arrived if generations.well_formed(m)]
 
     def _publish(self, outcome):
         return publish(self.store, self.number, outcome)
