@@ -49,7 +49,7 @@ from hetseq.testing import cluster as netns  # noqa: E402
 from hetseq.testing.watched import Watched  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECRET = "0123456789abcdef0123456789abcdef"
+SECRET = "5f0c1d2e3b4a69788796a5b4c3d2e1f0"   # generated-looking: the secret rules refuse counting runs
 BATCH = 48
 UPDATE = re.compile(r"\| epoch \d+ \| update \d+")
 RESUMED = re.compile(r"resumed from .*: epoch \d+, (\d+) updates done")
@@ -138,7 +138,8 @@ def run(launcher, faults, period, args):
         job = Job(cluster, launcher, args, folder)
         for host in range(3):
             job.start(host)
-        first = wait_until(lambda: job.updates()[0], args.limit, job)[0][0]
+        first = wait_until(lambda: job.updates()[0], args.limit, job,
+                           give_up=lambda: all_ended(job))[0][0]
         moments = []
         for index, (kind, host) in enumerate(faults):
             wait_until(lambda: time.monotonic() >= first + (index + 1) * period or
@@ -172,10 +173,12 @@ def all_ended(job):
     return all(node.proc.poll() is not None for node in job.nodes if node not in job.dead)
 
 
-def wait_until(condition, limit, job=None, fatal=True):
+def wait_until(condition, limit, job=None, fatal=True, give_up=lambda: False):
+    """``condition()``'s value once true; after ``limit`` s, or at once when
+    ``give_up()`` (every node ended), exit naming each node's last lines."""
     deadline = time.monotonic() + limit
     while not (value := condition()):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or give_up():
             if not fatal:
                 return None
             tails = "".join(f"\n--- host {'ABC'[n.host]} ---\n" + "".join(n.lines[-15:])
