@@ -136,6 +136,39 @@ def test_a_watchdog_that_stalled_itself_gives_every_member_a_fresh_window():
     assert stalled.lost([1, 2, 1], 26.5) == [0, 2]          # still standing after the wake
 
 
+class SilentStore:
+    """A leader's store that never answers (its host paused or cut off)."""
+
+    def __init__(self):
+        self.released = threading.Event()
+
+    def set(self, key, value):
+        self.released.wait()
+        raise RuntimeError("the store is gone")
+
+
+def test_a_silent_leaders_store_tells_the_leader_lost_after_one_timeout():
+    """The leader's store not answering for --heartbeat-timeout is the
+    leader's silence: told then, not a second timeout later (which let
+    the collective's --distributed-timeout end the generation first, and
+    the next meeting then waited on the lost leader's store)."""
+    from hetseq.distributed.health import Watchdog
+    store, timeout_s = SilentStore(), 3.0
+    # The leader's address has no connection here: cutting it closes nothing.
+    watchdog = Watchdog(store, 1, ["10.255.255.1", "127.0.0.1"], "127.0.0.1", timeout_s)
+    started = time.monotonic()
+    try:
+        while not watchdog.lost and time.monotonic() - started < 4 * timeout_s:
+            watchdog._stop.wait(0.05)
+        told = time.monotonic() - started
+    finally:
+        store.released.set()
+        watchdog.stop()
+    assert watchdog.lost == [0]
+    # One timeout and a beat's wait; a second timeout would be 6.5 s.
+    assert told < timeout_s + 2.0, told
+
+
 def test_bounds_need_elastic_and_elastic_needs_tcp():
     for bound in (["--min-nodes", "2"], ["--heartbeat-timeout", "3"]):
         with pytest.raises(UserError, match="add --elastic"):

@@ -115,12 +115,16 @@ class Watchdog:
             if self._stop.wait(INTERVAL_S / 2):
                 return
             beats += 1
-            now = time.monotonic()
-            silence.woke(waited_from, now)
+            silence.woke(waited_from, time.monotonic())
             try:
                 counts = within(self.timeout_s, lambda: self._beat(beats))
             except Exception:       # the leader's store: silent (paused, cut off) or gone
                 counts = None
+            # The counts are as of now, after the query: a store that did not
+            # answer was silent all through it (timed before the query, the
+            # leader was told lost a whole timeout late, after the collective's
+            # own --distributed-timeout had ended the generation anyway).
+            now = time.monotonic()
             if counts == [] or self._stop.is_set():   # nothing to compare; or stopped meanwhile
                 continue
             for r in silence.lost(counts, now):
