@@ -230,6 +230,38 @@ def test_a_node_of_several_ranks_places_its_ranks_after_the_members_before_it():
                    ((0, 0), (MAX_RANKS + 1, 0), ("2", 0), (2, 2), (2, -1), (1.5, 0)))
 
 
+def arrive(store, number, *members):
+    """Members arriving in round ``number`` at ``store`` (membership.py's way)."""
+    import json
+    for member in members:
+        index = store.add(f"e/{number}/n", 1)
+        store.set(f"e/{number}/who/{index}", json.dumps(member))
+
+
+def test_a_round_does_not_wait_for_a_member_whose_store_refused():
+    """A killed member's store refuses the survivors' look for the leader
+    (Membership.unreachable): the leader closes the round as soon as the
+    others arrived, not SETTLE_S after them."""
+    import types
+    from hetseq.distributed.rounds import SETTLE_S, LeadRound
+    line = ["1-a"]
+    held = [{"id": i, "host": i, "addr": "10.0.0.1", "port": 1, "pid": 1, "updates": 10,
+             "lineage": line, "ranks": 1, "holder": 0, "generation": 1} for i in "abc"]
+    previous = Generation(1, tuple(held), 0, None, lineage=tuple(line))
+    store = torch.distributed.HashStore()
+    arrive(store, 2, held[0], held[1])
+    for unreachable, at_least in (set(), SETTLE_S), ({"c"}, 0.0):
+        m = types.SimpleNamespace(generation=previous, lost=set(), unreachable=unreachable,
+                                  min_nodes=1, max_nodes=0, timeout_s=30.0, id="a",
+                                  _live=lambda members: [],   # probes: nobody is elsewhere
+                                  _newer=lambda live: None)
+        started = time.monotonic()
+        outcome = LeadRound(m, store, 2).close()
+        took = time.monotonic() - started
+        assert [member["id"] for member in outcome["members"]] == ["a", "b"]
+        assert at_least <= took < at_least + SETTLE_S / 2, (unreachable, took)
+
+
 def test_ranks_are_ordered_before_max_nodes_cuts():
     previous = gen(2, "b", "a", "c")
     arrived = [{"id": i} for i in ("new", "c", "a", "b")]  # the waiting node arrived first

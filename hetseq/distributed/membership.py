@@ -93,6 +93,10 @@ class Membership:
         # Members of this generation that this node's heartbeats found lost:
         # the next meeting neither probes them nor waits for them.
         self.lost = set()
+        # Previous members whose stores did not answer this node's last look
+        # for the leader (a killed member's port refuses at once): a round
+        # this node leads does not wait SETTLE_S for them to arrive.
+        self.unreachable = set()
         # Every member's store holds the job's identity (JobConfig.identity()),
         # so that a node with other flags or code is refused wherever it knocks.
         self.identity, self.who = job_identity, f"{socket.gethostname()} pid {os.getpid()}"
@@ -168,6 +172,7 @@ class Membership:
         the previous members first: when the job went on without it, it
         joins the newer generation; otherwise it meets at the first live
         member (rank order). A newcomer goes where the URL's store points."""
+        self.unreachable = set()
         if moved is not None:
             return self._connect((moved["addr"], moved["port"])), True
         if self.generation is None:
@@ -176,7 +181,9 @@ class Membership:
             running = self._newer(self._live(self.known))
             return (self._entry_store() if running is None else
                     self._connect((running["addr"], running["port"]))), True
-        live = self._live([m for m in self.generation.members if m["id"] not in self.lost])
+        asked = [m for m in self.generation.members if m["id"] not in self.lost]
+        live = self._live(asked)
+        self.unreachable = {m["id"] for m in asked} - {m["id"] for m in live}
         newer = self._newer(live)
         if newer is not None:
             NODE.warning("the job went on without this node (generation %d at %s:%d); joining it",

@@ -53,8 +53,10 @@ class LeadRound:
     def close(self):
         """Wait for a quorum and the members, then write them; what was published."""
         previous = self.m.generation
-        # Every previous member, except those this node's heartbeats found lost.
-        expected = set() if previous is None else set(previous.ids) - self.m.lost
+        # Every previous member, except those this node's heartbeats found
+        # lost and those whose stores did not answer it just now.
+        expected = (set() if previous is None else
+                    set(previous.ids) - self.m.lost - self.m.unreachable)
         deadline = time.monotonic() + self.m.timeout_s
         seen, changed, probed = 0, time.monotonic(), time.monotonic()
         while True:
