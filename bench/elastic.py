@@ -20,7 +20,9 @@ Runs, each until --updates updates are done:
   same moments;
 - ``hetseq_one_kill`` and ``torchrun_one_kill``: host C killed once, at
   --kills-period: the cost of one restart (torchrun's re-rendezvous waits
-  up to 30 s, c10d's last call, for more nodes).
+  up to 30 s, c10d's last call, for more nodes);
+- ``hetseq_leader_faults``: the faults hit host A, the meeting point and
+  rank 0: frozen, back, switched off, back.
 
 Reported: per fault, the seconds from the fault to the next completed
 update (for a node coming back: from its start to the first update it takes
@@ -57,6 +59,11 @@ RESUMED = re.compile(r"resumed from .*: epoch \d+, (\d+) updates done")
 FAULTS = [("kill", 2), ("back", 2), ("freeze", 1), ("back", 1), ("switch_off", 2), ("back", 2)]
 # One host lost at --kills-period: the cost of one restart.
 ONE_KILL = [("kill", 2)]
+# The meeting point itself (host A, rank 0, the URL's address): frozen, back,
+# switched off, back. A node back on A names B's address (any member serves
+# the meeting point's port). torchrun has no counterpart: its c10d rendezvous
+# lives in host A's agent, and the job ends with it.
+LEADER = [("freeze", 0), ("back", 0), ("switch_off", 0), ("back", 0)]
 
 
 def job_flags(args, save):
@@ -116,7 +123,9 @@ class Job:
 
 def hetseq_launcher(job, host):
     save = os.path.join(job.folder, f"host{host}")
-    url = f"tcp://{job.cluster.addresses[0]}:29600"
+    # A's node back after A was lost finds the job through B.
+    entry = 1 if host == 0 and host in job.started else 0
+    url = f"tcp://{job.cluster.addresses[entry]}:29600"
     return [sys.executable, os.path.join(ROOT, "train.py"), *map(str, job_flags(job.args, save)),
             "--elastic", "--min-nodes", "2", "--max-sentences", "16",
             "--distributed-init-method", url], True
@@ -261,7 +270,8 @@ def main():
     parser.add_argument("--limit", type=float, default=900, help="seconds one run may take")
     parser.add_argument("--only", action="append",
                         choices=["hetseq_clean", "hetseq_faults", "torchrun_faults",
-                                 "hetseq_one_kill", "torchrun_one_kill"])
+                                 "hetseq_one_kill", "torchrun_one_kill",
+                                 "hetseq_leader_faults"])
     parser.add_argument("--logs", help="write every node's output into this folder")
     parser.add_argument("--out")
     parser.add_argument("--replot", metavar="JSON", help="only draw --png from an earlier --out")
@@ -280,6 +290,7 @@ def main():
             "hetseq_faults": (hetseq_launcher, FAULTS, args.period),
             "torchrun_faults": (torchrun_launcher, FAULTS, args.period),
             "hetseq_one_kill": (hetseq_launcher, ONE_KILL, args.kills_period),
+            "hetseq_leader_faults": (hetseq_launcher, LEADER, args.period),
             "torchrun_one_kill": (torchrun_launcher, ONE_KILL, args.kills_period)}
     results = {name: run(*spec, args) for name, spec in runs.items()
                if not args.only or name in args.only}

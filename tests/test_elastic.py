@@ -250,16 +250,32 @@ def test_a_round_does_not_wait_for_a_member_whose_store_refused():
     previous = Generation(1, tuple(held), 0, None, lineage=tuple(line))
     store = torch.distributed.HashStore()
     arrive(store, 2, held[0], held[1])
-    for unreachable, at_least in (set(), SETTLE_S), ({"c"}, 0.0):
+    def lead(number, unreachable, max_nodes=0):
         m = types.SimpleNamespace(generation=previous, lost=set(), unreachable=unreachable,
-                                  min_nodes=1, max_nodes=0, timeout_s=30.0, id="a",
+                                  min_nodes=1, max_nodes=max_nodes, timeout_s=30.0, id="a",
                                   _live=lambda members: [],   # probes: nobody is elsewhere
                                   _newer=lambda live: None)
         started = time.monotonic()
-        outcome = LeadRound(m, store, 2).close()
-        took = time.monotonic() - started
-        assert [member["id"] for member in outcome["members"]] == ["a", "b"]
+        outcome = LeadRound(m, store, number).close()
+        return [member["id"] for member in outcome["members"]], time.monotonic() - started
+
+    for unreachable, at_least in (set(), SETTLE_S), ({"c"}, 0.0):
+        ids, took = lead(2, unreachable)
+        assert ids == ["a", "b"]
         assert at_least <= took < at_least + SETTLE_S / 2, (unreachable, took)
+    # A node waiting for a place (--max-nodes 3) is waited for, not SETTLE_S
+    # longer; one that stopped waiting is not.
+    waiter = {**held[2], "id": "w", "generation": None, "updates": -1, "lineage": []}
+    for slot, who in ((1, "gone"), (2, "w")):
+        store.add("e/waiting/n", 1)
+        store.set(f"e/waiting/{slot}", who)
+    store.set("e/waiting/1", "")
+    arrive(store, 3, held[0], held[1])
+    late = threading.Timer(0.5, arrive, (store, 3, waiter))
+    late.start()
+    ids, took = lead(3, {"c"}, max_nodes=3)
+    late.join()
+    assert ids == ["a", "b", "w"] and 0.5 <= took < SETTLE_S, took
 
 
 def test_ranks_are_ordered_before_max_nodes_cuts():

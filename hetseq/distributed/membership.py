@@ -356,16 +356,25 @@ class Membership:
         lost, or leaving), then arrive in it."""
         NODE.info("the job has --max-nodes %d members; this node waits for a place",
                   self.max_nodes)
-        while True:
-            try:
+        # Registered while it waits: a round whose leader does not wait for
+        # stragglers (the others are all there) waits for it (rounds.py).
+        slot = f"e/waiting/{store.add('e/waiting/n', 1)}"
+        store.set(slot, self.id)
+        try:
+            while True:
                 if store.check(["e/done"]):
                     raise JobDone(store.get("e/done").decode())
                 if store.add(f"e/{self._next_number(store)}/n", 0) > 0:
                     return
-            except (RuntimeError, OSError):     # the leader was lost: look for the job again
-                self._clients.clear()
-                return
-            time.sleep(0.2)
+                time.sleep(0.2)
+        except (RuntimeError, OSError):     # the leader was lost: look for the job again
+            self._clients.clear()
+            return
+        finally:
+            try:
+                store.set(slot, "")      # emptied, not deleted: a get never waits on it
+            except (RuntimeError, OSError):
+                pass
 
     def _log_change(self, previous):
         now = self.generation

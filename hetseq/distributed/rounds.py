@@ -24,6 +24,7 @@ logger = logging.getLogger("hetseq.distributed.membership")
 SETTLE_S = 3.0     # a round with enough members closes when nobody new came for this long
 POLL_S = 0.05
 PROBE_EVERY_S = 2.0   # a waiting leader asks the previous members again this often
+MAX_WAITING = 64      # nodes waiting for a place that a round looks for
 
 
 class NoRound(Exception):
@@ -54,9 +55,10 @@ class LeadRound:
         """Wait for a quorum and the members, then write them; what was published."""
         previous = self.m.generation
         # Every previous member, except those this node's heartbeats found
-        # lost and those whose stores did not answer it just now.
+        # lost and those whose stores did not answer it just now, and the
+        # nodes waiting for a place (--max-nodes) as the round opens.
         expected = (set() if previous is None else
-                    set(previous.ids) - self.m.lost - self.m.unreachable)
+                    set(previous.ids) - self.m.lost - self.m.unreachable) | self._waiting()
         deadline = time.monotonic() + self.m.timeout_s
         seen, changed, probed = 0, time.monotonic(), time.monotonic()
         while True:
@@ -78,6 +80,15 @@ class LeadRound:
         if self.store.check(["e/join"]):
             self.store.delete_key("e/join")
         return self._publish(self._decide(self._arrivals()))
+
+    def _waiting(self):
+        """Ids of the nodes waiting for a place (membership._wait_for_place),
+        the latest MAX_WAITING registrations. One that died waiting stays
+        registered: the round then waits SETTLE_S for it, as before."""
+        count = self.store.add("e/waiting/n", 0)
+        keys = [f"e/waiting/{i}" for i in range(max(1, count - MAX_WAITING + 1), count + 1)]
+        keys = [key for key in keys if self.store.check([key])]   # set just after its slot
+        return {bytes(v).decode() for v in (self.store.multi_get(keys) if keys else [])} - {""}
 
     def _give_up_if_elsewhere(self, previous):
         """The job is elsewhere: a previous member is in a newer generation
