@@ -188,8 +188,9 @@ def test_non_finite_losses_skip_then_stop(tmp_path):
 
 
 # A frozen rank is seen only when --distributed-timeout passes. It also bounds
-# the start-up of both nodes: 10 s leaves room for a slow start.
-FROZEN_TIMEOUT = 10
+# the start-up of both nodes (2-3 s here): 7 s leaves room for a slow start,
+# and a collective of the toy that took that long is a frozen rank, even on CI.
+FROZEN_TIMEOUT = 7
 
 
 def test_frozen_rank_is_named_after_the_timeout(tmp_path):
@@ -237,8 +238,7 @@ def toy_nodes(layout, save_dir, log, *extra):
     return results
 
 
-@pytest.mark.parametrize("resumed", [[4, 4], [4, 4, 4], [16, 16]],
-                         ids=["batch-halved", "three-ranks", "batch-doubled"])
+@pytest.mark.parametrize("resumed", [[4, 4], [4, 4, 4]], ids=["batch-halved", "three-ranks"])
 def test_resume_with_another_global_batch_uses_every_sample_once(tmp_path, resumed):
     # 100 samples; 3 updates of 8 + 8 = 48 samples, then the rest of epoch 1
     # with another global batch or world size: every sample exactly once.
