@@ -516,6 +516,24 @@ MUTATIONS = {
         "            self.heard = dict.fromkeys(self.heard, now)",
         "            pass",
         ['tests/test_elastic.py::test_a_watchdog_that_stalled_itself_gives_every_member_a_fresh_window']),
+    'watchdog-times-the-leader-before-its-query': (
+        "the meeting point's host frozen or cut off is told after one --heartbeat-timeout",
+        'hetseq/distributed/health.py',
+        "            for r in silence.lost(counts, now):",
+        "            for r in silence.lost(counts, waited_from + INTERVAL_S / 2):",
+        ['tests/test_elastic.py::test_a_silent_leaders_store_tells_the_leader_lost_after_one_timeout']),
+    'round-waits-for-a-refusing-member': (
+        "a killed member costs no straggler wait: the round closes when the others came",
+        'hetseq/distributed/rounds.py',
+        "set(previous.ids) - self.m.lost - self.m.unreachable)",
+        "set(previous.ids) - self.m.lost)",
+        ['tests/test_elastic.py::test_a_round_does_not_wait_for_a_member_whose_store_refused']),
+    'round-forgets-nodes-waiting-for-a-place': (
+        "--max-nodes: a node waiting for a place is in the round that frees one",
+        'hetseq/distributed/rounds.py',
+        " | self._waiting()\n",
+        "\n",
+        ['tests/test_elastic.py::test_a_round_does_not_wait_for_a_member_whose_store_refused']),
     'elastic-round-not-rewound': (
         "--elastic with --local-steps: a snapshot inside a round goes back to its start",
         'hetseq/update/local_steps.py',
