@@ -73,9 +73,12 @@ class Generation:
         return self.first_rank(self.source) + self.members[self.source].get("holder", 0)
 
     def member_of(self, rank):
-        """Index of the member that runs ``rank``."""
-        for index in range(len(self.members)):
-            if rank < self.first_rank(index + 1):
+        """Index of the member that runs ``rank`` (one pass over the members:
+        mark_lost asks it for every lost rank)."""
+        end = 0
+        for index, member in enumerate(self.members):
+            end += _ranks(member)
+            if rank < end:
                 return index
         raise ValueError(f"rank {rank} is not in generation {self.number} "
                          f"({self.world_size} ranks)")
