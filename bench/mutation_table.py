@@ -531,9 +531,15 @@ MUTATIONS = {
     'round-forgets-nodes-waiting-for-a-place': (
         "--max-nodes: a node waiting for a place is in the round that frees one",
         'hetseq/distributed/rounds.py',
-        " | self._waiting()\n",
+        " | set(waiting.values())\n",
         "\n",
         ['tests/test_elastic.py::test_a_round_does_not_wait_for_a_member_whose_store_refused']),
+    'round-skips-a-slow-member': (
+        "a member slow to answer the walk for the leader is still waited for",
+        'hetseq/distributed/membership.py',
+        "        except (UserError, OSError):\n            return SILENT",
+        "        except (UserError, OSError):\n            return REFUSED",
+        ['tests/test_elastic.py::test_a_member_whose_port_refuses_is_told_apart_from_a_slow_one']),
     'elastic-round-not-rewound': (
         "--elastic with --local-steps: a snapshot inside a round goes back to its start",
         'hetseq/update/local_steps.py',

@@ -267,18 +267,37 @@ def test_a_round_does_not_wait_for_a_member_whose_store_refused():
         assert ids == ["a", "b"]
         assert at_least <= took < at_least + SETTLE_S / 2, (unreachable, took)
     # A node waiting for a place (--max-nodes 3) is waited for, not SETTLE_S
-    # longer; one that stopped waiting is not.
-    waiter = {**held[2], "id": "w", "generation": None, "updates": -1, "lineage": []}
-    for slot, who in ((1, "gone"), (2, "w")):
+    # longer; an emptied slot or one that holds no node id is not. A node
+    # that arrives twice (a retried round) counts once.
+    w = "f" * 32
+    waiter = {**held[2], "id": w, "generation": None, "updates": -1, "lineage": []}
+    for slot, value in enumerate(["", "\udcff-not-an-id", w], 1):
         store.add("e/waiting/n", 1)
-        store.set(f"e/waiting/{slot}", who)
-    store.set("e/waiting/1", "")
-    arrive(store, 3, held[0], held[1])
+        store.set(f"e/waiting/{slot}", value.encode("utf-8", "surrogateescape"))
+    arrive(store, 3, held[0], held[1], held[1])
     late = threading.Timer(0.5, arrive, (store, 3, waiter))
     late.start()
     ids, took = lead(3, {"c"}, max_nodes=3)
     late.join()
-    assert ids == ["a", "b", "w"] and 0.5 <= took < SETTLE_S, took
+    assert ids == ["a", "b", w] and 0.5 <= took < SETTLE_S, took
+    # The slots read are spent: a waiter that died does not hold up the next round.
+    arrive(store, 4, held[0], held[1])
+    ids, took = lead(4, {"c"}, max_nodes=3)
+    assert ids == ["a", "b"] and took < SETTLE_S / 2, took
+
+
+def test_a_member_whose_port_refuses_is_told_apart_from_a_slow_one():
+    """A killed member's port refuses: the round need not wait for it. One
+    that accepts but does not greet (a loaded host, a paused process) is
+    only silent: the round still waits for it."""
+    import types
+    from hetseq.distributed.membership import REFUSED, SILENT, Membership
+    me = types.SimpleNamespace(_address=lambda: ("127.0.0.1", 1), secret=SECRET)
+    closed = free_port()                       # nothing listens there
+    assert Membership._answers(me, {"addr": "127.0.0.1", "port": closed}) == REFUSED
+    with socket.create_server(("127.0.0.1", 0)) as mute:     # the kernel accepts; nobody greets
+        port = mute.getsockname()[1]
+        assert Membership._answers(me, {"addr": "127.0.0.1", "port": port}) == SILENT
 
 
 def test_ranks_are_ordered_before_max_nodes_cuts():

@@ -56,6 +56,7 @@ from hetseq.reporting import NODE
 logger = logging.getLogger(__name__)
 
 PROBE_THREADS = 16
+ANSWERS, REFUSED, SILENT = "answers", "refused", "silent"   # a previous member, probed
 
 
 class TooFew(Exception):
@@ -93,9 +94,9 @@ class Membership:
         # Members of this generation that this node's heartbeats found lost:
         # the next meeting neither probes them nor waits for them.
         self.lost = set()
-        # Previous members whose stores did not answer this node's last look
-        # for the leader (a killed member's port refuses at once): a round
-        # this node leads does not wait SETTLE_S for them to arrive.
+        # Previous members whose ports refused this node's last look for the
+        # leader (their processes are gone): a round this node leads does not
+        # wait SETTLE_S for them. A member slow to answer is still waited for.
         self.unreachable = set()
         # Every member's store holds the job's identity (JobConfig.identity()),
         # so that a node with other flags or code is refused wherever it knocks.
@@ -128,23 +129,31 @@ class Membership:
         return self._clients[address]
 
     def _answers(self, member):
+        """ANSWERS when ``member``'s store answers the handshake; REFUSED when
+        nothing listens at its port (its process is gone); else SILENT (it
+        may be slow: a loaded host, a paused process, a cut link)."""
         address = (member["addr"], member["port"])
         if address == self._address():
-            return True
+            return ANSWERS
         try:
             tunnel.check(address, self.secret, f"tcp://{address[0]}:{address[1]}")
-            return True
+            return ANSWERS
+        except ConnectionRefusedError:
+            return REFUSED
         except (UserError, OSError):
-            return False
+            return SILENT
 
-    def _live(self, members):
-        """``members`` whose stores answer the handshake, in the order given
-        (asked at once: a paused or cut-off member costs one GREETING_S)."""
+    def _probe(self, members):
+        """Each member's answer (``_answers``), in the order given (asked at
+        once: a paused or cut-off member costs one GREETING_S)."""
         if not members:
             return []
         with concurrent.futures.ThreadPoolExecutor(min(PROBE_THREADS, len(members))) as pool:
-            answers = list(pool.map(self._answers, members))
-        return [m for m, ok in zip(members, answers) if ok]
+            return list(pool.map(self._answers, members))
+
+    def _live(self, members):
+        """``members`` whose stores answer the handshake, in the order given."""
+        return [m for m, answer in zip(members, self._probe(members)) if answer == ANSWERS]
 
     def _leader_of(self, member):
         """{"addr", "port", "generation"}: where ``member`` says the job meets
@@ -182,8 +191,9 @@ class Membership:
             return (self._entry_store() if running is None else
                     self._connect((running["addr"], running["port"]))), True
         asked = [m for m in self.generation.members if m["id"] not in self.lost]
-        live = self._live(asked)
-        self.unreachable = {m["id"] for m in asked} - {m["id"] for m in live}
+        answers = self._probe(asked)
+        live = [m for m, answer in zip(asked, answers) if answer == ANSWERS]
+        self.unreachable = {m["id"] for m, answer in zip(asked, answers) if answer == REFUSED}
         newer = self._newer(live)
         if newer is not None:
             NODE.warning("the job went on without this node (generation %d at %s:%d); joining it",
@@ -357,24 +367,21 @@ class Membership:
         NODE.info("the job has --max-nodes %d members; this node waits for a place",
                   self.max_nodes)
         # Registered while it waits: a round whose leader does not wait for
-        # stragglers (the others are all there) waits for it (rounds.py).
+        # stragglers (the others are all there) waits for it, and empties
+        # the slot once it closed (rounds.py). Emptied here (not deleted: a
+        # get never waits on it) only when this node stops waiting otherwise.
         slot = f"e/waiting/{store.add('e/waiting/n', 1)}"
         store.set(slot, self.id)
         try:
             while True:
                 if store.check(["e/done"]):
+                    store.set(slot, "")
                     raise JobDone(store.get("e/done").decode())
                 if store.add(f"e/{self._next_number(store)}/n", 0) > 0:
                     return
                 time.sleep(0.2)
         except (RuntimeError, OSError):     # the leader was lost: look for the job again
             self._clients.clear()
-            return
-        finally:
-            try:
-                store.set(slot, "")      # emptied, not deleted: a get never waits on it
-            except (RuntimeError, OSError):
-                pass
 
     def _log_change(self, previous):
         now = self.generation

@@ -14,6 +14,7 @@ for --distributed-timeout it publishes ``stop``.
 
 import json
 import logging
+import re
 import time
 
 from hetseq.distributed import generations
@@ -25,6 +26,7 @@ SETTLE_S = 3.0     # a round with enough members closes when nobody new came for
 POLL_S = 0.05
 PROBE_EVERY_S = 2.0   # a waiting leader asks the previous members again this often
 MAX_WAITING = 64      # nodes waiting for a place that a round looks for
+NODE_ID = re.compile(rb"[0-9a-f]{32}")     # Membership.id: uuid4().hex
 
 
 class NoRound(Exception):
@@ -57,8 +59,9 @@ class LeadRound:
         # Every previous member, except those this node's heartbeats found
         # lost and those whose stores did not answer it just now, and the
         # nodes waiting for a place (--max-nodes) as the round opens.
+        waiting = self._waiting()
         expected = (set() if previous is None else
-                    set(previous.ids) - self.m.lost - self.m.unreachable) | self._waiting()
+                    set(previous.ids) - self.m.lost - self.m.unreachable) | set(waiting.values())
         deadline = time.monotonic() + self.m.timeout_s
         seen, changed, probed = 0, time.monotonic(), time.monotonic()
         while True:
@@ -79,16 +82,23 @@ class LeadRound:
             time.sleep(POLL_S)
         if self.store.check(["e/join"]):
             self.store.delete_key("e/join")
-        return self._publish(self._decide(self._arrivals()))
+        outcome = self._publish(self._decide(self._arrivals()))
+        # Slots read are spent: a node still waiting (cut by --max-nodes)
+        # registers again, and one that died waiting delays one round only.
+        for key in waiting:
+            self.store.set(key, "")
+        return outcome
 
     def _waiting(self):
-        """Ids of the nodes waiting for a place (membership._wait_for_place),
-        the latest MAX_WAITING registrations. One that died waiting stays
-        registered: the round then waits SETTLE_S for it, as before."""
+        """{slot key: node id} of the nodes waiting for a place
+        (membership._wait_for_place), the latest MAX_WAITING registrations;
+        a value that is not a node id (emptied, or garbage) is left out."""
         count = self.store.add("e/waiting/n", 0)
         keys = [f"e/waiting/{i}" for i in range(max(1, count - MAX_WAITING + 1), count + 1)]
         keys = [key for key in keys if self.store.check([key])]   # set just after its slot
-        return {bytes(v).decode() for v in (self.store.multi_get(keys) if keys else [])} - {""}
+        values = [bytes(v) for v in (self.store.multi_get(keys) if keys else [])]
+        return {key: value.decode() for key, value in zip(keys, values)
+                if NODE_ID.fullmatch(value)}
 
     def _give_up_if_elsewhere(self, previous):
         """The job is elsewhere: a previous member is in a newer generation
@@ -170,7 +180,14 @@ class LeadRound:
                 logger.warning("left out %s: it claims %r ranks (holder %r); expected 1 to %d",
                                describe(member), member.get("ranks"), member.get("holder"),
                                generations.MAX_RANKS)
-        return [m for m in arrived if generations.well_formed(m)]
+        # One entry per node: one that arrived again in a retried round
+        # counts once (its latest word, at its first place), so that no
+        # member is placed twice nor counted twice for a quorum.
+        unique = {}
+        for member in arrived:
+            if generations.well_formed(member):
+                unique[member["id"]] = member
+        return list(unique.values())
 
     def _publish(self, outcome):
         return publish(self.store, self.number, outcome)

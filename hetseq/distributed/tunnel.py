@@ -320,6 +320,8 @@ def check(address, secret, url, patience_s=BUSY_WAIT_S):
     except Refused as err:
         raise UserError(f"the job at {url} refused this node: {err}. Every node of a job needs "
                         "the same secret (HETSEQ_JOB_SECRET or --job-secret-file)") from None
+    except ConnectionRefusedError:
+        raise                   # nothing listens at that port: the caller says what it means
     except ConnectionError:
         raise UserError(f"the job at {url} closed the connection during the secret handshake: "
                         "it runs without a job secret (start this node without one) or it is "
