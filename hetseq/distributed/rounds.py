@@ -57,7 +57,7 @@ class LeadRound:
         """Wait for a quorum and the members, then write them; what was published."""
         previous = self.m.generation
         # Every previous member, except those this node's heartbeats found
-        # lost and those whose stores did not answer it just now, and the
+        # lost and those whose ports refused it just now (gone), and the
         # nodes waiting for a place (--max-nodes) as the round opens.
         waiting = self._waiting()
         expected = (set() if previous is None else
