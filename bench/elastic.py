@@ -66,11 +66,11 @@ ONE_KILL = [("kill", 2)]
 LEADER = [("freeze", 0), ("back", 0), ("switch_off", 0), ("back", 0)]
 
 
-def job_flags(args, save):
+def job_flags(args, save, batch=BATCH):
     return ["--task", "toy", "--user-dir", os.path.join(ROOT, "tests", "tasks"), "--cpu",
             "--optimizer", "sgd", "--lr", "0.05", "--lr-scheduler", "fixed", "--clip-norm", "0",
             "--disable-validation", "--toy-size", 960, "--max-update", args.updates,
-            "--global-batch-size", BATCH, "--toy-sample-ms", args.sample_ms,
+            "--global-batch-size", batch, "--toy-sample-ms", args.sample_ms,
             "--distributed-timeout", args.timeout, "--log-format", "simple",
             "--log-interval", 1, "--no-progress-bar", "--save-dir", save]
 

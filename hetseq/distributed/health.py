@@ -8,14 +8,17 @@ survivors watch the counters for a few seconds: the ranks whose counters
 stand still are the lost ones, named with the host and pid they registered.
 
 An elastic member does not wait for the timeout (``Watchdog``): a member
-whose counter stood still for --heartbeat-timeout is lost, and this process
-shuts down its TCP connections to that member's address (``cut``). A
-collective blocked on the member then fails at once, as it would had the
-member been killed (gloo's own abort does not unblock a waiting collective:
-measured with torch 2.13, ../shared/PLATFORM_NOTES.md).
+whose counter stood still for --heartbeat-timeout is lost (rank 0 watches
+every counter and tells the others), and each process shuts down its TCP
+connections to that member's address (``cut``). A collective blocked on
+the member then fails at once, as it would had the member been killed
+(gloo's own abort does not unblock a waiting collective: measured with
+torch 2.13, ../shared/PLATFORM_NOTES.md). A rank whose collective failed
+tells the others, who shut down their process group's connections too.
 """
 
 import ipaddress
+import json
 import logging
 import os
 import socket
@@ -93,23 +96,37 @@ def silent_ranks(store, world_size, watch_s=3 * INTERVAL_S):
 
 
 class Watchdog:
-    """Beats for this member in the generation's ``store`` and watches every
-    member's beats there (one check and one multi-get a beat: 2 requests a
-    second per member at the leader's store). A member silent for
-    ``timeout_s`` is lost: its connections are cut. The leader's store
-    silent that long means the leader is lost."""
+    """An elastic generation's heartbeats, in the leader's ``store`` under
+    ``prefix``. Every rank beats twice a second (``beat/<rank>``). Only rank
+    0, the leader, whose process serves the store, reads every beat: it
+    publishes the ranks silent for ``timeout_s`` (``lost``). Every other
+    rank reads rank 0's beat, ``lost`` and ``ended``: a constant number of
+    small requests a beat, so the leader's store serves work linear in the
+    ranks (each rank reading all N beats, as before, was N^2). A rank cuts
+    its connections to the hosts of the ranks found lost; rank 0's beat or
+    store silent for ``timeout_s`` means the leader is lost.
 
-    def __init__(self, store, rank, addresses, own_address, timeout_s, key="beat"):
+    ``ended``: a rank whose collective failed says so before it leaves
+    (``end``). Every rank then shuts down all its process group's
+    connections, so a collective blocked on a member that already left to
+    meet fails at once (in a ring, only the lost rank's neighbours see the
+    loss; the others would wait on a survivor that stopped beating). From
+    then on silence is not loss: the members are meeting."""
+
+    def __init__(self, store, rank, addresses, own_address, timeout_s, prefix="e/0", spare=()):
         self.store, self.rank, self.timeout_s = store, rank, timeout_s
         self.addresses, self.own_address = list(addresses), own_address
-        self.keys = [f"{key}/{r}" for r in range(len(self.addresses))]
-        self.lost = []
+        self.spare = frozenset(spare)      # store ports: their connections are never cut
+        self.beats = [f"{prefix}/beat/{r}" for r in range(len(self.addresses))]
+        self.lost_key, self.ended_key = f"{prefix}/lost", f"{prefix}/ended"
+        self.watched = self.beats if rank == 0 else self.beats[:1]
+        self.lost, self.ended = [], False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hetseq-watchdog", daemon=True)
         self._thread.start()
 
     def _run(self):
-        beats, silence = 0, Silence(len(self.keys), self.timeout_s, time.monotonic())
+        beats, silence = 0, Silence(len(self.watched), self.timeout_s, time.monotonic())
         while True:
             waited_from = time.monotonic()
             if self._stop.wait(INTERVAL_S / 2):
@@ -117,29 +134,76 @@ class Watchdog:
             beats += 1
             silence.woke(waited_from, time.monotonic())
             try:
-                counts = within(self.timeout_s, lambda: self._beat(beats))
+                counts, published, ended = within(self.timeout_s, lambda: self._beat(beats))
             except Exception:       # the leader's store: silent (paused, cut off) or gone
-                counts = None
+                counts, published, ended = None, [], False
             # The counts are as of now, after the query: a store that did not
             # answer was silent all through it (timed before the query, the
             # leader was told lost a whole timeout late, after the collective's
             # own --distributed-timeout had ended the generation anyway).
             now = time.monotonic()
-            if counts == [] or self._stop.is_set():   # nothing to compare; or stopped meanwhile
+            if self._stop.is_set() or self.ended:
                 continue
-            for r in silence.lost(counts, now):
-                if r != self.rank and r not in self.lost:
-                    self.lost.append(r)
-                    try:
-                        self._give_up(r)
-                    except OSError as err:    # /proc unreadable: the timeout still tells
-                        logger.warning("could not cut rank %d's connections: %s", r, err)
+            # The leader's word first: the next meeting need not wait for them.
+            # Silence counts only before the generation ended (then the
+            # members stop beating to meet) and once every member has beaten.
+            heard = [] if ended or counts == [] else silence.lost(counts, now)
+            found = sorted({r for r in heard + published if r != self.rank} - set(self.lost))
+            self.lost += found
+            if found and self.rank == 0:
+                # Published before the cut: a rank that reads the end the cut
+                # causes (``ended``, read first in _beat) reads these too.
+                self._publish()
+            for r in found:
+                try:
+                    self._give_up(r)
+                except OSError as err:    # /proc unreadable: the timeout still tells
+                    logger.warning("could not cut rank %d's connections: %s", r, err)
+            if ended:
+                self._end_here()
 
     def _beat(self, beats):
-        self.store.set(self.keys[self.rank], str(beats))
-        if not self.store.check(self.keys):     # a member has not beaten yet
+        """Beat; (the watched counts, [] when one has not beaten yet; the ranks
+        the leader published lost; whether a rank's collective failed)."""
+        store = self.store
+        store.set(self.beats[self.rank], str(beats))
+        ended = store.add(self.ended_key, 0) > 0
+        counts = ([bytes(v).decode() for v in store.multi_get(self.watched)]
+                  if store.check(self.watched) else [])
+        published = [] if self.rank == 0 or not store.check([self.lost_key]) else \
+            self._ranks(store.get(self.lost_key))
+        return counts, published, ended
+
+    def _ranks(self, value):
+        """The leader's list of lost ranks, as far as it is one (a member's
+        word: only ranks of this generation count)."""
+        try:
+            said = json.loads(bytes(value))
+        except ValueError:
             return []
-        return [bytes(v).decode() for v in self.store.multi_get(self.keys)]
+        size = len(self.addresses)
+        return [r for r in said if type(r) is int and 0 <= r < size] \
+            if isinstance(said, list) else []
+
+    def _publish(self):
+        try:
+            within(self.timeout_s, lambda: self.store.set(self.lost_key, json.dumps(self.lost)))
+        except Exception as err:    # its own store: only a stopping process gets here
+            logger.warning("could not publish the lost ranks %s: %s", self.lost, err)
+
+    def end(self):
+        """This rank's collective failed: tell every rank (bounded: the
+        leader's store may be the reason)."""
+        try:
+            within(self.timeout_s, lambda: self.store.add(self.ended_key, 1))
+        except Exception:
+            pass
+
+    def _end_here(self):
+        self.ended = True
+        closed = cut(None, self.spare)
+        logger.info("a rank's collective failed: closed this process's %d process-group "
+                    "connection(s)", closed)
 
     def _give_up(self, rank):
         address = self.addresses[rank]
@@ -148,7 +212,7 @@ class Watchdog:
                            "%s, so its connections cannot be told apart: waiting for "
                            "--distributed-timeout", rank, self.timeout_s, address)
             return
-        closed = cut(address)
+        closed = cut(address, self.spare)
         logger.warning("no heartbeat from rank %d (%s) for %.0f s: lost; closed %d connection(s) "
                        "to it", rank, address, self.timeout_s, closed)
 
@@ -187,10 +251,15 @@ class Silence:
         return [r for r in watched if now - self.heard[r] > self.timeout_s]
 
 
-def cut(address):
-    """Shut down every TCP connection of this process to ``address``; how
-    many. A blocked recv on one of them returns at once (end of stream)."""
-    target = ipaddress.ip_address(address)
+ESTABLISHED = "01"      # /proc/net/tcp's state column
+
+
+def cut(address, spare=()):
+    """Shut down this process's established TCP connections to ``address``
+    (None: to anywhere), except those on a port in ``spare`` at either end
+    (the stores: a member meeting again keeps them); how many. A blocked
+    recv on one of them returns at once (end of stream)."""
+    target = None if address is None else ipaddress.ip_address(address)
     sockets = _socket_fds()
     closed = 0
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -200,8 +269,14 @@ def cut(address):
             continue
         for line in lines:
             fields = line.split()
-            remote, inode = _proc_address(fields[2]), int(fields[9])
-            if inode in sockets and remote == target and _shut(sockets[inode], inode):
+            inode = int(fields[9])
+            if inode not in sockets or fields[3] != ESTABLISHED:
+                continue
+            if _proc_port(fields[1]) in spare or _proc_port(fields[2]) in spare:
+                continue
+            if target is not None and _proc_address(fields[2]) != target:
+                continue
+            if _shut(sockets[inode], inode):
                 closed += 1
     return closed
 
@@ -241,6 +316,10 @@ def _socket_fds():
         if target.startswith("socket:["):
             found[int(target[8:-1])] = int(fd)
     return found
+
+
+def _proc_port(field):
+    return int(field.split(":")[1], 16)
 
 
 def _proc_address(field):

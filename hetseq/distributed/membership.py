@@ -292,6 +292,9 @@ class Membership:
         """(store, round number, what the leader published) of one attempt."""
         store, late = self._leader_store(moved)
         leads = store is self.store
+        placed = None if leads else self._placed(store)
+        if placed is not None:
+            return (store, *placed)
         if not leads and self.identity is not None:
             identity.present(store, self.identity, "this node", self.url, self.who,
                              self._deadline)
@@ -316,6 +319,24 @@ class Membership:
         members = LeadRound(self, store, number).close() if leads else \
             self._wait_members(store, number)
         return store, number, members
+
+    def _placed(self, store):
+        """(number, outcome) of the newest generation at ``store`` when it
+        placed this node: it arrived in that round but lost its connection
+        before reading the outcome, and the new process group waits for it.
+        Arriving late instead would leave the group a rank short until
+        --distributed-timeout. None otherwise."""
+        if not store.check(["e/gen"]):
+            return None
+        number = int(store.get("e/gen"))
+        if number <= (0 if self.generation is None else self.generation.number):
+            return None
+        outcome = json.loads(store.get(f"e/{number}/members"))   # written before e/gen
+        if self.id not in [m.get("id") for m in outcome.get("members", ())]:
+            return None
+        logger.info("round %d placed this node before its connection was lost: entering it",
+                    number)
+        return number, outcome
 
     def _where(self, store):
         """{"addr", "port", "generation"} of the store this node meets at."""
@@ -454,7 +475,8 @@ class Place:
             return None
         gen = self.generation
         return health.Watchdog(gen.store.clone(), self.rank, gen.addresses(),
-                               self.binding.address, timeout_s, key=f"e/{gen.number}/beat")
+                               self.binding.address, timeout_s, prefix=f"e/{gen.number}",
+                               spare={m["port"] for m in gen.members})
 
     def process_group(self, backend):
         """Start this generation's process group (its own key prefix, so a

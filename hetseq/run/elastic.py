@@ -40,6 +40,7 @@ process would make next.
 
 import dataclasses
 import gc
+import importlib
 import logging
 import os
 import socket
@@ -49,7 +50,7 @@ import torch.distributed as dist
 
 from hetseq.distributed import health, rendezvous, tunnel
 from hetseq.distributed.generations import choose_source
-from hetseq.distributed.launch import (DistContext, WorkerFailed, device_of, exit_now,
+from hetseq.distributed.launch import (PRELOAD, DistContext, WorkerFailed, device_of, exit_now,
                                        set_threads, start_linked)
 from hetseq.distributed.membership import JobDone, Membership, Place, TooFew
 from hetseq.distributed.topology import resolve_elastic
@@ -87,6 +88,11 @@ def train_elastic(args, job, node, inputs):
         raise UserError("--elastic needs a job secret, since nodes join by themselves: set "
                         f"HETSEQ_JOB_SECRET or --job-secret-file on every node ({tunnel.MAKE_ONE} "
                         "makes one)")
+    # This process trains the voice's rank: it imports what the first update
+    # needs (about 1.5 s of CPU) before it meets, not while members wait
+    # for it in a new generation.
+    for module in PRELOAD:
+        importlib.import_module(module)
     cuda_count = torch.cuda.device_count() if not node.launch.cpu else 0
     topology = resolve_elastic(node.launch, cuda_count, job.distributed_backend)
     membership = Membership(node.launch, topology.backend, secret, job.elastic.min_nodes,
@@ -203,6 +209,8 @@ def _serve(place, state, device, args, job, node, inputs, topology):
     except RuntimeError as err:
         if not health.is_communication_error(err):
             raise
+        if watch is not None:
+            watch.end()     # the ranks still blocked in a collective stop waiting
         logger.warning("generation %d ended: a collective failed (%s)", gen.number,
                        str(err).strip().splitlines()[0][:160])
         state = run.snapshot() if run is not None else state

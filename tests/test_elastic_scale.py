@@ -1,0 +1,209 @@
+"""Elastic membership as the node count grows (#35 item 4).
+
+Unit tests of the heartbeats' cost and messages (many watchdogs in one
+process, on a HashStore), and a job of 16 namespace hosts: its first
+generation, a host killed and one frozen far from rank 0 in the ring, and a
+joiner. bench/elastic_scale.py measures the same at 8 to 64 nodes.
+"""
+
+import json
+import re
+import signal
+import socket
+import threading
+import time
+import types
+
+import torch
+
+from hetseq.distributed.generations import Generation
+from hetseq.distributed.health import Watchdog
+
+
+class Counting:
+    """A store that counts the keys each call reads (the watchdogs' load on
+    the leader's store)."""
+
+    def __init__(self, store):
+        self.store, self.read, self.beats = store, 0, 0
+        self.lock = threading.Lock()
+
+    def _count(self, keys):
+        with self.lock:
+            self.read += keys
+
+    def set(self, key, value):
+        self.beats += "/beat/" in key
+        return self.store.set(key, value)
+
+    def add(self, key, amount):
+        self._count(1)
+        return self.store.add(key, amount)
+
+    def check(self, keys):
+        self._count(len(keys))
+        return self.store.check(keys)
+
+    def get(self, key):
+        self._count(1)
+        return self.store.get(key)
+
+    def multi_get(self, keys):
+        self._count(len(keys))
+        return self.store.multi_get(keys)
+
+
+def watchdogs(size, timeout_s=2.0, stores=None):
+    """``size`` ranks' watchdogs on one HashStore; every rank on an address
+    of its own that this process has no connection to (cutting closes
+    nothing)."""
+    store = torch.distributed.HashStore()
+    stores = stores or [Counting(store) for _ in range(size)]
+    addresses = [f"10.255.{r // 250}.{r % 250 + 1}" for r in range(size)]
+    return [Watchdog(stores[r], r, addresses, addresses[r], timeout_s) for r in range(size)], \
+        stores
+
+
+def until(condition, limit):
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        time.sleep(0.05)
+
+
+def test_only_rank_0_reads_every_heartbeat():
+    """The leader's store serves each rank a constant number of keys a beat:
+    its work grows linearly with the ranks, not with their square (every
+    rank reading every beat was 16 x 16 keys a beat here, 64 x 64 at 64)."""
+    size = 16
+    dogs, stores = watchdogs(size)
+    try:
+        until(lambda: all(s.beats >= 4 for s in stores), 20)
+    finally:
+        for dog in dogs:
+            dog.stop()
+    per_beat = [s.read / s.beats for s in stores]
+    # The others: `ended`, rank 0's beat (checked, then read) and the lost list.
+    assert all(keys <= 5 for keys in per_beat[1:]), per_beat
+    assert per_beat[0] >= size, per_beat        # the leader checks and reads every beat
+    assert not any(dog.lost for dog in dogs)
+
+
+def test_rank_0_tells_every_rank_which_rank_went_silent():
+    """A rank whose beats stop is found by rank 0 after the timeout, and the
+    others learn it from rank 0's list within a beat or two (their next
+    meeting need not wait for it)."""
+    dogs, _ = watchdogs(5, timeout_s=2.0)
+    try:
+        until(lambda: all(dog.store.beats >= 3 for dog in dogs), 10)
+        dogs[3].stop()
+        stopped = time.monotonic()
+        until(lambda: all(dog.lost == [3] for i, dog in enumerate(dogs) if i != 3), 10)
+        told = time.monotonic() - stopped
+    finally:
+        for dog in dogs:
+            dog.stop()
+    assert 2.0 <= told < 2.0 + 2.0, told
+
+
+def test_a_failed_collective_anywhere_closes_every_ranks_process_group():
+    """A rank whose collective failed ends the generation for all: every
+    watchdog then shuts down this process's process-group connections (a
+    collective blocked on a survivor that left returns at once) and keeps
+    its store connections (the ports in ``spare``), needed to meet again."""
+    with socket.create_server(("127.0.0.1", 0)) as group, \
+            socket.create_server(("127.0.0.1", 0)) as store_port:
+        pair = socket.create_connection(group.getsockname())
+        kept = socket.create_connection(store_port.getsockname())
+        peer, _ = group.accept()
+        served, _ = store_port.accept()
+        got = {}
+        blocked = threading.Thread(target=lambda: got.update(data=peer.recv(10)))
+        blocked.start()
+        store = torch.distributed.HashStore()
+        addresses = ["10.255.0.1", "10.255.0.2", "10.255.0.3"]
+        dogs = [Watchdog(store.clone() if hasattr(store, "clone") else store, r, addresses,
+                         addresses[r], 30.0, spare={store_port.getsockname()[1]})
+                for r in range(3)]
+        try:
+            blocked.join(1.0)
+            assert blocked.is_alive()                   # heartbeats alone cut nothing
+            dogs[2].end()
+            blocked.join(5)
+            assert not blocked.is_alive() and got["data"] == b""
+            served.settimeout(0.5)
+            kept.sendall(b"x")
+            assert served.recv(1) == b"x"               # the store's connection is intact
+            assert all(dog.ended for dog in dogs) and not any(dog.lost for dog in dogs)
+        finally:
+            for dog in dogs:
+                dog.stop()
+            for sock in (pair, kept, peer, served):
+                sock.close()
+
+
+def member(i, ranks=1):
+    return {"id": i, "host": i, "addr": "10.0.0.1", "port": 1, "pid": 1, "updates": 10,
+            "lineage": ["1-a"], "ranks": ranks, "holder": 0, "generation": 1}
+
+
+def test_a_member_placed_in_a_round_it_did_not_read_enters_that_generation():
+    """A member that arrived in round 2 and lost its connection before it
+    read the outcome finds itself placed there: it enters generation 2 (the
+    process group waits for it) instead of arriving late and asking for a
+    generation 3."""
+    from hetseq.distributed.membership import Membership
+    from hetseq.distributed.rounds import publish
+    store = torch.distributed.HashStore()
+    one = Generation(1, (member("a"), member("b"), member("c")), 1, None)
+    me = types.SimpleNamespace(id="b", generation=one)
+    assert Membership._placed(me, store) is None                 # no round closed there
+    publish(store, 2, {"members": [member("a"), member("b")], "source": 0, "lineage": []})
+    number, outcome = Membership._placed(me, store)
+    assert number == 2 and [m["id"] for m in outcome["members"]] == ["a", "b"]
+    assert Membership._placed(types.SimpleNamespace(id="c", generation=one), store) is None
+    two = Generation(2, tuple(outcome["members"]), 1, None)
+    assert Membership._placed(types.SimpleNamespace(id="b", generation=two), store) is None
+    assert json.loads(store.get("e/2/members"))["members"][1]["id"] == "b"
+
+
+# ---- 16 nodes on namespace hosts ----
+
+def test_sixteen_nodes_lose_a_killed_and_a_frozen_host_and_a_waiting_node_takes_a_place(
+        tmp_path):
+    """16 nodes on 16 hosts, --max-nodes 15: one waits for a place. A host
+    is killed: the next generation (its collective failed on the killed
+    host's neighbours in the ring, who tell the rest) takes the waiting node
+    in at once. Then a host is frozen: its heartbeats stop, rank 0 tells the
+    others, and the generation after comes before --distributed-timeout.
+    Three generations, no more (a survivor taken for lost would add one),
+    and the weights of one process training with the whole batch."""
+    from conftest import UPDATE_LINE, _cluster, final_params, max_diff
+    from test_elastic import SHORT, changed, finish_ok, node, reference
+    from test_parity import EXACT
+    with _cluster(16) as cluster:
+        url = f"tcp://{cluster.addresses[0]}:29531"
+        nodes = [node(cluster, h, url, tmp_path / f"host{h}", "--max-nodes", 15,
+                      "--max-update", SHORT)
+                 for h in range(16)]
+        a = nodes[0]
+        a.wait_for(r"generation 1: 15 nodes, this node is rank 0", timeout=180)
+        until(lambda: any("waits for a place" in line for n in nodes for line in n.lines), 60)
+        waiter = next(i for i, n in enumerate(nodes) if any("waits for a place" in line
+                                                             for line in n.lines))
+        killed, frozen = [h for h in range(15, 0, -1) if h != waiter][:2]
+        a.wait_for(UPDATE_LINE, 5)
+        cluster.signal_host(killed, signal.SIGKILL)
+        a.wait_for(changed(cluster.names[killed], "left") +
+                   rf".*joined: {cluster.names[waiter]} \(", timeout=60)
+        a.wait_for(UPDATE_LINE, sum(bool(re.search(UPDATE_LINE, line)) for line in a.lines) + 3)
+        cluster.signal_host(frozen, signal.SIGSTOP)
+        stopped = time.monotonic()
+        a.wait_for(changed(cluster.names[frozen], "left"), timeout=60)
+        assert time.monotonic() - stopped < 10, "a frozen member was told by the timeout only"
+        outputs = finish_ok(*(n for h, n in enumerate(nodes) if h not in (killed, frozen)))
+    out_a = outputs[0]
+    assert re.search(rf"no heartbeat from rank \d+ \({cluster.addresses[frozen]}\)", out_a), \
+        out_a[-4000:]
+    assert "generation 3: 14 nodes" in out_a and "generation 4" not in out_a, out_a[-6000:]
+    assert max_diff(reference(SHORT), final_params(tmp_path / "host0")) < EXACT
