@@ -184,14 +184,14 @@ def all_ended(job):
 
 def wait_until(condition, limit, job=None, fatal=True, give_up=lambda: False):
     """``condition()``'s value once true; after ``limit`` s, or at once when
-    ``give_up()`` (every node ended), exit naming each node's last lines."""
+    ``give_up()`` (every node ended), exit with the first nodes' last lines."""
     deadline = time.monotonic() + limit
     while not (value := condition()):
         if time.monotonic() > deadline or give_up():
             if not fatal:
                 return None
-            tails = "".join(f"\n--- host {'ABC'[n.host]} ---\n" + "".join(n.lines[-15:])
-                            for n in (job.nodes if job else []))
+            tails = "".join(f"\n--- host {chr(ord('A') + n.host)} ---\n" + "".join(n.lines[-15:])
+                            for n in (job.nodes[:4] if job else []))
             raise SystemExit(f"bench/elastic.py: nothing happened within {limit} s{tails}")
         time.sleep(0.2)
     return value

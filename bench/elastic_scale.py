@@ -133,6 +133,7 @@ class Scale:
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.launched[host] = time.monotonic()
         watched = Watched(proc)
+        watched.host = host
         self.nodes.append(watched)
         return watched
 
@@ -145,23 +146,18 @@ class Scale:
     def next_update(self, after):
         """Seconds from ``after`` to the leader's first update after it."""
         when = wait_until(lambda: [t for t in self.updates() if t > after], self.args.limit,
-                          self._job())[0]
+                          self)[0]
         return when - after
-
-    def _job(self):
-        class Tails:          # what wait_until prints when nothing happens
-            nodes = [n for n in self.nodes[:3]]
-        for index, node in enumerate(Tails.nodes):
-            node.host = index
-        return Tails
 
 
 def run(n, args):
     with netns.VirtualCluster(n + 1) as cluster, tempfile.TemporaryDirectory() as folder:
         store = StoreWatch(cluster)
-        scale = Scale(cluster, n, args, folder)
+        scale, result = Scale(cluster, n, args, folder), {"nodes": n}
         try:
-            return measure(scale, store)
+            measure(scale, store, result)
+        except SystemExit as stuck:      # a step that never came: say which, go on with the next N
+            result["stuck"] = str(stuck).splitlines()[0]
         finally:
             store.stop()
             if args.logs:
@@ -169,21 +165,23 @@ def run(n, args):
                 for host, node in enumerate(scale.nodes):
                     with open(os.path.join(args.logs, f"n{n}-host{host}.log"), "w") as f:
                         f.write("".join(f"{t:.2f} {line}" for t, line in node.stamped))
+        return result
 
 
-def measure(scale, store):
+def measure(scale, store, result):
+    """Each step's measurements into ``result``, as they come."""
     n, args, cluster = scale.n, scale.args, scale.cluster
     for host in range(n):
         scale.start(host)
     launched = time.monotonic()
     met = wait_until(lambda: [t for t, line in scale.leader().stamped
-                              if "generation 1:" in line], args.limit, scale._job())[0]
+                              if "generation 1:" in line], args.limit, scale)[0]
     first = scale.next_update(launched) + launched
-    result = {"nodes": n, "start": {"to_met_s": round(met - launched, 1),
-                                    "to_first_update_s": round(first - launched, 1),
-                                    "peak_connections": store.peak}}
+    result["start"] = {"to_met_s": round(met - launched, 1),
+                       "to_first_update_s": round(first - launched, 1),
+                       "peak_connections": store.peak}
     # Steady training: a few updates in, then the window.
-    wait_until(lambda: len(scale.updates()) >= 5, args.limit, scale._job())
+    wait_until(lambda: len(scale.updates()) >= 5, args.limit, scale)
     start, cpu0 = time.monotonic(), host_cpu_s(cluster, 0)
     time.sleep(args.window)
     end, cpu1 = time.monotonic(), host_cpu_s(cluster, 0)
@@ -193,35 +191,34 @@ def measure(scale, store):
                         "store_bytes_per_s": round(rate),
                         "leader_host_cpu_s_per_s": round((cpu1 - cpu0) / (end - start), 3),
                         "updates_per_s": round(done / (end - start), 2)}
-    faults = {}
+    faults = result["faults"] = {}
     for kind, host, sig in (("kill", n - 1, signal.SIGKILL), ("freeze", n - 2, signal.SIGSTOP)):
         at = time.monotonic()
         cluster.signal_host(host, sig)
         faults[kind] = {"to_next_update_s": round(scale.next_update(at), 1)}
         wait_until(lambda: len([t for t in scale.updates() if t > at]) >= 3, args.limit,
-                   scale._job())
+                   scale)
     joiner = scale.start(n)
     # Rank 0 says when the generation with the joiner took its state.
     resumed = wait_until(lambda: [t for t, line in scale.leader().stamped
                                   if t > scale.launched[n] and RESUMED.search(line)],
-                         args.limit, scale._job())[0]
+                         args.limit, scale)[0]
     joined = resumed + scale.next_update(resumed)
     up = joiner.stamped[0][0]
     before = max(t for t in scale.updates() if t < resumed)
     faults["join"] = {"to_next_update_s": round(joined - scale.launched[n], 1),
                       "from_its_first_line_s": round(joined - up, 1),
                       "members_stalled_s": round(joined - before, 1)}
-    result["faults"] = faults
     result["peak_connections"] = store.peak
-    return result
 
 
 def growth(results):
     """Per measurement: the exponent k of cost ~ N^k between the smallest
     and largest N (1: linear, 2: quadratic)."""
-    if len(results) < 2:
+    done = [r for r in results if "stuck" not in r]
+    if len(done) < 2:
         return {}
-    small, large = results[0], results[-1]
+    small, large = done[0], done[-1]
     ratio = math.log(large["nodes"] / small["nodes"])
     picks = {"to_met_s": lambda r: r["start"]["to_met_s"],
              "to_first_update_s": lambda r: r["start"]["to_first_update_s"],

@@ -52,6 +52,7 @@ class LeadRound:
 
     def __init__(self, membership, store, number):
         self.m, self.store, self.number = membership, store, number
+        self._read = {}       # arrival slot -> what was written there (each read once)
 
     def close(self):
         """Wait for a quorum and the members, then write them; what was published."""
@@ -171,15 +172,21 @@ class LeadRound:
         return stop
 
     def _arrivals(self):
+        """Who arrived so far. Polled every POLL_S: each slot is read once
+        (a slot is written once, just after its number was taken), so a round
+        of N arrivals reads N slots, not N per poll."""
         store, number = self.store, self.number
         count = store.add(f"e/{number}/n", 0)
-        keys = [f"e/{number}/who/{i}" for i in range(1, count + 1)]
-        arrived = [json.loads(store.get(key)) for key in keys if store.check([key])]
-        for member in arrived:
-            if not generations.well_formed(member):
-                logger.warning("left out %s: it claims %r ranks (holder %r); expected 1 to %d",
-                               describe(member), member.get("ranks"), member.get("holder"),
-                               generations.MAX_RANKS)
+        for i in range(1, count + 1):
+            key = f"e/{number}/who/{i}"
+            if i not in self._read and store.check([key]):
+                member = json.loads(store.get(key))
+                self._read[i] = member
+                if not generations.well_formed(member):
+                    logger.warning("left out %s: it claims %r ranks (holder %r); expected 1 to "
+                                   "%d", describe(member), member.get("ranks"),
+                                   member.get("holder"), generations.MAX_RANKS)
+        arrived = [self._read[i] for i in sorted(self._read)]
         # One entry per node: one that arrived again in a retried round
         # counts once (its latest word, at its first place), so that no
         # member is placed twice nor counted twice for a quorum.
