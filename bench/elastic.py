@@ -190,7 +190,7 @@ def wait_until(condition, limit, job=None, fatal=True, give_up=lambda: False):
         if time.monotonic() > deadline or give_up():
             if not fatal:
                 return None
-            tails = "".join(f"\n--- host {chr(ord('A') + n.host)} ---\n" + "".join(n.lines[-15:])
+            tails = "".join(f"\n--- {netns.host_name(n.host)} ---\n" + "".join(n.lines[-15:])
                             for n in (job.nodes[:4] if job else []))
             raise SystemExit(f"bench/elastic.py: nothing happened within {limit} s{tails}")
         time.sleep(0.2)

@@ -56,6 +56,15 @@ def remove_stale():
             shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
 
 
+def host_name(index):
+    """hostA ... hostZ, hostAA, hostAB, ...: valid hostnames for any count."""
+    letters, index = "", index + 1
+    while index:
+        index, rest = divmod(index - 1, 26)
+        letters = chr(ord("A") + rest) + letters
+    return f"host{letters}"
+
+
 def _burst(rate):
     """tbf needs a bucket of at least one timer tick of traffic; 4 ms of it."""
     units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1}
@@ -72,7 +81,7 @@ class VirtualCluster:
         self.size, self.rate = hosts, rate
         self.tag = f"{PREFIX}{os.getpid()}-{time.monotonic_ns() % 10**6}"
         self.switch = f"{self.tag}-sw"
-        self.names = [f"host{chr(ord('A') + i)}" for i in range(hosts)]
+        self.names = [host_name(i) for i in range(hosts)]
         self.namespaces = [f"{self.tag}-{i}" for i in range(hosts)]
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(hosts)]
         self.procs = []
