@@ -331,6 +331,39 @@ def test_two_nodes_on_one_host_train_exactly_and_a_node_with_other_flags_is_refu
     assert max_diff(expected["model"], final_params(tmp_path / "ab"[leader])) < EXACT
 
 
+def test_overlapped_rounds_go_back_to_the_last_exchange_that_arrived(tmp_path):
+    """--local-steps 2 --outer-overlap under --elastic, two nodes on
+    loopback (rounds of updates 1-2, 3, 4-5, 6, ...: an epoch of 100 samples
+    ends at update 3 and 6). B's data ends in update 6 (--toy-fail-after 5):
+    that round's statistics fail on A. The exchange of the round that ended
+    at update 5, in flight, had arrived: A applies it, goes back to update
+    5, saves and stops, alone below --min-nodes 2. Both started again
+    resume and finish. The weights are those of a fixed 2-rank job that
+    settled at update 5 (its --max-update) and resumed to the end, to
+    float64's summation order."""
+    from hetseq.testing.jobs import run_jobs
+    url = f"tcp://127.0.0.1:{free_port()}"
+    # A waits 6 s, not 10, for a second node before it saves and stops.
+    rounds = ["--local-steps", 2, "--outer-overlap", "--outer-momentum", 0.5,
+              "--max-sentences", 48, "--max-update", 12, "--toy-sample-ms", 3,
+              "--distributed-timeout", 6]
+    first = [node(None, None, url, tmp_path / "a", *rounds),
+             node(None, None, url, tmp_path / "b", *rounds, "--toy-fail-after", 5)]
+    (code_a, out_a), (code_b, out_b) = (n.finish(120) for n in first)
+    assert code_b == 2 and "data ends at call 6" in out_b, out_b[-3000:]
+    assert code_a == 3 and "(5 updates)" in out_a, out_a[-3000:]
+    outputs = finish_ok(*(node(None, None, url, tmp_path / n, *rounds) for n in "ab"))
+    leader = "ab"[0 if "this node is rank 0" in outputs[0] else 1]
+
+    def job(updates):
+        # 24 + 24, the split the elastic nodes' --max-sentences 48 gave B = 48.
+        flags = [*COMMON, *rounds, "--max-update", updates, "--save-dir", tmp_path / "fixed",
+                 "--distributed-world-size", 2, "--max-sentences", 24]
+        return [[*map(str, flags)]] * 2
+    run_jobs(2, [("to 5", job(5)), ("to 12", job(12))], tmp_path / "group")
+    assert max_diff(final_params(tmp_path / "fixed"), final_params(tmp_path / leader)) < EXACT
+
+
 # ---- namespace hosts ----
 
 def test_a_lost_host_an_intruder_and_a_late_joiner(three_hosts, tmp_path):
@@ -485,30 +518,6 @@ def test_a_split_into_halves_trains_on_one_side_only(tmp_path):
         outputs = finish_ok(*nodes[:2])
     assert one_job(outputs)[2] == 2
     assert max_diff(reference(SHORT), final_params(tmp_path / "host0")) < EXACT
-
-
-def test_max_nodes_keeps_its_leader_and_a_waiting_node_takes_a_freed_place(tmp_path):
-    """--max-nodes 2: a third node waits for a place without calling
-    meetings (generation 1 goes on untouched); when B is killed, the waiting
-    node takes its place and A, the leader, stays rank 0."""
-    url = f"tcp://127.0.0.1:{free_port()}"
-    bounded = ["--max-update", 40, "--min-nodes", 1, "--max-nodes", 2, "--toy-sample-ms", 12]
-    first = [node(None, None, url, tmp_path / name, *bounded) for name in "ab"]
-    for watched in first:
-        watched.wait_for(r"generation 1: 2 nodes")
-    # The node that got the URL's port leads (the other's meeting point is elsewhere).
-    a, b = first if "this node is rank 0" in first[0].output() else first[::-1]
-    c = node(None, None, url, tmp_path / "c", *bounded)
-    c.wait_for(r"waits for a place")
-    a.wait_for(UPDATE_LINE, count=len([ln for ln in a.lines if re.search(UPDATE_LINE, ln)]) + 3)
-    b.proc.kill()
-    b.finish(30)
-    out_a, out_c = finish_ok(a, c)
-    assert generation_lines(out_a) == {1: 2, 2: 2}, out_a[-3000:]   # no meeting storm
-    assert re.search(r"generation 2: 2 nodes, this node is rank 0", out_a), out_a[-3000:]
-    assert "generation 2: 2 nodes, this node is rank 1" in out_c, out_c[-3000:]
-    expected = alone(*COMMON, "--max-update", 40, "--max-sentences", 48)
-    assert max_diff(expected["model"], final_params(tmp_path / "ab"[first.index(a)])) < EXACT
 
 
 @pytest.mark.parametrize("fooled", [(1, 3), (2, 3)])

@@ -177,13 +177,15 @@ def test_a_member_placed_in_a_round_it_did_not_read_enters_that_generation():
 
 def test_sixteen_nodes_lose_a_killed_and_a_frozen_host_and_a_waiting_node_takes_a_place(
         tmp_path):
-    """16 nodes on 16 hosts, --max-nodes 15: one waits for a place. A host
-    is killed: the next generation (its collective failed on the killed
-    host's neighbours in the ring, who tell the rest) takes the waiting node
-    in at once. Then a host is frozen: its heartbeats stop, rank 0 tells the
-    others, and the generation after comes before --distributed-timeout.
-    Three generations, no more (a survivor taken for lost would add one),
-    and the weights of one process training with the whole batch."""
+    """16 nodes on 16 hosts, --max-nodes 15: one waits for a place, without
+    calling meetings. A host is killed: the next generation (its collective
+    failed on the killed host's neighbours in the ring, who tell the rest)
+    takes the waiting node in at once. Then a host is frozen: its heartbeats
+    stop, rank 0 tells the others, and the generation after comes before
+    --distributed-timeout. Host A, the leader, stays rank 0. Three
+    generations, no more (a survivor taken for lost, or a waiting node
+    calling meetings, would add some), and the weights of one process
+    training with the whole batch."""
     from conftest import UPDATE_LINE, _cluster, final_params, max_diff
     from test_elastic import SHORT, changed, finish_ok, node, reference
     from test_parity import EXACT
@@ -207,8 +209,12 @@ def test_sixteen_nodes_lose_a_killed_and_a_frozen_host_and_a_waiting_node_takes_
         stopped = time.monotonic()
         a.wait_for(changed(cluster.names[frozen], "left"), timeout=60)
         assert time.monotonic() - stopped < 10, "a frozen member was told by the timeout only"
-        outputs = finish_ok(*(n for h, n in enumerate(nodes) if h not in (killed, frozen)))
-    out_a = outputs[0]
+        kept = [h for h in range(16) if h not in (killed, frozen)]
+        outputs = finish_ok(*(nodes[h] for h in kept))
+    out_a, out_waiter = outputs[0], outputs[kept.index(waiter)]
+    assert [int(n) for n in re.findall(r"generation \d+: \d+ nodes, this node is rank (\d+)",
+                                       out_a)] == [0, 0, 0], out_a[-6000:]
+    assert "generation 2: 15 nodes" in out_waiter, out_waiter[-3000:]
     assert re.search(rf"no heartbeat from rank \d+ \({cluster.addresses[frozen]}\)", out_a), \
         out_a[-4000:]
     assert "generation 3: 14 nodes" in out_a and "generation 4" not in out_a, out_a[-6000:]

@@ -221,8 +221,6 @@ def test_a_synchronous_checkpoint_resumes_into_rounds_and_back(tmp_path):
     (["--grad-compression", "powersgd", "--zero", "3"], "use --zero 0 or 1"),
     (["--grad-compression", "powersgd", "--powersgd-start", "1"], "expected N >= 2"),
     (["--powersgd-rank", "2"], "add --grad-compression powersgd"),
-    (["--local-steps", "8", "--outer-overlap", "--elastic", "--global-batch-size", "8",
-      "--distributed-init-method", "tcp://127.0.0.1:1"], "applies each round one round late"),
 ])
 def test_flags_that_make_no_sense_together_are_refused(flags, message):
     with pytest.raises(UserError, match=message):
@@ -264,3 +262,65 @@ def test_an_elastic_snapshot_inside_a_round_goes_back_to_its_start():
     before = [s["momentum_buffer"] for s in at_round_end["optimizer"]["state"].values()]
     assert len(momentum) == 4 and all(torch.equal(a, b) for a, b in zip(momentum, before))
     assert ROUNDS in snapshot and OPTIMIZERS not in snapshot           # no other rank's
+
+
+def test_an_overlapped_snapshot_goes_back_to_the_last_round_whose_exchange_arrived():
+    """--elastic with --outer-overlap: round R's exchange is applied at the
+    end of round R+1. A snapshot inside R+1 whose R arrived is the state of
+    a run that settled at the end of R (R applied; inner optimizer and
+    update count of R+1's start); when R's exchange failed, the state of a
+    run that settled at the end of R-1 (two rounds of history)."""
+    from concurrent.futures import Future
+    from hetseq.distributed import DistContext
+    from hetseq.update.local_steps import ROUNDS
+    from conftest import build_controller, keyed
+    flags = [*COMMON, "--local-steps", 2, "--outer-overlap", "--outer-momentum", 0.5,
+             "--momentum", 0.9, "--elastic", "--global-batch-size", 8,
+             "--distributed-init-method", "tcp://127.0.0.1:1"]
+
+    def trained(steps, settle_at=None):
+        controller, task = build_controller(flags, DistContext(0, 1, 0, torch.device("cpu")))
+        data = task.load_dataset("train")
+        for i in range(steps):
+            batch = keyed(data, list(range(4 * i, 4 * i + 4)))
+            controller.train_step([batch], batch, boundary=i + 1 == settle_at)
+        return controller
+
+    def same(a, b):
+        outer = [a[ROUNDS]["outer_optimizer"], b[ROUNDS]["outer_optimizer"]]
+        momenta = [[s["momentum_buffer"] for s in o["state"].values()] for o in outer]
+        inner = [[s["momentum_buffer"] for s in x["optimizer"]["state"].values()] for x in (a, b)]
+        return (a["num_updates"] == b["num_updates"] and max_diff(a["model"], b["model"]) == 0
+                and all(torch.equal(x, y) for x, y in zip(*momenta)) and len(momenta[0]) == 4
+                and all(torch.equal(x, y) for x, y in zip(*inner)))
+
+    arrived = trained(5).state_dict(local=True)          # inside round 3; round 2 arrived
+    assert arrived["num_updates"] == 4
+    assert same(arrived, trained(4, settle_at=4).state_dict(local=True))
+    failed = trained(5)
+    future = Future()
+    future.set_exception(RuntimeError("Connection closed by peer"))
+    failed.exchange.pending = future                     # round 2's exchange never completed
+    lost = failed.state_dict(local=True)
+    assert lost["num_updates"] == 2
+    assert same(lost, trained(2, settle_at=2).state_dict(local=True))
+    at_end = trained(4).state_dict(local=True)           # at round 2's end, round 3 not begun
+    assert same(at_end, arrived)
+
+
+def test_a_snapshot_takes_the_data_position_of_the_update_it_went_back_to():
+    """Run.snapshot: the position at the update the controller went back to,
+    one of the last two completed (--outer-overlap may go back two rounds);
+    an update this rank completed and the others did not: the position
+    after the batch it drew."""
+    import collections
+    import types
+    from hetseq.run.loop import Run
+    run = types.SimpleNamespace(
+        _completed=collections.deque([(2, "after 2"), (4, "after 4")], maxlen=2),
+        _drawn="after 5", controller=types.SimpleNamespace(num_updates=None),
+        checkpointer=types.SimpleNamespace(local_state=lambda state: state))
+    run.controller.state_dict = lambda local: {"num_updates": run.controller.num_updates}
+    for updates, position in ((2, "after 2"), (4, "after 4"), (5, "after 5")):
+        run.controller.num_updates = updates
+        assert Run.snapshot(run)["train_iterator"] == position

@@ -9,6 +9,7 @@ applied; then the run checks the ranks' agreement, re-plans the split if a
 rank's speed changed, and reports.
 """
 
+import collections
 import itertools
 import logging
 import time
@@ -91,7 +92,10 @@ class Run:
         self._plan_schedule()
         # The data position of the last completed update (an elastic member's
         # snapshot), and of the update under way once its batches are drawn.
-        self._completed = (self.controller.num_updates, self.train_data.state_dict())
+        # (updates, data position) at the last two completed updates (rounds):
+        # a snapshot goes back to one of them (--outer-overlap: two rounds).
+        self._completed = collections.deque(
+            [(self.controller.num_updates, self.train_data.state_dict())], maxlen=2)
         self._drawn = None
         self._reconfigure = False
 
@@ -179,7 +183,7 @@ class Run:
                 continue
             self.after_update(result, time.perf_counter() - started, steps)
             started, steps = None, 0
-            self._completed = (controller.num_updates, self._drawn)
+            self._completed.append((controller.num_updates, self._drawn))
             if training.max_update and controller.num_updates >= training.max_update:
                 break
             every = self.job.checkpoint.save_interval_updates
@@ -210,9 +214,9 @@ class Run:
         finished an update the others did not (under --local-steps an
         update is a round: one cut short is undone, Controller.state_dict)."""
         state = self.controller.state_dict(local=True)
-        done, position = self._completed
-        if self.controller.num_updates != done:
-            position = self._drawn
+        # Not one of them: an update this rank completed and the others did
+        # not (it holds one more); the position after the batch it drew.
+        position = dict(self._completed).get(self.controller.num_updates, self._drawn)
         return self.checkpointer.local_state({TRAIN_ITERATOR.name: position,
                                               CONTROLLER.name: state})
 

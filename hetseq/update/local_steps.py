@@ -50,6 +50,7 @@ A round ends after H inner steps, at the end of each epoch and wherever the
 run saves or stops: all decided by the job's flags, so every rank agrees.
 """
 
+import collections
 import concurrent.futures
 import copy
 import logging
@@ -132,9 +133,6 @@ def _check_local_steps(args):
          "--bf16"),
         (args.reduce_dtype != "float32", f"--reduce-dtype {args.reduce_dtype} sets the dtype "
          "of gradient all-reduces, which local steps do not make; use --outer-dtype"),
-        (args.elastic and args.outer_overlap, "--outer-overlap applies each round one round "
-         "late, and --elastic cannot yet go back to a state every member completed across "
-         "that lag; leave out one of the two"),
         (args.outer_lr <= 0, f"--outer-lr {args.outer_lr}: expected a rate > 0"),
         (not 0 <= args.outer_momentum < 1, f"--outer-momentum {args.outer_momentum}: "
          "expected 0 <= mu < 1"),
@@ -239,7 +237,10 @@ class LocalSteps(Exchange):
         self.anchor = None             # theta_0; with --outer-overlap: global
         self.start = None              # --outer-overlap: this rank's parameters at the round's start
         self.pending = None            # --outer-overlap: the exchange in flight
-        self.restart = None            # rewindable: (inner optimizer state, updates) at the round's start
+        # rewindable: (inner optimizer state, updates) at the starts of the
+        # last two rounds (--outer-overlap may have to train both again).
+        self.starts = collections.deque(maxlen=2)
+        self.open = False              # a round begun whose exchange is not sent yet
         self._group = self._pool = None
         if cfg.outer_overlap and ctx.distributed:
             # Its own group: the exchange's collectives never pair with the
@@ -267,11 +268,13 @@ class LocalSteps(Exchange):
     def begin(self, controller):
         """Before an inner step: the round's starting point, at its first step
         (rewindable: with the inner optimizer's state and the update count)."""
+        if self.steps == 0:
+            self.open = True           # until its exchange is sent
+            if self.rewindable:
+                self.starts.append((copy.deepcopy(controller.optimizer.state_dict()),
+                                    controller.num_updates))
         if self.anchor is None:
             self.anchor = self.flat.read()
-            if self.rewindable:
-                self.restart = (copy.deepcopy(controller.optimizer.state_dict()),
-                                controller.num_updates)
         if self.cfg.outer_overlap and self.start is None:
             self.start = self.flat.read()
 
@@ -310,6 +313,7 @@ class LocalSteps(Exchange):
         """The end of a round, ``weight`` = S_r / S; ``settle``: every rank must
         hold the same model afterwards (the run validates, saves or stops)."""
         current = self.flat.read()
+        self.open = False
         if not self.cfg.outer_overlap:
             self._outer_step(self.anchor, self._sum(
                 [(a - c).mul_(weight) for a, c in zip(self.anchor, current)]))
@@ -368,15 +372,59 @@ class LocalSteps(Exchange):
         split among the new members). The model goes back to theta_0, the
         inner optimizer and the update count to where the round began; the
         outer step's state changes only at a round's end, so it stands."""
-        if self.anchor is None:
-            return                        # at an outer step: nothing to undo
+        if self.cfg.outer_overlap:
+            self._rewind_overlapped(controller)
+        elif self.anchor is not None:     # inside a round (None: at an outer step)
+            self.flat.write(self.anchor)
+            self._restore(controller, self.starts[-1])
+            self.anchor = None
+        self.round, self.seconds, self.steps = StatsExchange(self.ctx, local=True), 0.0, 0
+        self.open = False
+
+    def _rewind_overlapped(self, controller):
+        """--outer-overlap: round R's exchange was sent at its end and is
+        applied at the end of round R+1. Either it reached this rank: apply
+        it, as a settle at the end of R would (the model is ``global`` with
+        R in it), and train R+1 again from its start. Or it did not (the
+        member was lost before it completed): back to ``global`` without R,
+        and train R again too. A member that holds R offers one more round
+        of updates, so the next generation continues from it (the newest
+        state, generations.choose_source), as it would from a save at the
+        end of R."""
+        inside = self.open                 # False: R's exchange sent, R+1 not begun
+        if self.pending is None and not inside:
+            return                         # settled: every rank holds ``global``
+        now_start = self.starts[-1] if inside else None     # None: the state of now
+        before = self.starts[-2] if inside else self.starts[-1]
+        if self.pending is None or self._arrived():
+            target = now_start
+        else:
+            target = before
+        self.pending = None
         self.flat.write(self.anchor)
-        optimizer_state, updates = self.restart
+        self.start = None
+        if target is not None:
+            self._restore(controller, target)
+
+    def _arrived(self):
+        """Whether the exchange in flight completed here (applied if so). A
+        collective blocked on a lost member fails when the heartbeats cut
+        its connections, at the latest after the group's timeout."""
+        try:
+            delta = self.pending.result()
+        except Exception as err:     # the lost member's connection, or the group's timeout
+            logger.info("the round in flight did not complete here (%s): trained again",
+                        str(err).strip().splitlines()[0][:160] if str(err).strip() else err)
+            return False
+        self._outer_step(self.anchor, delta)
+        self.anchor = self.flat.read()
+        return True
+
+    def _restore(self, controller, start):
+        optimizer_state, updates = start
         controller.optimizer.load_state_dict(optimizer_state)
         controller.num_updates = updates
         controller.lr = controller.lr_scheduler.step_update(updates + 1)
-        self.anchor = self.restart = None
-        self.round, self.seconds, self.steps = StatsExchange(self.ctx, local=True), 0.0, 0
 
     def state_dict(self, model, optimizer_state, local=False):
         """A save ends the round (settled). "local_steps": the outer step's state
