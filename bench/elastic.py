@@ -22,7 +22,12 @@ Runs, each until --updates updates are done:
   --kills-period: the cost of one restart (torchrun's re-rendezvous waits
   up to 30 s, c10d's last call, for more nodes);
 - ``hetseq_leader_faults``: the faults hit host A, the meeting point and
-  rank 0: frozen, back, switched off, back.
+  rank 0: frozen, back, switched off, back;
+- ``hetseq_slowlink_clean`` and ``hetseq_slowlink_faults``: the default BERT
+  over 100 Mbit/s links, in rounds of --local-steps (32), 8 sequences per
+  node (B = 24), for --bert-updates updates: without faults, and with the
+  faults above every --slow-period (30) seconds. A fault inside a round
+  costs the round (docs/elastic.md: it is trained again).
 
 Reported: per fault, the seconds from the fault to the next completed
 update (for a node coming back: from its start to the first update it takes
@@ -35,6 +40,7 @@ work since the last checkpoint). The PNG shows samples/s over time with the faul
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -53,7 +59,7 @@ from hetseq.testing.watched import Watched  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "5f0c1d2e3b4a69788796a5b4c3d2e1f0"   # generated-looking: the secret rules refuse counting runs
 BATCH = 48
-UPDATE = re.compile(r"\| epoch \d+ \| update \d+")
+UPDATE = re.compile(r"\| epoch \d+ \| update (\d+)")
 RESUMED = re.compile(r"resumed from .*: epoch \d+, (\d+) updates done")
 # (kind, host): what happens at each --period.
 FAULTS = [("kill", 2), ("back", 2), ("freeze", 1), ("back", 1), ("switch_off", 2), ("back", 2)]
@@ -66,6 +72,17 @@ ONE_KILL = [("kill", 2)]
 LEADER = [("freeze", 0), ("back", 0), ("switch_off", 0), ("back", 0)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What the nodes train: ``flags(args, save)`` (job and node flags but
+    the launcher's), the global batch, the updates of a run (``updates(args)``)
+    and the hosts' links."""
+    flags: object
+    batch: int
+    updates: object
+    rate: str = "1gbit"
+
+
 def job_flags(args, save, batch=BATCH):
     return ["--task", "toy", "--user-dir", os.path.join(ROOT, "tests", "tasks"), "--cpu",
             "--optimizer", "sgd", "--lr", "0.05", "--lr-scheduler", "fixed", "--clip-norm", "0",
@@ -75,11 +92,30 @@ def job_flags(args, save, batch=BATCH):
             "--log-interval", 1, "--no-progress-bar", "--save-dir", save]
 
 
+def slowlink_flags(args, save):
+    """The default BERT in rounds of --local-steps (docs/slow-links.md), 8
+    sequences per node: the state a joiner receives is 5.4 M parameters
+    with their Adam moments and the outer momentum."""
+    return ["--task", "bert-slowed", "--user-dir", os.path.join(ROOT, "bench", "tasks"), "--cpu",
+            "--max-sentences", 8, "--global-batch-size", SLOWLINK_BATCH,
+            "--local-steps", args.local_steps, "--max-update", args.bert_updates,
+            "--disable-validation", "--distributed-timeout", 60, "--log-format", "simple",
+            "--log-interval", 1, "--no-progress-bar", "--save-dir", save]
+
+
+SLOWLINK_BATCH = 24
+TOY = Workload(lambda args, save: [*job_flags(args, save), "--max-sentences", 16], BATCH,
+               lambda args: args.updates)
+SLOWLINK = Workload(slowlink_flags, SLOWLINK_BATCH, lambda args: args.bert_updates,
+                    rate="100mbit")
+
+
 class Job:
     """The nodes of one run, started and faulted by host."""
 
-    def __init__(self, cluster, launcher, args, folder):
+    def __init__(self, cluster, launcher, args, folder, workload=TOY):
         self.cluster, self.launcher, self.args, self.folder = cluster, launcher, args, folder
+        self.workload = workload
         self.nodes, self.dead = [], []
         self.started = {}
 
@@ -109,16 +145,21 @@ class Job:
             self.start(host)
 
     def updates(self):
-        """[(time, updates done)] from every node's log, in time order."""
+        """([(time, updates done)] from every node's log, in time order; the
+        updates trained, again ones included). Under --local-steps a line
+        stands for a round of updates."""
         events = sorted((t, line) for node in self.nodes for t, line in node.stamped
                         if UPDATE.search(line) or RESUMED.search(line))
-        done, timeline = 0, []
+        done, trained, timeline = 0, 0, []
         for t, line in events:
             resumed = RESUMED.search(line)
-            done = int(resumed.group(1)) if resumed else done + 1
-            if not resumed:
-                timeline.append((t, done))
-        return timeline, sum(1 for _, line in events if UPDATE.search(line))
+            if resumed:
+                done = int(resumed.group(1))
+                continue
+            number = int(UPDATE.search(line).group(1))
+            trained, done = trained + max(0, number - done), number
+            timeline.append((t, done))
+        return timeline, trained
 
 
 def hetseq_launcher(job, host):
@@ -126,8 +167,8 @@ def hetseq_launcher(job, host):
     # A's node back after A was lost finds the job through B.
     entry = 1 if host == 0 and host in job.started else 0
     url = f"tcp://{job.cluster.addresses[entry]}:29600"
-    return [sys.executable, os.path.join(ROOT, "train.py"), *map(str, job_flags(job.args, save)),
-            "--elastic", "--min-nodes", "2", "--max-sentences", "16",
+    return [sys.executable, os.path.join(ROOT, "train.py"),
+            *map(str, job.workload.flags(job.args, save)), "--elastic", "--min-nodes", "2",
             "--distributed-init-method", url], True
 
 
@@ -141,10 +182,11 @@ def torchrun_launcher(job, host):
             "--save-interval-updates", str(job.args.save_every)], False
 
 
-def run(launcher, faults, period, args):
+def run(launcher, faults, period, args, workload):
     """One job on three fresh hosts, a fault every ``period`` s; the measurements."""
-    with netns.VirtualCluster(3) as cluster, tempfile.TemporaryDirectory() as folder:
-        job = Job(cluster, launcher, args, folder)
+    with netns.VirtualCluster(3, rate=workload.rate) as cluster, \
+            tempfile.TemporaryDirectory() as folder:
+        job = Job(cluster, launcher, args, folder, workload)
         for host in range(3):
             job.start(host)
         first = wait_until(lambda: job.updates()[0], args.limit, job,
@@ -169,13 +211,13 @@ def run(launcher, faults, period, args):
                 with open(os.path.join(args.logs, f"{launcher.__name__}-{index}-host"
                                                   f"{'ABC'[node.host]}.log"), "w") as f:
                     f.write(node.output())
-        timeline, lines = job.updates()
-        return summarize(timeline, lines, moments, (first, ended), job, args)
+        timeline, trained = job.updates()
+        return summarize(timeline, trained, moments, (first, ended), job, args)
 
 
 def finished(job, args):
     timeline = job.updates()[0]
-    return bool(timeline) and timeline[-1][1] >= args.updates
+    return bool(timeline) and timeline[-1][1] >= job.workload.updates(args)
 
 
 def all_ended(job):
@@ -197,9 +239,9 @@ def wait_until(condition, limit, job=None, fatal=True, give_up=lambda: False):
     return value
 
 
-def summarize(timeline, lines, moments, span, job, args):
+def summarize(timeline, trained, moments, span, job, args):
     (first, ended), (end, done) = span, timeline[-1]
-    completed = done >= args.updates
+    completed = done >= job.workload.updates(args)
     end = end if completed else ended     # an unfinished job: until it gave up
     faults = []
     for at, kind, host in moments:
@@ -215,8 +257,9 @@ def summarize(timeline, lines, moments, span, job, args):
               if re.search(r"Error:|ERROR", line)]
     return {"completed": completed, "updates": done, "wall_s": round(end - first, 1),
             **({} if completed else {"last_error": errors[-1] if errors else None}),
-            "goodput_samples_per_s": round(done * BATCH / (end - first), 1),
-            "updates_trained_twice": lines - done, "stalled_s": stalled_s(timeline),
+            "global_batch": job.workload.batch,
+            "goodput_samples_per_s": round(done * job.workload.batch / (end - first), 1),
+            "updates_trained_twice": trained - done, "stalled_s": stalled_s(timeline),
             "faults": faults,
             "timeline": [(round(t - first, 2), n) for t, n in timeline]}
 
@@ -242,7 +285,8 @@ def plot(results, path):
         times = [t for t, _ in result["timeline"]]
         end = result["wall_s"]
         grid = [i / 4 for i in range(int(end * 4) + 1)]     # every 0.25 s until the job ended
-        rate = [sum(1 for s in times if t - 5 < s <= t) * BATCH / 5 for t in grid]
+        rate = [sum(1 for s in times if t - 5 < s <= t) * result.get("global_batch", BATCH) / 5
+                for t in grid]
         ax.plot(grid, rate, label=name)
     for fault in results.get("hetseq_faults", {}).get("faults", []):
         ax.axvline(fault["at_s"], color="grey", linestyle=":")
@@ -267,11 +311,18 @@ def main():
     parser.add_argument("--save-every", type=int, default=50,
                         help="torchrun's checkpoint interval (updates)")
     parser.add_argument("--max-restarts", type=int, default=10)
+    parser.add_argument("--bert-updates", type=int, default=256,
+                        help="updates of the slow-link runs (BERT over 100 Mbit/s)")
+    parser.add_argument("--local-steps", type=int, default=32,
+                        help="the slow-link runs' --local-steps")
+    parser.add_argument("--slow-period", type=float, default=30,
+                        help="seconds between faults in the slow-link run")
     parser.add_argument("--limit", type=float, default=900, help="seconds one run may take")
     parser.add_argument("--only", action="append",
                         choices=["hetseq_clean", "hetseq_faults", "torchrun_faults",
                                  "hetseq_one_kill", "torchrun_one_kill",
-                                 "hetseq_leader_faults"])
+                                 "hetseq_leader_faults", "hetseq_slowlink_clean",
+                                 "hetseq_slowlink_faults"])
     parser.add_argument("--logs", help="write every node's output into this folder")
     parser.add_argument("--out")
     parser.add_argument("--replot", metavar="JSON", help="only draw --png from an earlier --out")
@@ -286,21 +337,26 @@ def main():
     if not ok:
         raise SystemExit(f"bench/elastic.py needs namespace hosts: {why}")
     netns.remove_stale()
-    runs = {"hetseq_clean": (hetseq_launcher, [], 0),
-            "hetseq_faults": (hetseq_launcher, FAULTS, args.period),
-            "torchrun_faults": (torchrun_launcher, FAULTS, args.period),
-            "hetseq_one_kill": (hetseq_launcher, ONE_KILL, args.kills_period),
-            "hetseq_leader_faults": (hetseq_launcher, LEADER, args.period),
-            "torchrun_one_kill": (torchrun_launcher, ONE_KILL, args.kills_period)}
-    results = {name: run(*spec, args) for name, spec in runs.items()
+    runs = {"hetseq_clean": (hetseq_launcher, [], 0, TOY),
+            "hetseq_faults": (hetseq_launcher, FAULTS, args.period, TOY),
+            "torchrun_faults": (torchrun_launcher, FAULTS, args.period, TOY),
+            "hetseq_one_kill": (hetseq_launcher, ONE_KILL, args.kills_period, TOY),
+            "hetseq_leader_faults": (hetseq_launcher, LEADER, args.period, TOY),
+            "torchrun_one_kill": (torchrun_launcher, ONE_KILL, args.kills_period, TOY),
+            "hetseq_slowlink_clean": (hetseq_launcher, [], 0, SLOWLINK),
+            "hetseq_slowlink_faults": (hetseq_launcher, FAULTS, args.slow_period, SLOWLINK)}
+    results = {name: run(launcher, faults, period, args, workload)
+               for name, (launcher, faults, period, workload) in runs.items()
                if not args.only or name in args.only}
     if args.add and args.out and os.path.exists(args.out):
         with open(args.out) as f:
             results = {**{k: v for k, v in json.load(f).items()
                           if k not in ("setup", "global_batch")}, **results}
-    clean = results.get("hetseq_clean", {}).get("goodput_samples_per_s")
-    for result in results.values():
+    for name, result in results.items():
         result["stalled_s"] = stalled_s(result["timeline"])
+        # Against the clean run of the same workload.
+        baseline = "hetseq_slowlink_clean" if "slowlink" in name else "hetseq_clean"
+        clean = results.get(baseline, {}).get("goodput_samples_per_s")
         if clean:
             result["goodput_vs_clean"] = round(result["goodput_samples_per_s"] / clean, 3)
     if args.png:

@@ -8,8 +8,9 @@ in a host with their own hostname (``unshare --uts``) and their own
 ``/etc/hosts`` (``ip netns exec`` mounts ``/etc/netns/<ns>/hosts``): the host
 resolves its own name to 127.0.1.1 as Debian does, and the other hosts'
 names to their addresses, as a cluster's DNS would. Nothing is routed
-outside the namespaces; ``close`` removes everything it made, and
-``remove_stale`` what a killed run left behind.
+outside the namespaces; ``close`` removes everything it made (and puts
+back the kernel's ARP table limits, raised for clusters of more than 22
+hosts), and ``remove_stale`` what a killed run left behind.
 """
 
 import os
@@ -21,6 +22,9 @@ import time
 PREFIX = "hetseq-net-"
 SUBNET = "10.213.0"
 DEAD_END_SUBNET = "10.213.99"    # addresses no host has a route to
+# The kernel's ARP table is one for every namespace; past gc_thresh3 entries
+# (1024 by default) it drops new neighbours, and packets with them.
+NEIGHBOURS = "/proc/sys/net/ipv4/neigh/default/gc_thresh{}"
 
 
 def _sh(*args, check=True):
@@ -85,6 +89,7 @@ class VirtualCluster:
         self.namespaces = [f"{self.tag}-{i}" for i in range(hosts)]
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(hosts)]
         self.procs = []
+        self._neighbours = None       # the ARP table's limits before start(), when raised
 
     def __enter__(self):
         try:
@@ -98,12 +103,29 @@ class VirtualCluster:
         self.close()
 
     def start(self):
+        self._make_room_for_neighbours()
         _sh("ip", "netns", "add", self.switch)
         _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
         for index in range(self.size):
             self._add_host(index)
         self.set_rate(self.rate)
+
+    def _make_room_for_neighbours(self):
+        """Every host may talk to every other (gloo's full mesh): 64 hosts
+        need 64 x 63 ARP entries, four times the default limit. Raised for
+        the cluster's life when too small (restored by close)."""
+        needed = 2 * self.size * self.size
+        try:
+            limits = [int(open(NEIGHBOURS.format(i)).read()) for i in (1, 2, 3)]
+        except (OSError, ValueError):
+            return
+        if limits[2] >= needed:
+            return
+        self._neighbours = limits
+        for i, value in zip((1, 2, 3), (limits[0], needed // 2, needed)):
+            with open(NEIGHBOURS.format(i), "w") as f:
+                f.write(str(max(value, limits[i - 1])))
 
     def _add_host(self, index):
         ns, port = self.namespaces[index], f"p{index}"
@@ -198,3 +220,8 @@ class VirtualCluster:
             os.rmdir("/etc/netns")      # only when no other namespace keeps files there
         except OSError:
             pass
+        if self._neighbours is not None:
+            for i, value in zip((1, 2, 3), self._neighbours):
+                with open(NEIGHBOURS.format(i), "w") as f:
+                    f.write(str(value))
+            self._neighbours = None
