@@ -32,6 +32,7 @@ smallest and largest N (log-log slope): 1 is linear, 2 quadratic.
 """
 
 import argparse
+import json
 import math
 import os
 import re
@@ -158,6 +159,8 @@ def run(n, args):
             measure(scale, store, result)
         except SystemExit as stuck:      # a step that never came: say which, go on with the next N
             result["stuck"] = str(stuck).splitlines()[0]
+        except Exception as err:         # the bench's own bug: keep the other N's results
+            result["error"] = repr(err)
         finally:
             store.stop()
             if args.logs:
@@ -204,7 +207,7 @@ def measure(scale, store, result):
                                   if t > scale.launched[n] and RESUMED.search(line)],
                          args.limit, scale)[0]
     joined = resumed + scale.next_update(resumed)
-    up = joiner.stamped[0][0]
+    up = wait_until(lambda: joiner.stamped, args.limit, scale)[0][0]
     before = max(t for t in scale.updates() if t < resumed)
     faults["join"] = {"to_next_update_s": round(joined - scale.launched[n], 1),
                       "from_its_first_line_s": round(joined - up, 1),
@@ -215,7 +218,7 @@ def measure(scale, store, result):
 def growth(results):
     """Per measurement: the exponent k of cost ~ N^k between the smallest
     and largest N (1: linear, 2: quadratic)."""
-    done = [r for r in results if "stuck" not in r]
+    done = [r for r in results if "stuck" not in r and "error" not in r]
     if len(done) < 2:
         return {}
     small, large = done[0], done[-1]
@@ -249,7 +252,10 @@ def main():
     if not ok:
         raise SystemExit(f"bench/elastic_scale.py needs namespace hosts: {why}")
     netns.remove_stale()
-    results = [run(n, args) for n in sorted(args.nodes)]
+    results = []
+    for n in sorted(args.nodes):
+        results.append(run(n, args))
+        print(json.dumps(results[-1]), file=sys.stderr, flush=True)    # as they come
     emit({"setup": {k: v for k, v in vars(args).items() if k not in ("out", "updates", "logs")},
           "per_node_samples": PER_NODE, "runs": results, "growth": growth(results)}, args.out)
 

@@ -601,4 +601,10 @@ MUTATIONS = {
         "position = dict(self._completed).get(",
         "position = dict(list(self._completed)[-1:]).get(",
         ['tests/test_local_steps.py::test_a_snapshot_takes_the_data_position_of_the_update_it_went_back_to']),
+    'every-member-walks-every-member': (
+        "a member that will not lead asks the previous members only up to the first that answers",
+        'hetseq/distributed/membership.py',
+        '        if first is not None and members[first]["id"] == self.id:',
+        '        if True:',
+        ['tests/test_elastic_scale.py::test_a_member_asks_the_previous_members_only_up_to_the_first_that_answers']),
 }

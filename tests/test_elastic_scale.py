@@ -146,6 +146,29 @@ def test_a_failed_collective_anywhere_closes_every_ranks_process_group():
                 sock.close()
 
 
+def test_a_member_asks_the_previous_members_only_up_to_the_first_that_answers():
+    """The walk for the leader, in rank order: a member that will not lead
+    stops at the first member that answers (the leader), so a meeting of N
+    members costs about N handshakes, not N x N. The member that answers
+    first to itself leads, and asks everyone (who refused, who went on)."""
+    from hetseq.distributed.membership import ANSWERS, REFUSED, Membership
+    members = [{"id": i} for i in "abcdefgh"]
+    said = {"a": REFUSED, **{i: ANSWERS for i in "bcdefgh"}}
+
+    def walk(me):
+        asked = []
+        node = types.SimpleNamespace(id=me, _probe=lambda ms: asked.extend(m["id"] for m in ms)
+                                     or [said[m["id"]] for m in ms])
+        probed, answers = Membership._walk(node, members)
+        return asked, [m["id"] for m in probed], answers
+
+    asked, probed, answers = walk("f")
+    assert asked == probed == ["a", "b", "c"], asked          # batches of 1, then 2
+    assert answers == [REFUSED, ANSWERS, ANSWERS]
+    asked, probed, answers = walk("b")                          # b leads: it asks everyone
+    assert sorted(asked) == list("abcdefgh") and probed == list("abcdefgh")
+
+
 def member(i, ranks=1):
     return {"id": i, "host": i, "addr": "10.0.0.1", "port": 1, "pid": 1, "updates": 10,
             "lineage": ["1-a"], "ranks": ranks, "holder": 0, "generation": 1}
