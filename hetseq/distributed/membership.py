@@ -14,7 +14,7 @@ OS picks. The member whose store the others meet at is the *leader*, and the
 leader is always rank 0. The first leader is the node that serves the URL's
 own address. Every member writes the generation it is in and its leader into
 its own store (``e/leader``). When a generation ends, a member first asks
-every previous member it can reach which generation it is in: a newer one
+the previous members it reaches which generation they are in: a newer one
 means the job went on without this node (it was paused, or cut off), and it
 joins that generation's leader as a late joiner. Otherwise it meets at the
 first previous member, in rank order, whose store answers the secret's
