@@ -607,4 +607,10 @@ MUTATIONS = {
         '        if first is not None and members[first]["id"] == self.id:',
         '        if True:',
         ['tests/test_elastic_scale.py::test_a_member_asks_the_previous_members_only_up_to_the_first_that_answers']),
+    'a-rank-that-never-beat-is-waited-for': (
+        "a rank frozen before its first heartbeat is told silent after the timeout",
+        'hetseq/distributed/health.py',
+        "if store.check([k]) else None",
+        "if store.check([k]) else str(beats)",
+        ['tests/test_elastic_scale.py::test_a_rank_that_never_beat_is_told_silent']),
 }

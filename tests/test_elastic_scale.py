@@ -106,6 +106,25 @@ def test_rank_0_tells_every_rank_which_rank_went_silent():
     assert 2.0 <= told < 2.0 + 2.0, told
 
 
+def test_a_rank_that_never_beat_is_told_silent():
+    """A rank frozen before its first heartbeat (here: it never started its
+    watchdog) is found silent by rank 0 after the timeout, like any other:
+    the generation does not wait for --distributed-timeout (seen at 8 nodes
+    in bench/elastic_scale.py, where a host froze right after it met)."""
+    store = torch.distributed.HashStore()
+    addresses = [f"10.255.0.{r + 1}" for r in range(4)]
+    dogs = [Watchdog(store, r, addresses, addresses[r], 2.0) for r in range(3)]   # not rank 3
+    started = time.monotonic()
+    try:
+        until(lambda: dogs[0].lost == [3], 10)
+        told = time.monotonic() - started
+        until(lambda: all(dog.lost == [3] for dog in dogs), 3)
+    finally:
+        for dog in dogs:
+            dog.stop()
+    assert 2.0 <= told < 4.0, told
+
+
 def test_a_failed_collective_anywhere_closes_every_ranks_process_group():
     """A rank whose collective failed ends the generation for all: every
     watchdog then shuts down this process's process-group connections (a

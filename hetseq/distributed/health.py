@@ -121,6 +121,13 @@ class Watchdog:
         self.lost_key, self.ended_key = f"{prefix}/lost", f"{prefix}/ended"
         self.watched = self.beats if rank == 0 else self.beats[:1]
         self.lost, self.ended = [], False
+        # A first beat now: the generation's first update needs every rank,
+        # so no rank completes one before every rank's beat exists (a rank
+        # frozen before its first timed beat was never told silent).
+        try:
+            within(timeout_s, lambda: store.set(self.beats[rank], "0"))
+        except Exception:           # the thread's first query tells the same
+            pass
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hetseq-watchdog", daemon=True)
         self._thread.start()
@@ -147,7 +154,7 @@ class Watchdog:
             # The leader's word first: the next meeting need not wait for them.
             # Silence counts only before the generation ended (then the
             # members stop beating to meet) and once every member has beaten.
-            heard = [] if ended or counts == [] else silence.lost(counts, now)
+            heard = [] if ended else silence.lost(counts, now)
             found = sorted({r for r in heard + published if r != self.rank} - set(self.lost))
             self.lost += found
             if found and self.rank == 0:
@@ -163,13 +170,17 @@ class Watchdog:
                 self._end_here()
 
     def _beat(self, beats):
-        """Beat; (the watched counts, [] when one has not beaten yet; the ranks
-        the leader published lost; whether a rank's collective failed)."""
+        """Beat; (the watched counts, None for a rank that never beat: it
+        stays silent since the watchdog started; the ranks the leader
+        published lost; whether a rank's collective failed)."""
         store = self.store
         store.set(self.beats[self.rank], str(beats))
         ended = store.add(self.ended_key, 0) > 0
-        counts = ([bytes(v).decode() for v in store.multi_get(self.watched)]
-                  if store.check(self.watched) else [])
+        if store.check(self.watched):
+            counts = [bytes(v).decode() for v in store.multi_get(self.watched)]
+        else:   # one key each, only until every rank beat once
+            counts = [bytes(store.get(k)).decode() if store.check([k]) else None
+                      for k in self.watched]
         published = [] if self.rank == 0 or not store.check([self.lost_key]) else \
             self._ranks(store.get(self.lost_key))
         return counts, published, ended
@@ -242,8 +253,9 @@ class Silence:
 
     def lost(self, counts, now):
         """The members silent for ``timeout_s``, given their beat ``counts``
-        (None: the leader's store did not answer; only the leader, whose
-        process serves it, can then be told silent)."""
+        (a count None: that member never beat; ``counts`` None: the leader's
+        store did not answer, and only the leader, whose process serves it,
+        can then be told silent)."""
         for r, count in enumerate(counts or ()):
             if count != self.seen.get(r):
                 self.seen[r], self.heard[r] = count, now
