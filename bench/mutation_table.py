@@ -586,8 +586,8 @@ MUTATIONS = {
     'overlapped-rewind-keeps-a-failed-round': (
         "--elastic --outer-overlap: a round whose exchange failed is trained again",
         'hetseq/update/local_steps.py',
-        "        else:\n            target = before",
-        "        else:\n            target = now_start",
+        "            target = self.starts[-2] if inside else self.starts[-1]",
+        "            target = now_start",
         ['tests/test_local_steps.py::test_an_overlapped_snapshot_goes_back_to_the_last_round_whose_exchange_arrived']),
     'overlapped-rewind-misses-the-open-round': (
         "--elastic --outer-overlap: a round whose statistics failed is still open (not sent)",

@@ -140,7 +140,8 @@ def test_a_failed_collective_anywhere_closes_every_ranks_process_group():
         blocked = threading.Thread(target=lambda: got.update(data=peer.recv(10)))
         blocked.start()
         store = torch.distributed.HashStore()
-        addresses = ["10.255.0.1", "10.255.0.2", "10.255.0.3"]
+        # Rank 1 on this host's loopback: the sockets above are "its" connections.
+        addresses = ["10.255.0.1", "127.0.0.1", "10.255.0.3"]
         dogs = [Watchdog(store, r, addresses, addresses[r], 30.0,
                          spare={store_port.getsockname()[1]}) for r in range(3)]
         try:
@@ -186,6 +187,26 @@ def test_a_member_asks_the_previous_members_only_up_to_the_first_that_answers():
     assert answers == [REFUSED, ANSWERS, ANSWERS]
     asked, probed, answers = walk("b")                          # b leads: it asks everyone
     assert sorted(asked) == list("abcdefgh") and probed == list("abcdefgh")
+
+
+def test_a_member_waiting_at_a_node_that_went_elsewhere_follows_it():
+    """A member whose walk stopped at a node that is not leading (it was
+    paused, woke, and found the job elsewhere) follows that node's word
+    (``e/leader``) once it joined a generation of at least the round waited
+    for, instead of waiting out the round (10 minutes at the defaults)."""
+    from hetseq.distributed.membership import Membership
+    store = torch.distributed.HashStore()
+    me = types.SimpleNamespace(_where=lambda s: {"addr": "10.0.0.2", "port": 7,
+                                                 "generation": 1})
+    assert Membership._went_on(me, store, 2) is None                 # nothing said yet
+    store.set("e/leader", json.dumps({"addr": "10.0.0.2", "port": 7, "generation": 2}))
+    assert Membership._went_on(me, store, 2) is None                 # it leads here itself
+    store.set("e/leader", json.dumps({"addr": "10.0.0.1", "port": 7, "generation": 1}))
+    assert Membership._went_on(me, store, 2) is None                 # an older generation
+    store.set("e/leader", json.dumps({"addr": "10.0.0.1", "port": 7, "generation": 3}))
+    assert Membership._went_on(me, store, 2)["addr"] == "10.0.0.1"
+    store.set("e/leader", b"\xff not json")
+    assert Membership._went_on(me, store, 2) is None
 
 
 def member(i, ranks=1):

@@ -203,16 +203,19 @@ class Watchdog:
             logger.warning("could not publish the lost ranks %s: %s", self.lost, err)
 
     def end(self):
-        """This rank's collective failed: tell every rank (bounded: the
-        leader's store may be the reason)."""
-        try:
-            within(self.timeout_s, lambda: self.store.add(self.ended_key, 1))
-        except Exception:
-            pass
+        """This rank's collective failed: tell every rank, from a thread of
+        its own (the leader's store may be the reason, and the rank must not
+        wait for it before it meets again)."""
+        def tell():
+            try:
+                self.store.add(self.ended_key, 1)
+            except Exception:     # the store is gone: the others' heartbeats tell
+                pass
+        threading.Thread(target=tell, name="hetseq-ended", daemon=True).start()
 
     def _end_here(self):
         self.ended = True
-        closed = cut(None, self.spare)
+        closed = cut(set(self.addresses), self.spare)
         logger.info("a rank's collective failed: closed this process's %d process-group "
                     "connection(s)", closed)
 
@@ -268,10 +271,12 @@ ESTABLISHED = "01"      # /proc/net/tcp's state column
 
 def cut(address, spare=()):
     """Shut down this process's established TCP connections to ``address``
-    (None: to anywhere), except those on a port in ``spare`` at either end
-    (the stores: a member meeting again keeps them); how many. A blocked
-    recv on one of them returns at once (end of stream)."""
-    target = None if address is None else ipaddress.ip_address(address)
+    (one, or a set: the members' hosts), except those on a port in
+    ``spare`` at either end (the stores: a member meeting again keeps
+    them); how many. A blocked recv on one of them returns at once (end of
+    stream)."""
+    targets = {ipaddress.ip_address(a) for a in ([address] if isinstance(address, str)
+                                                  else address)}
     sockets = _socket_fds()
     closed = 0
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -286,7 +291,7 @@ def cut(address, spare=()):
                 continue
             if _proc_port(fields[1]) in spare or _proc_port(fields[2]) in spare:
                 continue
-            if target is not None and _proc_address(fields[2]) != target:
+            if _proc_address(fields[2]) not in targets:
                 continue
             if _shut(sockets[inode], inode):
                 closed += 1

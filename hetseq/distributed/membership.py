@@ -347,13 +347,16 @@ class Membership:
         before reading the outcome, and the new process group waits for it.
         Arriving late instead would leave the group a rank short until
         --distributed-timeout. None otherwise."""
-        if not store.check(["e/gen"]):
-            return None
-        number = int(store.get("e/gen"))
-        if number <= (0 if self.generation is None else self.generation.number):
-            return None
-        outcome = json.loads(store.get(f"e/{number}/members"))   # written before e/gen
-        if self.id not in [m.get("id") for m in outcome.get("members", ())]:
+        try:
+            if not store.check(["e/gen"]):
+                return None
+            number = int(store.get("e/gen"))
+            if number <= (0 if self.generation is None else self.generation.number):
+                return None
+            outcome = json.loads(store.get(f"e/{number}/members"))   # written before e/gen
+            if self.id not in [m.get("id") for m in outcome.get("members", ())]:
+                return None
+        except (ValueError, AttributeError, TypeError):     # not what a leader writes
             return None
         logger.info("round %d placed this node before its connection was lost: entering it",
                     number)
@@ -393,6 +396,9 @@ class Membership:
                 return {"done": store.get("e/done").decode()}
             if store.check([f"e/{number}/at"]):      # not the leader: it meets elsewhere
                 return {"moved": json.loads(store.get(f"e/{number}/at"))}
+            went = self._went_on(store, number)
+            if went is not None:                      # it joined a generation elsewhere
+                return {"moved": went}
             if time.monotonic() > deadline:
                 raise NoRound(f"round {number} at the meeting point did not close within "
                               f"{waited:.0f} s")
@@ -401,6 +407,21 @@ class Membership:
         if members.get("stop"):
             store.add(f"e/{number}/read", 1)
         return members
+
+    def _went_on(self, store, number):
+        """Where the node of ``store`` trains now, when it joined a generation
+        of at least ``number`` at another leader: a node that took it for
+        the leader (it was first in the walk, paused and then woken, and it
+        found the job elsewhere) follows instead of waiting out the round."""
+        if not store.check(["e/leader"]):
+            return None
+        try:
+            leader = json.loads(store.get("e/leader"))
+            here = self._where(store)
+            elsewhere = (leader["addr"], leader["port"]) != (here["addr"], here["port"])
+            return leader if elsewhere and leader["generation"] >= number else None
+        except (ValueError, KeyError, TypeError, StopIteration):
+            return None
 
     def _wait_for_place(self, store):
         """--max-nodes: the job is full. Wait at the leader's store, without

@@ -201,7 +201,12 @@ class LeadRound:
 
 
 def publish(store, number, outcome):
-    """Write a round's outcome (members, stop or moved) into the leader's store."""
+    """Write a round's outcome (members, stop or moved) into the leader's store.
+    A generation's heartbeat verdicts start empty: a member's key written
+    ahead of time (it holds the secret) does not end the generation."""
+    if "members" in outcome:
+        for key in (f"e/{number}/ended", f"e/{number}/lost"):
+            store.delete_key(key)
     store.set(f"e/{number}/members", json.dumps(outcome))
     if "members" in outcome:
         store.set("e/gen", str(number))

@@ -239,7 +239,7 @@ class LocalSteps(Exchange):
         self.pending = None            # --outer-overlap: the exchange in flight
         # rewindable: (inner optimizer state, updates) at the starts of the
         # last two rounds (--outer-overlap may have to train both again).
-        self.starts = collections.deque(maxlen=2)
+        self.starts = collections.deque(maxlen=2 if cfg.outer_overlap else 1)
         self.open = False              # a round begun whose exchange is not sent yet
         self._group = self._pool = None
         if cfg.outer_overlap and ctx.distributed:
@@ -313,17 +313,17 @@ class LocalSteps(Exchange):
         """The end of a round, ``weight`` = S_r / S; ``settle``: every rank must
         hold the same model afterwards (the run validates, saves or stops)."""
         current = self.flat.read()
-        self.open = False
         if not self.cfg.outer_overlap:
             self._outer_step(self.anchor, self._sum(
                 [(a - c).mul_(weight) for a, c in zip(self.anchor, current)]))
-            self.anchor = None            # the next round starts where this one left
+            self.anchor, self.open = None, False   # the next round starts where this one left
             return
         change = [s - c for s, c in zip(self.start, current)]
-        self._apply_pending()
+        self._apply_pending()       # a failure here: this round is still open, the last unapplied
         sent = [d * weight for d in change]
         self.pending = self._pool.submit(self._sum, sent) if self._pool else \
             _Done(self._sum(sent))
+        self.open = False           # sent: it lands, or not, with the next round
         self.flat.write([g - d for g, d in zip(self.anchor, change)])
         self.start = self.flat.read()
         if settle:
@@ -395,11 +395,10 @@ class LocalSteps(Exchange):
         if self.pending is None and not inside:
             return                         # settled: every rank holds ``global``
         now_start = self.starts[-1] if inside else None     # None: the state of now
-        before = self.starts[-2] if inside else self.starts[-1]
         if self.pending is None or self._arrived():
             target = now_start
-        else:
-            target = before
+        else:       # a pending round R began before this one (inside: two starts are kept)
+            target = self.starts[-2] if inside else self.starts[-1]
         self.pending = None
         self.flat.write(self.anchor)
         self.start = None
