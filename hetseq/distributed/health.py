@@ -107,8 +107,8 @@ class Watchdog:
     store silent for ``timeout_s`` means the leader is lost.
 
     ``ended``: a rank whose collective failed says so before it leaves
-    (``end``). Every rank then shuts down all its process group's
-    connections, so a collective blocked on a member that already left to
+    (``end``). Every rank then shuts down its connections to the members'
+    hosts but the stores', so a collective blocked on a member that left to
     meet fails at once (in a ring, only the lost rank's neighbours see the
     loss; the others would wait on a survivor that stopped beating). From
     then on silence is not loss: the members are meeting."""
@@ -153,7 +153,8 @@ class Watchdog:
                 continue
             # The leader's word first: the next meeting need not wait for them.
             # Silence counts only before the generation ended (then the
-            # members stop beating to meet) and once every member has beaten.
+            # members stop beating to meet); a rank that never beat is silent
+            # since this watchdog started.
             heard = [] if ended else silence.lost(counts, now)
             found = sorted({r for r in heard + published if r != self.rank} - set(self.lost))
             self.lost += found
