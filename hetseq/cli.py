@@ -75,6 +75,9 @@ def add_dataset_args(parser):
                        help="comma-separated splits to validate on after each epoch (default: valid)")
     group.add_argument("--validate-interval", type=int, default=1, metavar="N",
                        help="validate every N epochs (default: 1)")
+    group.add_argument("--validate-interval-updates", type=int, default=0, metavar="N",
+                       help="also validate after every N updates (0: only at epoch ends; "
+                            "--local-steps: a round ends there) (default: 0)")
     group.add_argument("--disable-validation", action="store_true", help="do not validate")
     group.add_argument("--curriculum", type=int, default=0, metavar="N",
                        help="do not shuffle the data in the first N epochs")

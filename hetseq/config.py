@@ -147,6 +147,7 @@ class TrainingConfig(_Section):
     train_subset: str
     valid_subset: str
     validate_interval: int
+    validate_interval_updates: int
     disable_validation: bool
     curriculum: int
     max_epoch: int

@@ -6,6 +6,7 @@ gradient, so a wrong weight or scale shows): EXACT as in test_parity.py.
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -182,6 +183,24 @@ def test_resume_mid_round_is_exact_and_keeps_every_ranks_optimizer(tmp_path):
     assert len(saved["optimizers"]) == 2 and "outer_optimizer" in saved["local_steps"]
     run_jobs(2, [("resumed", job(parts))], tmp_path / "group 2")
     assert max_diff(final_params(whole), final_params(parts)) == 0
+
+
+def test_a_validation_between_updates_ends_the_round(tmp_path):
+    """--validate-interval-updates 2 inside rounds of 3: the round ends at
+    update 2 and both ranks validate one model, the one a run that stops
+    at update 2 validates (each rank's own replica would differ)."""
+    flags = [*_rounds_run(tmp_path / "out"), "--no-save", "--validate-interval-updates", 2]
+    flags.remove("--disable-validation")
+    nodes = [["--max-sentences", 24], ["--max-sentences", 8]]
+    validated = re.compile(r"valid on 'valid' \| epoch \d+ \| loss=([\d.]+).*\| update (\d+)")
+    results = run_job([*flags, "--max-update", 5], nodes)
+    assert_ok(results)
+    every = [(int(u), float(loss)) for loss, u in validated.findall(results[0][1])]
+    # Updates 2 and 4 (the interval: epochs of 4, whose end validates once), 5 (the stop).
+    assert [u for u, _ in every] == [2, 4, 5], results[0][1][-3000:]
+    stopped = run_job([*flags, "--max-update", 2], nodes)
+    assert_ok(stopped)
+    assert [(int(u), float(loss)) for loss, u in validated.findall(stopped[0][1])] == every[:1]
 
 
 def test_resume_with_another_number_of_local_steps(tmp_path):

@@ -67,8 +67,8 @@ class Reporter:
 
     def valid(self, split, epoch, metrics, update):
         if self.ctx.is_main:
-            logger.info("valid on '%s' | epoch %03d | %s", split, epoch,
-                        " | ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            logger.info("valid on '%s' | epoch %03d | %s | update %d", split, epoch,
+                        " | ".join(f"{k}={v:.4g}" for k, v in metrics.items()), update)
         self.tensorboard.log(f"valid_{split}", metrics, update)
 
     def close(self):

@@ -186,8 +186,9 @@ class Run:
             self._completed.append((controller.num_updates, self._drawn))
             if training.max_update and controller.num_updates >= training.max_update:
                 break
-            every = self.job.checkpoint.save_interval_updates
-            if every and controller.num_updates % every == 0:
+            if self._validates_now(epoch):
+                self.validate(epoch)
+            if _due(self.job.checkpoint.save_interval_updates, controller.num_updates):
                 self.checkpointer.save(controller.num_updates, data.epoch)
             if self._reconfigure:
                 raise Reconfigure()
@@ -198,10 +199,21 @@ class Run:
         the end (--local-steps then ends the round: every rank holds one model).
         From the job's flags and the data position only, the same on every rank."""
         data, done = self.train_data, self.controller.num_updates + 1
-        every = self.job.checkpoint.save_interval_updates
-        max_update = self.job.training.max_update
+        training = self.job.training
+        validates = not training.disable_validation and \
+            _due(training.validate_interval_updates, done)
         return (data.samples_in_epoch in (0, data.dataset_size)
-                or bool(max_update and done >= max_update) or bool(every and done % every == 0))
+                or bool(training.max_update and done >= training.max_update)
+                or validates or _due(self.job.checkpoint.save_interval_updates, done))
+
+    def _validates_now(self, epoch):
+        """--validate-interval-updates, unless the epoch's end validates anyway."""
+        training, data = self.job.training, self.train_data
+        # The epoch's last batch is drawn: train() validates after it.
+        at_epoch_end = data.samples_in_epoch == data.dataset_size and \
+            epoch % training.validate_interval == 0
+        return not (training.disable_validation or at_epoch_end) and \
+            _due(training.validate_interval_updates, self.controller.num_updates)
 
     def _join_waiting(self):
         return self.membership is not None and self.membership.join_waiting()
@@ -259,6 +271,11 @@ class Run:
         model = self.task.build_model()
         model.load_state_dict(state)
         self.task.export_hf(model, self.job.checkpoint.export_hf)
+
+
+def _due(every, updates):
+    """Whether an every-N-updates action (N = 0: never) falls on ``updates``."""
+    return bool(every and updates % every == 0)
 
 
 def _chunks(iterable, size):
