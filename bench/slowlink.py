@@ -22,7 +22,17 @@ Then a mix of speeds at 100 Mbit/s: host C computes 2x slower
 (bench/tasks/slowed_bert.py), rounds of 32, HetSeq's measured split
 (``--capacity auto``) against equal shares, each against the ideal of that mix.
 
-    python bench/slowlink.py --out bench/slowlink.json --png bench/slowlink.png
+Then QUALITY: rounds of 32 with the default outer step at the job's own
+learning rate (two of them, --warmup-updates 8) and on an even (8+8+8) and
+an uneven (4+8+12) split, validated every round: the validation loss against
+the synchronous run's after the same samples (the synchronous run at 1 Gbit/s:
+the same mathematics, sooner), and against the synchronous run's at the same
+wall time over 100 Mbit/s. Seconds are samples over each mode's samples/s at
+100 Mbit/s (the synchronous mode's from a short run on that split; local
+steps' from the run itself, validations included: against them).
+
+    python bench/slowlink.py --out bench/slowlink.json --png bench/slowlink.png \
+        --quality-png bench/slowlink_quality.png
 """
 
 import argparse
@@ -55,13 +65,15 @@ MODES = {
 POWERSGD_START = 10         # its default
 LOGGED = re.compile(r"\| epoch \d+ \| update [\d/]+ (?:\| \S+ left )?\| loss=([\d.]+) \|.*"
                     r"\| sample_size=([\d.]+) \|")
-VALID = re.compile(r"valid on 'valid' \| epoch \d+ \| loss=([\d.]+)")
+VALID = re.compile(r"valid on 'valid' \| epoch \d+ \| loss=([\d.]+).*\| update (\d+)")
+QUALITY_SPLITS = {"even": (8, 8, 8), "uneven": (4, 8, 12)}
+ROUND = 32                  # the quality runs' --local-steps, and their validation interval
 
 
-def node_argv(args, updates, save, flags, world=HOSTS, rank=0, url=None):
+def node_argv(args, updates, save, flags, world=HOSTS, rank=0, url=None, batch=None):
     argv = [sys.executable, os.path.join(ROOT, "train.py"), "--task", "bert-slowed",
             "--user-dir", os.path.join(ROOT, "bench", "tasks"), "--cpu",
-            "--max-sentences", args.batch, "--max-update", updates, "--log-format", "simple",
+            "--max-sentences", batch or args.batch, "--max-update", updates, "--log-format", "simple",
             "--log-interval", 1, "--no-progress-bar", "--no-save", "--save-dir", save,
             "--distributed-timeout", 900, *flags]
     if world > 1:
@@ -80,7 +92,7 @@ def start(cluster, host, argv):
 
 def read(node, skip=1):
     """(samples/s from logged update ``skip`` to the last, [(samples seen, loss)],
-    validation loss) of one node's log."""
+    [(update, validation loss)]) of one node's log."""
     logged = [(t, float(m.group(1)), float(m.group(2))) for t, line in node.stamped
               if (m := LOGGED.search(line))]
     curve, seen = [], 0.0
@@ -90,8 +102,9 @@ def read(node, skip=1):
     rate = None
     if len(logged) > skip:
         rate = sum(s for _, _, s in logged[skip:]) / (logged[-1][0] - logged[skip - 1][0])
-    valid = [float(m.group(1)) for _, line in node.stamped if (m := VALID.search(line))]
-    return rate, curve, valid[-1] if valid else None
+    valid = [(int(m.group(2)), float(m.group(1))) for _, line in node.stamped
+             if (m := VALID.search(line))]
+    return rate, curve, valid
 
 
 def finish(nodes, timeout):
@@ -116,22 +129,27 @@ def _slowed(host, slow):
     return ["--bench-slowdown", 2] if host == slow else []
 
 
-def job(cluster, args, folder, name, flags, updates, slow=None, skip=1):
+def job(cluster, args, folder, name, flags, updates, slow=None, skip=1, batches=None):
     url = f"tcp://{cluster.addresses[0]}:29810"
     began = time.monotonic()
     nodes = [start(cluster, h, node_argv(args, updates, f"{folder}/{name}{h}",
-                                         [*flags, *_slowed(h, slow)], rank=h, url=url))
+                                         [*flags, *_slowed(h, slow)], rank=h, url=url,
+                                         batch=batches[h] if batches else None))
              for h in range(HOSTS)]
     finish(nodes, args.timeout)
     rate, curve, valid = read(nodes[0], skip)
-    print(f"{name}: {rate:.2f} samples/s, valid loss {valid}, {time.monotonic() - began:.0f} s",
+    last = valid[-1][1] if valid else None
+    print(f"{name}: {rate:.2f} samples/s, valid loss {last}, {time.monotonic() - began:.0f} s",
           file=sys.stderr, flush=True)
-    return {"samples_per_s": rate, "updates": updates, "valid_loss": valid, "curve": curve}
+    return {"samples_per_s": rate, "updates": updates, "valid_loss": last, "curve": curve,
+            "valid": valid}
 
 
 def measure(args):
     runs, folder = {}, tempfile.mkdtemp(prefix="hetseq-slowlink-")
     with netns.VirtualCluster(HOSTS, rate="1gbit") as cluster:
+        if args.only_quality:
+            return {"quality": quality(cluster, args, folder)}
         base = ideal(cluster, args, folder)
         for link in args.links:
             cluster.set_rate(link)
@@ -146,7 +164,8 @@ def measure(args):
                 run["fraction_of_ideal"] = run["samples_per_s"] / base["samples_per_s"]
                 runs[f"{link} {name}"] = run
         mix = mixed(cluster, args, folder) if args.mix else None
-    return {"ideal": base, "runs": runs, "mix": mix}
+        found = quality(cluster, args, folder) if args.quality else None
+    return {"ideal": base, "runs": runs, "mix": mix, "quality": found}
 
 
 def mixed(cluster, args, folder):
@@ -166,6 +185,70 @@ def mixed(cluster, args, folder):
     out["hetseq_over_equal"] = out["hetseq_split"]["samples_per_s"] / \
         out["equal_shares"]["samples_per_s"]
     return out
+
+
+def quality(cluster, args, folder):
+    """Rounds of 32 with the default outer step, at each --quality-lrs and
+    split, against synchronous updates (module docstring)."""
+    out = {}
+    for split, batches in QUALITY_SPLITS.items():
+        cluster.set_rate("100mbit")
+        sync_rate = job(cluster, args, folder, f"q-{split}-sync-rate", ["--disable-validation"],
+                        args.sync_updates, batches=batches)["samples_per_s"]
+        for lr in args.quality_lrs:
+            flags = ["--lr", lr, "--warmup-updates", 8, "--validate-interval-updates", ROUND]
+            cluster.set_rate("1gbit")
+            sync = job(cluster, args, folder, f"q-{split}-{lr}-sync", flags,
+                       args.quality_updates, batches=batches)
+            cluster.set_rate("100mbit")
+            local = job(cluster, args, folder, f"q-{split}-{lr}-local",
+                        ["--local-steps", ROUND, *flags], args.quality_updates, batches=batches)
+            out[f"{split} lr {lr}"] = compare(sync, local, sync_rate, sum(batches))
+    return out
+
+
+def compare(sync, local, sync_rate, batch):
+    """Local steps' validation loss over the synchronous run's: after the same
+    samples (every round from the 8th), and at the same seconds over 100
+    Mbit/s (where the synchronous run has validated: linear between its points)."""
+    ours, theirs = dict(local["valid"]), dict(sync["valid"])
+    same_samples = {u: ours[u] / theirs[u] for u in sorted(ours) if u in theirs and u >= 8 * ROUND}
+    seconds = {"sync": [(u * batch / sync_rate, loss) for u, loss in sync["valid"]],
+               "local": [(u * batch / local["samples_per_s"], loss) for u, loss in local["valid"]]}
+    same_time = {}
+    for t, loss in seconds["local"]:
+        done = t * sync_rate / batch              # the synchronous run's updates by then
+        below = [(u, v) for u, v in sync["valid"] if u <= done]
+        above = [(u, v) for u, v in sync["valid"] if u > done]
+        if below and above:
+            (u0, v0), (u1, v1) = below[-1], above[0]
+            same_time[round(t, 1)] = loss / (v0 + (v1 - v0) * (done - u0) / (u1 - u0))
+    return {"sync_samples_per_s_100mbit": sync_rate,
+            "local_samples_per_s_100mbit": local["samples_per_s"],
+            "valid_vs_sync_same_samples": {u: round(r, 4) for u, r in same_samples.items()},
+            "worst_vs_sync_from_round_8": round(max(same_samples.values()), 4),
+            "valid_vs_sync_same_seconds": {t: round(r, 4) for t, r in same_time.items()},
+            "lower_than_sync_at_same_seconds": all(r < 1 for r in same_time.values()),
+            "seconds": seconds}
+
+
+def plot_quality(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = result["quality"]
+    fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4.2), squeeze=False)
+    for ax, (case, row) in zip(axes[0], cases.items()):
+        for mode, style in (("sync", "-o"), ("local", "--s")):
+            t, loss = zip(*row["seconds"][mode])
+            label = "synchronous" if mode == "sync" else f"--local-steps {ROUND}"
+            ax.plot(t, loss, style, markersize=3, label=label)
+        ax.set_title(f"{case}: worst {row['worst_vs_sync_from_round_8']:.3f} x sync", fontsize=9)
+        ax.set_xlabel("seconds over 100 Mbit/s")
+        ax.set_ylabel("validation loss")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def summarize(result):
@@ -226,11 +309,17 @@ def main():
     parser.add_argument("--links", nargs="+", default=list(LINKS), choices=LINKS)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--no-mix", dest="mix", action="store_false")
+    parser.add_argument("--no-quality", dest="quality", action="store_false")
+    parser.add_argument("--only-quality", action="store_true",
+                        help="only the QUALITY runs (with --merge: into an earlier result)")
+    parser.add_argument("--quality-lrs", nargs="+", default=["1e-4", "5e-4"])
+    parser.add_argument("--quality-updates", type=int, default=12 * ROUND)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--merge", metavar="JSON",
                         help="add these runs to an earlier result (each against its own ideal)")
     parser.add_argument("--out")
     parser.add_argument("--png")
+    parser.add_argument("--quality-png")
     args = parser.parse_args()
     ok, why = netns.available()
     if not ok:
@@ -244,11 +333,15 @@ def main():
         with open(args.merge) as f:
             earlier = json.load(f)
         earlier["runs"].update({key: {**run, "ideal": result["ideal"]["samples_per_s"]}
-                                for key, run in result["runs"].items()})
-        result = {**earlier, "mix": result["mix"] or earlier.get("mix")}
-    result["summary"] = summarize(result)
+                                for key, run in result.get("runs", {}).items()})
+        result = {**earlier, **{key: result.get(key) or earlier.get(key)
+                                for key in ("mix", "quality")}}
+    if "runs" in result:
+        result["summary"] = summarize(result)
     if args.png:
         plot(result, args.png)
+    if args.quality_png:
+        plot_quality(result, args.quality_png)
     emit(result, args.out)
 
 

@@ -424,7 +424,9 @@ def test_resume_on_another_world_size_is_exact_with_dropout(mnist_data, tmp_path
 PREVIOUS = ROOT / "tests" / "data" / "previous_release"
 PREVIOUS_FLAGS = {
     "sync_adamw_clip.pt": ["--optimizer", "adamw", "--clip-norm", "0.5"],
-    "local_steps.pt": ["--local-steps", "2", "--outer-momentum", "0.5", "--momentum", "0.9"],
+    # 0.2.0's default outer rate was DiLoCo's 0.7.
+    "local_steps.pt": ["--local-steps", "2", "--outer-lr", "0.7", "--outer-momentum", "0.5",
+                       "--momentum", "0.9"],
 }
 
 

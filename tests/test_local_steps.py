@@ -19,8 +19,11 @@ from conftest import (EXACT, GROUP_TIMEOUT, TOY, alone, assert_ok, final_params,
                       start_ranks)
 
 from test_parity import COMMON, reference
-# H = 1 with the outer step theta_0 - 1 * D: the synchronous update (local_steps.py).
-SYNC_ROUNDS = ["--local-steps", 1, "--outer-lr", 1, "--outer-momentum", 0]
+# H = 1 with the default outer step, theta_0 - 1 * D (the weighted average of
+# the models): the synchronous update (local_steps.py).
+SYNC_ROUNDS = ["--local-steps", 1]
+# DiLoCo's outer step: a momentum for --zero 1 to shard and the rounds to carry.
+DILOCO = ["--outer-lr", 0.7, "--outer-momentum", 0.9]
 LOSSLESS_POWERSGD = ["--grad-compression", "powersgd", "--powersgd-start", 2,
                      "--powersgd-min-compression", 0, "--powersgd-rank", 8]
 
@@ -34,10 +37,10 @@ JOBS = {
     "rounds of 1, --zero 1, 24+8": job([24, 8], *SYNC_ROUNDS, "--zero", 1),
     "powersgd lossless, 24+8": job([24, 8], *LOSSLESS_POWERSGD),
     "powersgd rank 1, 24+8": job([24, 8], *LOSSLESS_POWERSGD[:-1], 1),
-    "rounds of 4, 24+8": job([24, 8], "--local-steps", 4),
-    "rounds of 4, --zero 1, 24+8": job([24, 8], "--local-steps", 4, "--zero", 1),
-    "rounds of 2 overlapped, 24+8": job([24, 8], "--local-steps", 2, "--outer-overlap"),
-    "rounds of 4 in bf16, 24+8": job([24, 8], "--local-steps", 4, "--toy-dtype", "float32",
+    "rounds of 4, 24+8": job([24, 8], "--local-steps", 4, *DILOCO),
+    "rounds of 4, --zero 1, 24+8": job([24, 8], "--local-steps", 4, *DILOCO, "--zero", 1),
+    "rounds of 2 overlapped, 24+8": job([24, 8], "--local-steps", 2, *DILOCO, "--outer-overlap"),
+    "rounds of 4 in bf16, 24+8": job([24, 8], "--local-steps", 4, *DILOCO, "--toy-dtype", "float32",
                                      "--bf16"),
     "rounds of 1 in int8, 24+8": job([24, 8], *SYNC_ROUNDS, "--outer-dtype", "int8"),
     "rounds of 1 in bfloat16, 24+8": job([24, 8], *SYNC_ROUNDS, "--outer-dtype", "bfloat16"),
@@ -109,7 +112,7 @@ def test_overlap_alone_follows_the_local_trajectory():
     or one round late, the model after the run is the inner optimizer's own
     trajectory (a change applied twice or lost would show)."""
     plain = alone(*COMMON, "--max-sentences", 32)["model"]
-    late = alone(*COMMON, *SYNC_ROUNDS[:1], 3, *SYNC_ROUNDS[2:], "--outer-overlap",
+    late = alone(*COMMON, "--local-steps", 3, "--outer-overlap",
                  "--max-sentences", 32)["model"]
     assert max_diff(plain, late) < EXACT
 
