@@ -470,8 +470,8 @@ MUTATIONS = {
     "save-inside-a-round": (
         "--local-steps: a save ends the round, so a resume is exact",
         "hetseq/run/loop.py",
-        "or bool(max_update and done >= max_update) or bool(every and done % every == 0))",
-        "or bool(max_update and done >= max_update))",
+        "                or validates or _due(self.job.checkpoint.save_interval_updates, done))",
+        "                or validates)",
         ["tests/test_local_steps.py::test_resume_mid_round_is_exact_and_keeps_every_ranks_optimizer"]),
     "powersgd-hook-not-registered": (
         "--grad-compression powersgd compresses the gradient all-reduce",
@@ -613,4 +613,28 @@ MUTATIONS = {
         "if store.check([k]) else None",
         "if store.check([k]) else str(beats)",
         ['tests/test_elastic_scale.py::test_a_rank_that_never_beat_is_told_silent']),
+    'validation-inside-a-round': (
+        "--validate-interval-updates ends a round of --local-steps: every rank validates one model",
+        'hetseq/run/loop.py',
+        "                or validates or _due(",
+        "                or _due(",
+        ['tests/test_local_steps.py::test_a_validation_between_updates_ends_the_round']),
+    'validation-twice-at-an-epoch-end': (
+        "an interval validation that falls on an epoch's end is made once",
+        'hetseq/run/loop.py',
+        "        return not (training.disable_validation or at_epoch_end) and ",
+        "        return not training.disable_validation and ",
+        ['tests/test_local_steps.py::test_a_validation_between_updates_ends_the_round']),
+    'default-outer-step-back-to-diloco': (
+        "the default outer step is the weighted average (H = 1 and SGD: the synchronous update)",
+        'hetseq/update/local_steps.py',
+        '"--outer-lr", type=float, default=1.0,',
+        '"--outer-lr", type=float, default=0.7,',
+        ['tests/test_local_steps.py::test_exact_where_the_mathematics_says_so']),
+    'a-round-outlives-its-generation': (
+        "--elastic --local-steps: a rank told by its heartbeats that the generation is over leaves between inner steps",
+        'hetseq/run/loop.py',
+        "                if self.membership is not None and self.membership.over():",
+        "                if False:",
+        ['tests/test_elastic.py::test_a_member_lost_inside_a_round_ends_the_generation_between_inner_steps']),
 }

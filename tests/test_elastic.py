@@ -364,6 +364,39 @@ def test_overlapped_rounds_go_back_to_the_last_exchange_that_arrived(tmp_path):
     assert max_diff(final_params(tmp_path / "fixed"), final_params(tmp_path / leader)) < EXACT
 
 
+def test_a_member_lost_inside_a_round_ends_the_generation_between_inner_steps(tmp_path):
+    """Rounds of --local-steps 150 (about 7 s of compute without a
+    collective), two nodes on loopback: the node that is not rank 0 is
+    killed once it trains. Rank 0's heartbeats tell it 3 s later, and it
+    leaves the generation between two inner steps, not at the round's end
+    (a collective's failure a round's compute later). Alone below
+    --min-nodes 2, it saves the state of the round's start (0 updates: the
+    round is trained again) and stops."""
+    url = f"tcp://127.0.0.1:{free_port()}"
+    rounds = ["--local-steps", 150, "--toy-size", 4000, "--max-sentences", 8,
+              "--global-batch-size", 16, "--max-update", 150, "--distributed-timeout", 6]
+    nodes = [node(None, None, url, tmp_path / name, *rounds, "--toy-log-indices",
+                  tmp_path / f"{name}-trains") for name in "ab"]
+    nodes[0].wait_for(r"generation 1: 2 nodes", timeout=60)
+    nodes[1].wait_for(r"generation 1: 2 nodes", timeout=60)
+    leader = 0 if "this node is rank 0" in "".join(nodes[0].lines) else 1
+    victim = 1 - leader
+    trains = tmp_path / f"{'ab'[victim]}-trains.1"
+    deadline = time.monotonic() + 60
+    while not (trains.exists() and len(trains.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline, "the second node did not train 3 inner steps in 60 s"
+        time.sleep(0.05)
+    nodes[victim].proc.kill()     # one process: the node's voice is its rank
+    nodes[victim].finish(30)
+    inner = len((tmp_path / f"{'ab'[leader]}-trains.0").read_text().splitlines())
+    code, out = nodes[leader].finish(120)
+    assert code == 3 and "(0 updates)" in out, out[-3000:]
+    assert "generation 1 ended: the heartbeats told it between inner steps" in out, out[-3000:]
+    # It trained on after the kill for the heartbeats' time, not to the round's end.
+    after = len((tmp_path / f"{'ab'[leader]}-trains.0").read_text().splitlines())
+    assert inner < after < 150, (inner, after)
+
+
 # ---- namespace hosts ----
 
 def test_a_lost_host_an_intruder_and_a_late_joiner(three_hosts, tmp_path):

@@ -481,6 +481,7 @@ class Place:
         self.generation, self.local = generation, local
         self.binding, self.timeout_s = binding, timeout_s
         self.rank = generation.first_rank() + local
+        self.watch = None         # this process's health.Watchdog, once it starts
 
     @classmethod
     def joining(cls, generation, local, binding, timeout_s, secret):
@@ -516,9 +517,18 @@ class Place:
         if not timeout_s:
             return None
         gen = self.generation
-        return health.Watchdog(gen.store.clone(), self.rank, gen.addresses(),
-                               self.binding.address, timeout_s, prefix=f"e/{gen.number}",
-                               spare={m["port"] for m in gen.members})
+        self.watch = health.Watchdog(gen.store.clone(), self.rank, gen.addresses(),
+                                     self.binding.address, timeout_s, prefix=f"e/{gen.number}",
+                                     spare={m["port"] for m in gen.members})
+        return self.watch
+
+    def over(self):
+        """Whether the heartbeats already know this generation is over: a
+        member told lost, or a rank's collective failed. Read between the
+        inner steps of --local-steps, which make no collective that could
+        fail (two attribute reads: no network)."""
+        watch = self.watch
+        return watch is not None and (watch.ended or bool(watch.lost))
 
     def process_group(self, backend):
         """Start this generation's process group (its own key prefix, so a

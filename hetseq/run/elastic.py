@@ -66,6 +66,12 @@ class Reconfigure(Exception):
     """Raised at an update boundary when a node asked to join."""
 
 
+class GenerationOver(Exception):
+    """Raised between inner steps of --local-steps when the heartbeats know
+    the generation is over: the round would be trained again anyway, and
+    its end would only come (and fail) a round's compute later."""
+
+
 class TooFewNodes(PeerLost):
     """Fewer than --min-nodes nodes for --distributed-timeout: saved and stopped."""
 
@@ -206,13 +212,14 @@ def _serve(place, state, device, args, job, node, inputs, topology):
         run.train()
     except Reconfigure:
         state = run.snapshot()
-    except RuntimeError as err:
-        if not health.is_communication_error(err):
+    except (RuntimeError, GenerationOver) as err:
+        if isinstance(err, RuntimeError) and not health.is_communication_error(err):
             raise
         if watch is not None:
             watch.end()     # the ranks still blocked in a collective stop waiting
-        logger.warning("generation %d ended: a collective failed (%s)", gen.number,
-                       str(err).strip().splitlines()[0][:160])
+        why = f"a collective failed ({str(err).strip().splitlines()[0][:160]})" \
+            if isinstance(err, RuntimeError) else "the heartbeats told it between inner steps"
+        logger.warning("generation %d ended: %s", gen.number, why)
         state = run.snapshot() if run is not None else state
     else:
         updates = run.controller.num_updates

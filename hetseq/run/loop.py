@@ -23,7 +23,7 @@ from hetseq.plan import capacity, rebalance
 from hetseq.reporting.report import Reporter
 from hetseq.run import checkpoint
 from hetseq.run.checkpoint import Component
-from hetseq.run.elastic import Reconfigure
+from hetseq.run.elastic import GenerationOver, Reconfigure
 from hetseq.run.validation import Validation
 from hetseq.tasks import TASKS, Task, import_builtin_tasks, import_user_dir
 from hetseq.update import precision
@@ -180,6 +180,8 @@ class Run:
                                            signal=float(self._join_waiting()),
                                            boundary=self._boundary())
             if result is None:        # inside a round of --local-steps
+                if self.membership is not None and self.membership.over():
+                    raise GenerationOver()
                 continue
             self.after_update(result, time.perf_counter() - started, steps)
             started, steps = None, 0
