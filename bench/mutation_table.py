@@ -637,4 +637,10 @@ MUTATIONS = {
         "                if self.membership is not None and self.membership.over():",
         "                if False:",
         ['tests/test_elastic.py::test_a_member_lost_inside_a_round_ends_the_generation_between_inner_steps']),
+    'a-lost-member-at-the-last-barrier-fails-the-others': (
+        "--elastic: a member lost at the job's last barrier leaves the others finished",
+        'hetseq/run/elastic.py',
+        "    except RuntimeError as err:     # a member lost after its last update",
+        "    except KeyError as err:     # a member lost after its last update",
+        ['tests/test_elastic.py::test_a_member_lost_at_the_last_barrier_leaves_the_others_finished']),
 }

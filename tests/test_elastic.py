@@ -397,6 +397,25 @@ def test_a_member_lost_inside_a_round_ends_the_generation_between_inner_steps(tm
     assert inner < after < 150, (inner, after)
 
 
+def test_a_member_lost_at_the_last_barrier_leaves_the_others_finished(monkeypatch, caplog):
+    """Every update is done when a member is lost at the job's last barrier:
+    the others still stop their heartbeats, let go of the group and leave
+    the meeting point, and finish (no traceback)."""
+    from types import SimpleNamespace
+    from hetseq.run import elastic
+    done = []
+
+    def barrier():
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    monkeypatch.setattr(elastic.dist, "barrier", barrier)
+    monkeypatch.setattr(elastic.dist, "destroy_process_group", lambda: done.append("group"))
+    monkeypatch.setattr(elastic.rendezvous, "leave", lambda *a: done.append("store"))
+    watch = SimpleNamespace(stop=lambda: done.append("heartbeats"), lost=[])
+    elastic._leave(SimpleNamespace(rank=1, store=None, world_size=2), 7, watch)
+    assert done == ["heartbeats", "group", "store"]
+    assert "left before the job's last barrier" in caplog.text
+
+
 # ---- namespace hosts ----
 
 def test_a_lost_host_an_intruder_and_a_late_joiner(three_hosts, tmp_path):

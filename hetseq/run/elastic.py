@@ -287,7 +287,13 @@ def _leave(place, updates, watch):
     others left it. Heartbeats stop only after the barrier: a rank still
     saving or exporting would otherwise find the others silent and cut them."""
     gc.collect()
-    dist.barrier()
+    try:
+        dist.barrier()
+    except RuntimeError as err:     # a member lost after its last update: ours are all done
+        if not health.is_communication_error(err):
+            raise
+        logger.warning("a member left before the job's last barrier (%s); this rank's part "
+                       "is complete", str(err).strip().splitlines()[0][:160])
     _stop(watch)
     dist.destroy_process_group()
     if place.rank == 0:
