@@ -622,8 +622,8 @@ MUTATIONS = {
     'validation-twice-at-an-epoch-end': (
         "an interval validation that falls on an epoch's end is made once",
         'hetseq/run/loop.py',
-        "        return not (training.disable_validation or at_epoch_end) and ",
-        "        return not training.disable_validation and ",
+        "        if self._validated is not None and self._validated[0] == updates:",
+        "        if False:",
         ['tests/test_local_steps.py::test_a_validation_between_updates_ends_the_round']),
     'default-outer-step-back-to-diloco': (
         "the default outer step is the weighted average (H = 1 and SGD: the synchronous update)",

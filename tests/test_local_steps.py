@@ -192,16 +192,20 @@ def test_a_validation_between_updates_ends_the_round(tmp_path):
     """--validate-interval-updates 2 inside rounds of 3: the round ends at
     update 2 and both ranks validate one model, the one a run that stops
     at update 2 validates (each rank's own replica would differ)."""
-    flags = [*_rounds_run(tmp_path / "out"), "--no-save", "--validate-interval-updates", 2]
+    flags = [*_rounds_run(tmp_path / "out"), "--validate-interval-updates", 2]
     flags.remove("--disable-validation")
     nodes = [["--max-sentences", 24], ["--max-sentences", 8]]
     validated = re.compile(r"valid on 'valid' \| epoch \d+ \| loss=([\d.]+).*\| update (\d+)")
-    results = run_job([*flags, "--max-update", 5], nodes)
+    results = run_job([*flags, "--max-update", 5, "--save-interval-updates", 2], nodes)
     assert_ok(results)
     every = [(int(u), float(loss)) for loss, u in validated.findall(results[0][1])]
     # Updates 2 and 4 (the interval: epochs of 4, whose end validates once), 5 (the stop).
     assert [u for u, _ in every] == [2, 4, 5], results[0][1][-3000:]
-    stopped = run_job([*flags, "--max-update", 2], nodes)
+    # The interval's validations count for the best checkpoint too.
+    best = torch.load(tmp_path / "out" / "checkpoint_best.pt", weights_only=True)
+    assert best["controller"]["num_updates"] == min(every, key=lambda e: e[1])[0]
+    stopped = run_job([*flags, "--no-save", "--save-dir", tmp_path / "stopped",
+                       "--max-update", 2], nodes)
     assert_ok(stopped)
     assert [(int(u), float(loss)) for loss, u in validated.findall(stopped[0][1])] == every[:1]
 

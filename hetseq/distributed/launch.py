@@ -37,6 +37,7 @@ class DistContext:
     device: torch.device
     backend: str | None = None
     local_world_size: int = 1    # ranks on this node (they share its memory)
+    timeout_s: float | None = None   # --distributed-timeout: groups made later take it too
 
     @property
     def is_main(self):
@@ -173,7 +174,8 @@ def _run_rank(index, topology, node, identity, worker, worker_args):
     set_threads(topology)
     device = device_of(topology, index)
     ctx = DistContext(rank, topology.world_size, topology.first_device + index, device,
-                      topology.backend, topology.local_world_size)
+                      topology.backend, topology.local_world_size,
+                      node.launch.distributed_timeout)
     if not ctx.distributed:
         return worker(ctx, *worker_args)
     store, peers = rendezvous.init_process_group(

@@ -60,6 +60,7 @@ from hetseq.run import checkpoint
 from hetseq.update.controller import CONTROLLER, UPDATES
 
 logger = logging.getLogger("hetseq.run.elastic")
+FINISHED_S = 5.0     # how long a rank whose last barrier failed asks rank 0's store
 
 
 class Reconfigure(Exception):
@@ -202,7 +203,7 @@ def _serve(place, state, device, args, job, node, inputs, topology):
     setup_logging(place.rank, all_ranks=node.log.log_all_ranks, node_first=place.local == 0)
     gen = place.generation
     ctx = DistContext(place.rank, place.world_size, device.index or 0, device, topology.backend,
-                      topology.nprocs)
+                      topology.nprocs, node.launch.distributed_timeout)
     run, mine, watch = None, state, None
     try:
         place.process_group(topology.backend)
@@ -280,6 +281,15 @@ def _save_alone(state, save):
     logger.warning("saved %s (%d updates)", path, _updates(state))
 
 
+def _finished(place):
+    """Whether rank 0 said it finished (its last save and export written): a
+    bounded read of its store, False when the store is gone with it."""
+    try:
+        return health.within(FINISHED_S, lambda: place.store.check(["e/finished"]))
+    except Exception:     # rank 0 lost before it finished: not a finished job
+        return False
+
+
 def _leave(place, updates, watch):
     """The end of the job: every rank passes one barrier and lets go of the
     group; rank 0 serves the store (it is the leader's voice), so it tells a
@@ -287,13 +297,15 @@ def _leave(place, updates, watch):
     others left it. Heartbeats stop only after the barrier: a rank still
     saving or exporting would otherwise find the others silent and cut them."""
     gc.collect()
+    if place.rank == 0:
+        place.store.set("e/finished", str(updates))    # its last save is written
     try:
         dist.barrier()
-    except RuntimeError as err:     # a member lost after its last update: ours are all done
-        if not health.is_communication_error(err):
+    except RuntimeError as err:     # a member lost after its last update
+        if not (health.is_communication_error(err) and _finished(place)):
             raise
-        logger.warning("a member left before the job's last barrier (%s); this rank's part "
-                       "is complete", str(err).strip().splitlines()[0][:160])
+        logger.warning("a member left before the job's last barrier (%s); rank 0 finished "
+                       "its part, and so did this rank", str(err).strip().splitlines()[0][:160])
     _stop(watch)
     dist.destroy_process_group()
     if place.rank == 0:

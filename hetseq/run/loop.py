@@ -97,6 +97,7 @@ class Run:
         self._completed = collections.deque(
             [(self.controller.num_updates, self.train_data.state_dict())], maxlen=2)
         self._drawn = None
+        self._validated = None       # (update, metric) of the last validation
         self._reconfigure = False
 
     def _plan_training(self):
@@ -188,10 +189,9 @@ class Run:
             self._completed.append((controller.num_updates, self._drawn))
             if training.max_update and controller.num_updates >= training.max_update:
                 break
-            if self._validates_now(epoch):
-                self.validate(epoch)
+            metric = self.validate(epoch) if self._validates_now() else None
             if _due(self.job.checkpoint.save_interval_updates, controller.num_updates):
-                self.checkpointer.save(controller.num_updates, data.epoch)
+                self.checkpointer.save(controller.num_updates, data.epoch, None, metric)
             if self._reconfigure:
                 raise Reconfigure()
         self.report.end_epoch(epoch, controller.num_updates)
@@ -208,13 +208,9 @@ class Run:
                 or bool(training.max_update and done >= training.max_update)
                 or validates or _due(self.job.checkpoint.save_interval_updates, done))
 
-    def _validates_now(self, epoch):
-        """--validate-interval-updates, unless the epoch's end validates anyway."""
-        training, data = self.job.training, self.train_data
-        # The epoch's last batch is drawn: train() validates after it.
-        at_epoch_end = data.samples_in_epoch == data.dataset_size and \
-            epoch % training.validate_interval == 0
-        return not (training.disable_validation or at_epoch_end) and \
+    def _validates_now(self):
+        training = self.job.training
+        return not training.disable_validation and \
             _due(training.validate_interval_updates, self.controller.num_updates)
 
     def _join_waiting(self):
@@ -247,13 +243,19 @@ class Run:
 
     def validate(self, epoch):
         """Validate on every --valid-subset; returns the first one's
-        --best-checkpoint-metric (None when the task does not report it)."""
+        --best-checkpoint-metric (None when the task does not report it).
+        Once per update: an interval's validation that falls on an epoch's
+        end or the stop is not made twice (the count is every rank's)."""
+        updates = self.controller.num_updates
+        if self._validated is not None and self._validated[0] == updates:
+            return self._validated[1]
         best = None
         for split in self.job.training.valid_subsets:
             metrics = self.validation.run(split)
-            self.report.valid(split, epoch, metrics, self.controller.num_updates)
+            self.report.valid(split, epoch, metrics, updates)
             if best is None:
                 best = metrics.get(self.job.checkpoint.best_checkpoint_metric)
+        self._validated = (updates, best)
         return best
 
     def export(self):
@@ -276,8 +278,9 @@ class Run:
 
 
 def _due(every, updates):
-    """Whether an every-N-updates action (N = 0: never) falls on ``updates``."""
-    return bool(every and updates % every == 0)
+    """Whether an every-N-updates action (N = 0: never) falls on ``updates``
+    (never on 0: a skipped first update leaves the count there)."""
+    return bool(every and updates and updates % every == 0)
 
 
 def _chunks(iterable, size):

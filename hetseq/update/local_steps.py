@@ -26,14 +26,15 @@ weighted average of the ranks' models. Why not DiLoCo's eta = 0.7, mu =
 times in the long run (eta (1 + mu) = 1.33 in the first round), so the
 outer step multiplies the job's learning rate, by a factor that grows
 round after round. At a rate tuned for synchronous updates that overshoots
-(bench/slowlink.py, QUALITY, and docs/slow-links.md: +6.3% validation loss
-after 12 rounds of 32 at --lr 5e-4, +2.4% with the average; at 1e-4 both
-within 0.6%). The average leaves the job's rate as it is: the inner steps
+(bench/outer_step.py and docs/slow-links.md: +6.3% validation loss after
+12 rounds of 32 at --lr 5e-4, +2.4% with the average; at 1e-4 both within
+0.6%). The average leaves the job's rate as it is: the inner steps
 move as far as synchronous ones would.
 
 A rank that did more work weighs more, as every sample weighs the same in a
 synchronous update. Local steps are NOT the large-batch update: each inner
-step follows one rank's share of a batch, and the outer step extrapolates.
+step follows one rank's share of a batch, and the models are averaged (or,
+with DiLoCo's outer step, extrapolated).
 With H = 1, eta = 1, mu = 0 and SGD as the inner optimizer (rate lr) they are:
 
     theta_r = theta_0 - lr g_r / n_r,   D_r = lr g_r / n_r,
@@ -64,6 +65,7 @@ run saves or stops: all decided by the job's flags, so every rank agrees.
 import collections
 import concurrent.futures
 import copy
+import datetime
 import logging
 
 import torch
@@ -260,7 +262,11 @@ class LocalSteps(Exchange):
         if cfg.outer_overlap and ctx.distributed:
             # Its own group: the exchange's collectives never pair with the
             # main thread's (the stats, validation, checkpoints).
-            self._group = dist.new_group(backend=dist.get_backend())
+            # The job's --distributed-timeout, not the library's 30 minutes: an
+            # exchange blocked on a member no heartbeat cut (one sharing this
+            # host's address) fails when the job's collectives would.
+            timeout = datetime.timedelta(seconds=ctx.timeout_s) if ctx.timeout_s else None
+            self._group = dist.new_group(backend=dist.get_backend(), timeout=timeout)
             self._pool = concurrent.futures.ThreadPoolExecutor(1, "hetseq-outer")
 
     def comm_hook(self):
@@ -456,12 +462,27 @@ class LocalSteps(Exchange):
     def load_state_dict(self, model, state):
         saved = state.get(ROUNDS) or {}
         if saved.get("outer_optimizer") is not None:
+            self._tell_changed_outer_step(saved["outer_optimizer"])
             self.outer_mode.load_optimizer_state(model, self.outer, saved["outer_optimizer"])
             # The outer rate is this run's flag, not the saved one.
             for group in self.outer.param_groups:
                 group.update(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum,
                              nesterov=self.cfg.outer_momentum > 0)
         self.anchor = self.start = self.pending = None
+
+    def _tell_changed_outer_step(self, saved):
+        """A checkpoint whose outer step differs from this run's flags (one of
+        a release whose default was DiLoCo's 0.7 / 0.9, for instance): the
+        flags win, and the user is told how to keep the saved one."""
+        groups = saved.get("param_groups") if isinstance(saved, dict) else None
+        if not groups:
+            return
+        was = (groups[0].get("lr"), groups[0].get("momentum"))
+        now = (self.cfg.outer_lr, self.cfg.outer_momentum)
+        if None not in was and was != now and self.ctx.is_main:
+            logger.warning("the checkpoint's outer step was --outer-lr %g --outer-momentum %g; "
+                           "this run uses --outer-lr %g --outer-momentum %g (pass the saved "
+                           "values to keep them)", *was, *now)
 
     def resumed_optimizer(self, state, saved):
         """This rank's own inner optimizer state when every rank's was saved
