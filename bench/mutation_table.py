@@ -643,4 +643,10 @@ MUTATIONS = {
         "    except RuntimeError as err:     # a member lost after its last update",
         "    except KeyError as err:     # a member lost after its last update",
         ['tests/test_elastic.py::test_a_member_lost_at_the_last_barrier_leaves_the_others_finished']),
+    'interval-validation-not-for-best': (
+        "a validation between epoch ends counts for checkpoint_best",
+        'hetseq/run/loop.py',
+        "self.checkpointer.save(controller.num_updates, data.epoch, None, metric)",
+        "self.checkpointer.save(controller.num_updates, data.epoch)",
+        ['tests/test_checkpoint.py::test_validations_between_epoch_ends_count_for_the_best_checkpoint']),
 }

@@ -92,6 +92,24 @@ def test_interval_checkpoints_retention_and_best(tmp_path):
     assert best["controller"]["num_updates"] == (7, 9)[losses.index(min(losses))]
 
 
+def test_validations_between_epoch_ends_count_for_the_best_checkpoint(tmp_path):
+    """--validate-interval-updates 2 with saves every 2 updates (epochs of 7):
+    validated once at each of updates 2, 4, 6, 7 (the epoch's end), 8 and 9
+    (the stop); the best checkpoint is the lowest of all of them (update 6
+    here: a validation between epoch ends)."""
+    result = run_train(*TOY, "--max-sentences", 16, "--max-update", 9, "--lr", 1.0,
+                       "--validate-interval-updates", 2, "--save-interval-updates", 2,
+                       "--save-dir", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    validated = [(int(u), float(loss)) for loss, u in re.findall(
+        r"valid on 'valid' \| epoch \d+ \| loss=([\d.]+).*\| update (\d+)", result.stderr)]
+    assert [u for u, _ in validated] == [2, 4, 6, 7, 8, 9], result.stderr[-3000:]
+    lowest = min(validated, key=lambda v: v[1])[0]
+    assert lowest not in (7, 9), validated      # else this test could not fail
+    best = torch.load(tmp_path / "checkpoint_best.pt", weights_only=True)
+    assert best["controller"]["num_updates"] == lowest
+
+
 @pytest.mark.parametrize("reset", [True, False])
 def test_reset_flags_keep_the_model_only(tmp_path, reset):
     """3 updates of 16, then 1 more: with the --reset-* flags the optimizer

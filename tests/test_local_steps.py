@@ -196,14 +196,11 @@ def test_a_validation_between_updates_ends_the_round(tmp_path):
     flags.remove("--disable-validation")
     nodes = [["--max-sentences", 24], ["--max-sentences", 8]]
     validated = re.compile(r"valid on 'valid' \| epoch \d+ \| loss=([\d.]+).*\| update (\d+)")
-    results = run_job([*flags, "--max-update", 5, "--save-interval-updates", 2], nodes)
+    results = run_job([*flags, "--max-update", 5, "--no-save"], nodes)
     assert_ok(results)
     every = [(int(u), float(loss)) for loss, u in validated.findall(results[0][1])]
     # Updates 2 and 4 (the interval: epochs of 4, whose end validates once), 5 (the stop).
     assert [u for u, _ in every] == [2, 4, 5], results[0][1][-3000:]
-    # The interval's validations count for the best checkpoint too.
-    best = torch.load(tmp_path / "out" / "checkpoint_best.pt", weights_only=True)
-    assert best["controller"]["num_updates"] == min(every, key=lambda e: e[1])[0]
     stopped = run_job([*flags, "--no-save", "--save-dir", tmp_path / "stopped",
                        "--max-update", 2], nodes)
     assert_ok(stopped)
