@@ -21,5 +21,7 @@ setup(
                     "bench": ["matplotlib", "transformers>=4.40", "accelerate"]},   # plots; Trainer
     entry_points={"console_scripts": ["hetseq-train=hetseq.main:main",
                                       "hetseq-plot=hetseq.reporting.plot:main",
+                                      "hetseq-launch=hetseq.launch.main:main",
+                                      "hetseq-status=hetseq.reporting.status:main",
                                       "hetseq-secret=hetseq.distributed.secret:main"]},
 )

@@ -24,6 +24,7 @@ from hetseq.distributed import health, rendezvous, tunnel
 from hetseq.distributed.topology import resolve_topology
 from hetseq.errors import HetSeqError, PeerLost
 from hetseq.reporting import NODE, rank_ranges, setup_logging
+from hetseq.reporting.status import StatusBoard
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class DistContext:
     backend: str | None = None
     local_world_size: int = 1    # ranks on this node (they share its memory)
     timeout_s: float | None = None   # --distributed-timeout: groups made later take it too
+    board: object = None         # rank 0: its StatusBoard (hetseq-status), else None
 
     @property
     def is_main(self):
@@ -182,6 +184,9 @@ def _run_rank(index, topology, node, identity, worker, worker_args):
         topology, rank, node.launch.distributed_timeout, node.launch.distributed_interface,
         identity, tunnel.read_secret(node.launch.job_secret_file))
     heartbeat = health.Heartbeat(store, rank)
+    if rank == 0:
+        ctx = dataclasses.replace(ctx, board=StatusBoard(
+            store, [peers[r]["host"] for r in range(ctx.world_size)]))
     try:
         result = worker(ctx, *worker_args)
     except RuntimeError as err:

@@ -394,6 +394,14 @@ def read_secret(path, env=os.environ):
     """The job secret's key, from --job-secret-file (a file only its owner can
     read) or HETSEQ_JOB_SECRET; None when neither is given. The key is a hash
     of the secret, so the secret's text is never held or logged."""
+    text = secret_text(path, env)
+    return None if text is None else hashlib.sha256(b"hetseq job secret\0" + text).digest()
+
+
+def secret_text(path, env=os.environ):
+    """The job secret's text, checked, from --job-secret-file or
+    HETSEQ_JOB_SECRET (None when neither is given): for the key above, and
+    for hetseq-launch, which hands it to its nodes."""
     if path is not None:
         text, where = _read_secret_file(path), f"--job-secret-file {path}"
     elif SECRET_VARIABLE in env:
@@ -407,7 +415,7 @@ def read_secret(path, env=os.environ):
     if why is not None:
         raise UserError(f"{where}: the secret could be guessed ({why}); {RULE}. Make one "
                         f"with: {MAKE_ONE} (or python -m hetseq.distributed.secret)")
-    return hashlib.sha256(b"hetseq job secret\0" + text).digest()
+    return text
 
 
 def _read_secret_file(path):

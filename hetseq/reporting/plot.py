@@ -2,7 +2,10 @@
 SAVE_DIR``) writes ``SAVE_DIR/run.png`` from ``SAVE_DIR/balance.jsonl``
 (logging/balance.py, one line per update, written by rank 0):
 
-- the training loss and the learning rate over updates;
+- the training loss and the learning rate over updates, with the
+  validation loss of each --valid-subset (``valid.jsonl``) beside it;
+- the other validation metrics (accuracy, f1, ...) over updates, when the
+  task has any;
 - each rank's samples/s over time;
 - each rank's share of the global batch over time, with the updates where
   the plan changed (--capacity auto re-planned) marked in both lower panels.
@@ -18,9 +21,12 @@ import os
 import sys
 
 from hetseq.errors import UserError
-from hetseq.reporting.balance import BalanceLog
+from hetseq.reporting.balance import BalanceLog, ValidLog
 
 logger = logging.getLogger("hetseq.reporting.plot")
+
+
+VALID_COLORS = ("tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive") * 4
 
 
 def read_balance(save_dir):
@@ -29,6 +35,16 @@ def read_balance(save_dir):
     if not os.path.exists(path):
         raise UserError(f"{save_dir}: no {BalanceLog.NAME}; pass the --save-dir of a run that "
                         "trained at least one update without --no-save")
+    lines = read_lines(path)
+    if not lines:
+        raise UserError(f"{path} holds no updates yet; plot it once the run has trained")
+    return lines
+
+
+def read_lines(path):
+    """The JSON lines of ``path`` ([] when it does not exist)."""
+    if not os.path.exists(path):
+        return []
     lines = []
     with open(path, encoding="utf-8") as f:
         for number, text in enumerate(f, 1):
@@ -38,9 +54,19 @@ def read_balance(save_dir):
                 except json.JSONDecodeError:
                     # The last line of a run killed mid-write is cut short.
                     logger.warning("%s line %d is not JSON; skipped", path, number)
-    if not lines:
-        raise UserError(f"{path} holds no updates yet; plot it once the run has trained")
     return lines
+
+
+def validation_series(lines):
+    """{(split, metric): (updates, values)} of valid.jsonl's lines, in order."""
+    series = {}
+    for line in lines:
+        for key, value in line.items():
+            if key not in ("update", "epoch", "split", "time") and isinstance(value, (int, float)):
+                updates, values = series.setdefault((line["split"], key), ([], []))
+                updates.append(line["update"])
+                values.append(value)
+    return series
 
 
 def plan_changes(lines):
@@ -74,14 +100,27 @@ def plot(save_dir, out=None):
     except ImportError:
         raise UserError("hetseq-plot needs matplotlib: pip install matplotlib") from None
     lines = read_balance(save_dir)
+    valid = validation_series(read_lines(os.path.join(save_dir, ValidLog.NAME)))
+    metrics = {key: v for key, v in valid.items() if key[1] != "loss"}
     out = out or os.path.join(save_dir, "run.png")
-    fig, (ax_loss, ax_rate, ax_share) = plt.subplots(3, 1, figsize=(9, 9))
+    fig, axes = plt.subplots(4 if metrics else 3, 1, figsize=(9, 12 if metrics else 9))
+    ax_loss, ax_rate, ax_share = axes[0], axes[-2], axes[-1]
     updates = [line["update"] for line in lines]
 
     losses = [(u, line["loss"]) for u, line in zip(updates, lines) if line.get("loss") is not None]
     if losses:
-        ax_loss.plot(*zip(*losses), color="tab:blue", lw=1)
-    ax_loss.set(xlabel="update", ylabel="training loss", title=os.path.abspath(save_dir))
+        ax_loss.plot(*zip(*losses), color="tab:blue", lw=1, label="training")
+    for color, ((split, _), (steps, values)) in zip(VALID_COLORS, sorted(
+            v for v in valid.items() if v[0][1] == "loss")):
+        ax_loss.plot(steps, values, marker="o", lw=1.5, color=color, label=f"validation '{split}'")
+    if valid:
+        ax_loss.legend(loc="upper right", fontsize="small")
+    ax_loss.set(xlabel="update", ylabel="loss", title=os.path.abspath(save_dir))
+    if metrics:
+        for (split, name), (steps, values) in sorted(metrics.items()):
+            axes[1].plot(steps, values, marker="o", lw=1.5, label=f"{name} on '{split}'")
+        axes[1].legend(loc="best", fontsize="small")
+        axes[1].set(xlabel="update", ylabel="validation metrics")
     rates = [(u, line["lr"]) for u, line in zip(updates, lines) if line.get("lr") is not None]
     if rates:
         ax_lr = ax_loss.twinx()

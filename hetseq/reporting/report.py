@@ -5,8 +5,9 @@ what it shows was computed by every rank anyway."""
 
 import logging
 import os
+import time
 
-from hetseq.reporting.balance import BalanceLog
+from hetseq.reporting.balance import BalanceLog, ValidLog
 from hetseq.reporting.meters import Meters, RateMeter
 from hetseq.reporting.progress import Clock, Progress, format_ranks
 from hetseq.reporting.tensorboard import TensorBoard
@@ -20,8 +21,11 @@ class Reporter:
         self.meters = Meters()      # a checkpoint component (--reset-meters)
         self.tensorboard = TensorBoard(log.tensorboard_logdir, ctx.is_main)
         self.balance_log = BalanceLog(save.save_dir, ctx.is_main and not save.no_save)
+        self.valid_log = ValidLog(save.save_dir, ctx.is_main and not save.no_save)
         self.progress, self.rate = None, RateMeter()
         self.clock = Clock()
+        self.board = ctx.board          # rank 0's status for hetseq-status (None elsewhere)
+        self.save_dir = None if save.no_save else save.save_dir
 
     def plan(self, planned):
         """The run's planned updates (None: no end given), for 'update N/M' and the time left."""
@@ -59,6 +63,24 @@ class Reporter:
         ranks = format_ranks(result.ranks.samples, result.ranks.seconds, batch_sizes) \
             if self.progress.due(update, steps) and len(batch_sizes) > 1 else None
         self.progress.log(stats, update, steps, ranks)
+        if self.board is not None:
+            self.board.update(
+                update=update, planned=self.clock.planned, left_s=self.clock.left(update),
+                loss=metrics.get("loss"), samples_per_s=stats["samples_per_s"],
+                ranks=self.board.ranks(batch_sizes, result.ranks.samples, result.ranks.seconds,
+                                       wall_time))
+
+    def saved(self, updates):
+        """A checkpoint of ``updates`` was written (rank 0's checkpoint_last.pt)."""
+        if self.board is not None and self.save_dir is not None:
+            self.board.update(force=True, checkpoint={
+                "path": os.path.abspath(os.path.join(self.save_dir, "checkpoint_last.pt")),
+                "update": updates, "time": time.time()})
+
+    def done(self, reason):
+        logger.info("done: %s", reason)
+        if self.board is not None:
+            self.board.update(force=True, state=f"done: {reason}")
 
     def end_epoch(self, epoch, updates):
         self.progress.summary({"epoch": epoch, "updates": updates,
@@ -70,10 +92,12 @@ class Reporter:
             logger.info("valid on '%s' | epoch %03d | %s | update %d", split, epoch,
                         " | ".join(f"{k}={v:.4g}" for k, v in metrics.items()), update)
         self.tensorboard.log(f"valid_{split}", metrics, update)
+        self.valid_log.record(update, epoch, split, metrics)
 
     def close(self):
         self.tensorboard.close()
         self.balance_log.close()
+        self.valid_log.close()
 
     def how_to_look(self, save_dir):
         """The last lines of a run: where its picture and its TensorBoard are."""

@@ -146,13 +146,16 @@ class Run:
                     stopping or (end_of_epoch and epoch % training.validate_interval == 0)):
                 metric = self.validate(epoch)
             if stopping or (end_of_epoch and epoch % self.job.checkpoint.save_interval == 0):
-                self.checkpointer.save(self.controller.num_updates, self.train_data.epoch,
-                                       epoch if end_of_epoch else None, metric)
-        logger.info("done: %s", self.stop_reason())
+                self._save(epoch if end_of_epoch else None, metric)
+        self.report.done(self.stop_reason())
         self.report.close()
         self.report.how_to_look(self.node.save.save_dir)
         if self.job.checkpoint.export_hf:
             self.export()
+
+    def _save(self, epoch, metric):
+        self.checkpointer.save(self.controller.num_updates, self.train_data.epoch, epoch, metric)
+        self.report.saved(self.controller.num_updates)
 
     def stop_reason(self):
         training, controller = self.job.training, self.controller
@@ -191,7 +194,7 @@ class Run:
                 break
             metric = self.validate(epoch) if self._validates_now() else None
             if _due(self.job.checkpoint.save_interval_updates, controller.num_updates):
-                self.checkpointer.save(controller.num_updates, data.epoch, None, metric)
+                self._save(None, metric)
             if self._reconfigure:
                 raise Reconfigure()
         self.report.end_epoch(epoch, controller.num_updates)

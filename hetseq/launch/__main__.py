@@ -1,0 +1,3 @@
+from hetseq.launch.main import main
+
+main()

@@ -1,0 +1,91 @@
+"""The hostfile of ``hetseq-launch``: one line per node, DeepSpeed's form
+plus that node's own flags::
+
+    # host     ranks    its per-node flags (docs/flags.md, without the dashes)
+    nodeA      slots=4  max-sentences=48
+    nodeB      slots=2  max-sentences=20 distributed-interface=eth1
+    cpu-box    slots=1  cpu max-sentences=8 save-dir=/scratch/me/ckpt
+
+Words are split as a shell would (quotes keep spaces in a value); ``#``
+starts a comment. ``name=value`` becomes ``--name value``, a bare ``name``
+``--name``. Whether a name is a per-node flag is the plan's question
+(plan.py asks the parser); here only the form is checked.
+"""
+
+import dataclasses
+import re
+import shlex
+
+from hetseq.errors import UserError
+
+# A host as ssh takes it: [user@]name, an IPv4 address or a bracketless IPv6 one.
+HOST = re.compile(r"^([A-Za-z0-9._-]+@)?[A-Za-z0-9.:_-]+$")
+FLAG = re.compile(r"^[a-z][a-z0-9-]*$")
+MAX_SLOTS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class HostLine:
+    host: str
+    slots: int
+    flags: tuple = ()       # ((name, value or None), ...) as written, in order
+    line: int = 0           # its line number, for messages
+
+    def argv(self):
+        """The flags as command-line words: ``--name value`` or ``--name``."""
+        words = []
+        for name, value in self.flags:
+            words += [f"--{name}"] if value is None else [f"--{name}", value]
+        return words
+
+
+def parse(text, where="hostfile"):
+    """The nodes of a hostfile's ``text``, in order; a malformed line is a
+    UserError naming it."""
+    nodes = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        try:
+            words = shlex.split(raw, comments=True)
+        except ValueError as err:
+            raise UserError(f"{where} line {number}: {err} in {raw.strip()!r}") from None
+        if words:
+            nodes.append(_node(words, number, where))
+    if not nodes:
+        raise UserError(f"{where} names no host: write one line per node, e.g. "
+                        "'nodeA slots=4 max-sentences=48'")
+    return nodes
+
+
+def read(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return parse(f.read(), path)
+    except OSError as err:
+        raise UserError(f"--hostfile {path}: {err.strerror or err}") from None
+
+
+def _node(words, number, where):
+    host, rest = words[0], words[1:]
+    if not HOST.match(host):
+        raise UserError(f"{where} line {number}: {host!r} is not a host name or address")
+    slots, flags = None, []
+    for word in rest:
+        name, eq, value = word.partition("=")
+        if not FLAG.match(name):
+            raise UserError(f"{where} line {number}: {word!r}: expected slots=N or a flag "
+                            "as name=value (e.g. max-sentences=20) or a bare name (e.g. cpu)")
+        if name == "slots":
+            slots = _slots(value, number, where)
+        else:
+            flags.append((name, value if eq else None))
+    if slots is None:
+        raise UserError(f"{where} line {number}: {host} has no slots=N (the ranks it runs: "
+                        "its GPUs, or its CPU processes with 'cpu')")
+    return HostLine(host, slots, tuple(flags), number)
+
+
+def _slots(value, number, where):
+    if not value.isdigit() or not 1 <= int(value) <= MAX_SLOTS:
+        raise UserError(f"{where} line {number}: slots={value}: expected a whole number "
+                        f"from 1 to {MAX_SLOTS}")
+    return int(value)

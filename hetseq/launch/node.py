@@ -1,0 +1,104 @@
+"""One node of a ``hetseq-launch`` job, as the launcher starts it on its host
+(over ssh, or directly for ``--launcher local``)::
+
+    python -m hetseq.launch.node -- PYTHON train.py FLAGS...
+
+It reads one JSON line from standard input, ``{"env": {...}}``: the job
+secret and the forwarded variables, which so never appear in a command
+line (``/proc/*/cmdline`` is readable by every user of the host). It
+starts the command in a session of its own and then holds standard input:
+the launcher closes it to stop the node (Ctrl-C, another node failed), and
+so does ssh when the connection drops. Either way every process of the
+session gets SIGTERM, and SIGKILL ``STOP_S`` later. It exits with the
+command's code (128 + N after signal N).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+STARTED = "hetseq-launch node started"   # the launcher reads (and hides) this line
+STOP_S = 5.0
+ENV_LIMIT = 1 << 20
+
+
+def read_env(stream):
+    """The variables of the first line of ``stream`` (bounded, checked)."""
+    line = b""
+    while not line.endswith(b"\n") and len(line) < ENV_LIMIT:   # unbuffered: nothing read past it
+        byte = os.read(stream.fileno(), 1)
+        if not byte:
+            break
+        line += byte
+    try:
+        env = json.loads(line.decode("utf-8"))["env"]
+    except (ValueError, KeyError, TypeError):
+        raise SystemExit(f"hetseq.launch.node: expected a JSON line {{\"env\": {{...}}}} on "
+                         f"standard input from hetseq-launch, got {len(line)} bytes that are not")
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                            for k, v in env.items()):
+        raise SystemExit("hetseq.launch.node: 'env' must map names to strings")
+    return env
+
+
+def exit_code(returncode):
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def stop(proc):
+    """SIGTERM to the command's session, SIGKILL after STOP_S."""
+    for sig, wait in ((signal.SIGTERM, STOP_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        raise SystemExit("usage: python -m hetseq.launch.node -- COMMAND... (started by "
+                         "hetseq-launch, which sends the environment on standard input)")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **read_env(sys.stdin)}
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    print(f"{STARTED} (pid {proc.pid})", flush=True)
+    ending = threading.Event()
+
+    def on_signal(*_):
+        ending.set()
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, on_signal)
+
+    def hold_stdin():
+        # EOF: the launcher let go of this node, or its connection dropped.
+        # (The descriptor itself: the buffered reader's lock, held by this
+        # thread, would stop the interpreter's exit.)
+        while os.read(sys.stdin.fileno(), 4096):
+            pass
+        ending.set()
+    threading.Thread(target=hold_stdin, daemon=True).start()
+    threading.Thread(target=lambda: (proc.wait(), ending.set()), daemon=True).start()
+    ending.wait()
+    if proc.poll() is None:
+        stop(proc)
+    # The command is done; what it left running in its session goes too.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    sys.stdout.flush()
+    os._exit(exit_code(proc.wait()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The nodes of a launched job as local processes (ssh, or the node wrapper
+itself): each started in a session of its own with the environment on its
+standard input, its output relayed line by line with its host in front,
+and stopped by closing that input (node.py stops everything it started).
+"""
+
+import dataclasses
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from hetseq.launch.node import STARTED, exit_code
+
+LINE_LIMIT = 1 << 16       # a longer line is cut (a node's output is not trusted to be sane)
+
+
+@dataclasses.dataclass
+class Outcome:
+    code: int | None = None
+    reached: bool = False     # the wrapper started on its host
+    stopped: bool = False     # the launcher asked it to stop
+    last_line: str = ""       # what it said last (ssh's reason when it never started)
+    seconds: float = 0.0
+
+
+class RunningNode:
+    """One node's local process; ``events`` receives the node when it ends."""
+
+    def __init__(self, plan, command, cwd, env, events, out=sys.stdout, lock=None):
+        self.plan, self.events, self.out = plan, events, out
+        self.lock = lock or threading.Lock()
+        self.outcome = Outcome()
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(command, cwd=cwd, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        try:
+            self.proc.stdin.write((json.dumps({"env": env}) + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass               # it ended at once (ssh refused): its output says why
+        threading.Thread(target=self._relay, daemon=True, name=f"relay {plan.label}").start()
+
+    def _relay(self):
+        for raw in iter(lambda: self.proc.stdout.readline(LINE_LIMIT), b""):
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            if line.startswith(STARTED) and not self.outcome.reached:
+                self.outcome.reached = True
+                continue
+            if line:
+                self.outcome.last_line = line
+            with self.lock:
+                print(f"{self.plan.label}: {line}", file=self.out, flush=True)
+        self.outcome.code = exit_code(self.proc.wait())
+        self.outcome.seconds = time.monotonic() - self.started
+        self.events.put(self)
+
+    def stop(self):
+        """Close its input: the wrapper stops its processes (SIGTERM, then SIGKILL)."""
+        self.outcome.stopped = True
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+
+    def kill(self):
+        """The local process itself (ssh): the remote wrapper sees its input end."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    @property
+    def running(self):
+        return self.outcome.code is None
+
+
+def wait_all(nodes, events, stop_s):
+    """After ``stop``: wait up to ``stop_s`` for every node to end, then kill
+    the local processes of those that did not."""
+    deadline = time.monotonic() + stop_s
+    while any(n.running for n in nodes) and time.monotonic() < deadline:
+        try:
+            events.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+        except queue.Empty:
+            pass
+    for node in nodes:
+        if node.running:
+            node.kill()
+    for node in nodes:
+        node.proc.wait()

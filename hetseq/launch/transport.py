@@ -1,0 +1,58 @@
+"""How ``hetseq-launch`` reaches a node: the local command that starts the
+node's ``python -m hetseq.launch.node`` on its host (``--launcher``).
+
+- ``ssh``: OpenSSH as installed, so the user's ``~/.ssh/config`` (users,
+  keys, jump hosts) applies; ``--ssh-opts`` come first, since ssh keeps the
+  first value it reads for an option. ``BatchMode`` makes a host that
+  would ask for a password fail at once instead of waiting for a terminal.
+- ``local``: the node runs on this machine (a hostfile of ``localhost``
+  lines, or tests), without ssh.
+
+pdsh is not offered: it runs one command on many hosts and does not
+forward standard input, and every node here has its own command and takes
+the job secret on standard input (node.py).
+"""
+
+import shlex
+
+from hetseq.registry import Registry
+
+TRANSPORTS = Registry("launcher")
+SSH_DEFAULTS = ("-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10",
+                "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3")
+
+
+def node_command(python, argv):
+    """The node wrapper's command line around ``argv``."""
+    return [python, "-m", "hetseq.launch.node", "--", python, *argv]
+
+
+@TRANSPORTS.register("ssh")
+class Ssh:
+    """``ssh [--ssh-opts] [defaults] HOST 'cd DIR && exec PYTHON -m hetseq.launch.node -- ...'``."""
+
+    def __init__(self, ssh_opts=""):
+        self.opts = shlex.split(ssh_opts)
+
+    def command(self, host, remote_dir, python, argv):
+        remote = f"cd {shlex.quote(remote_dir)} && exec {shlex.join(node_command(python, argv))}"
+        return ["ssh", *self.opts, *SSH_DEFAULTS, host, remote], None
+
+    @staticmethod
+    def unreachable(code):
+        return code == 255          # ssh's own failure (the node never started)
+
+
+@TRANSPORTS.register("local")
+class Local:
+    """The node on this machine: the wrapper started directly, in ``remote_dir``."""
+
+    def __init__(self, ssh_opts=""):
+        pass
+
+    def command(self, host, remote_dir, python, argv):
+        return node_command(python, argv), remote_dir
+
+    @staticmethod
+    def unreachable(code):
+        return False

@@ -1,0 +1,183 @@
+"""``hetseq-status tcp://HOST:PORT``: a running job, seen from any machine
+that reaches its meeting point (with the job's secret, when it has one).
+
+Rank 0 writes one JSON value into the store it serves (``StatusBoard``, at
+most once per ``INTERVAL_S``, a write into its own process's table or its
+loopback TCPStore): the update and the planned count, the time left, each
+rank's host, share, samples/s and waiting time, the generation (--elastic)
+and the last checkpoint. ``hetseq-status`` connects as any node would (the
+gate's handshake), reads that one key and draws it; ``--watch`` reads it
+again every few seconds over the same connection, ``--json`` prints it
+for scripts. It only reads, one bounded value per look, so it never
+disturbs the job. Under --elastic it follows the member it asked to the
+generation's leader (``e/leader``).
+"""
+
+import argparse
+import datetime
+import json
+import logging
+import sys
+import time
+
+import torch.distributed as dist
+
+from hetseq.distributed import store as job_store
+from hetseq.distributed import tunnel
+from hetseq.errors import UserError
+from hetseq.reporting.progress import format_duration
+
+logger = logging.getLogger(__name__)
+
+KEY = "hetseq/status"
+INTERVAL_S = 1.0
+CONNECT_S = 10.0
+
+
+class StatusBoard:
+    """Rank 0's view of the job in ``store``; ``hosts``: each rank's host;
+    ``generation``: the elastic generation's number (None in a fixed job)."""
+
+    def __init__(self, store, hosts, generation=None):
+        self.store, self.hosts, self.generation = store, list(hosts), generation
+        self.view = {"state": "training", "generation": generation, "checkpoint": None}
+        self._last = 0.0
+
+    def update(self, force=False, **figures):
+        """Merge ``figures`` into the view; write it when INTERVAL_S passed (or ``force``)."""
+        self.view.update(figures)
+        now = time.monotonic()
+        if not force and now - self._last < INTERVAL_S:
+            return
+        self._last = now
+        try:
+            self.store.set(KEY, json.dumps({**self.view, "time": time.time()}))
+        except (RuntimeError, OSError, ValueError) as err:
+            # Never the job's problem: a status that cannot be written is stale.
+            logger.debug("could not publish the status: %s", err)
+
+    def ranks(self, batch_sizes, samples, seconds, wall_s):
+        """Each rank's row: host, batch, samples/s of its compute, time waited."""
+        return [{"rank": r, "host": self.hosts[r] if r < len(self.hosts) else "?",
+                 "batch": b, "samples_per_s": n / t if t > 0 else None,
+                 "wait_s": max(0.0, wall_s - t) if t > 0 else None}
+                for r, (b, n, t) in enumerate(zip(batch_sizes, samples, seconds))]
+
+
+# ---- the reader: hetseq-status ----
+
+def open_store(url, secret_key, timeout_s=CONNECT_S):
+    """A read connection to the store at ``url`` (tcp://HOST:PORT), through
+    the gate with a secret, else c10d's TCPStore client."""
+    from hetseq.distributed.rendezvous import url_host_port
+    if not url.startswith("tcp://"):
+        raise UserError(f"{url}: expected the job's tcp://HOST:PORT (its "
+                        "--distributed-init-method)")
+    host, port = url_host_port(url)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        if secret_key is None:
+            if tunnel.asks_for_secret((host, port)):
+                raise UserError(f"the job at {url} has a job secret: give it with "
+                                "--job-secret-file PATH or HETSEQ_JOB_SECRET")
+            return dist.TCPStore(host, port, None, False, timeout)
+        tunnel.check((host, port), secret_key, url, patience_s=timeout_s)
+        return job_store.connect((host, port), secret_key, timeout)
+    except (RuntimeError, OSError, tunnel.Refused) as err:
+        raise UserError(f"could not read the job at {url}: {str(err).splitlines()[0]}") from None
+
+
+def follow_leader(store, url, secret_key):
+    """Under --elastic, the store of the generation's leader (every member
+    names it in ``e/leader``); otherwise ``store`` itself."""
+    if secret_key is None or not store.check(["e/leader"]):
+        return store, url
+    leader = json.loads(store.get("e/leader"))
+    there = f"tcp://{leader['addr']}:{leader['port']}"
+    return (store, url) if there == url else (open_store(there, secret_key), there)
+
+
+def read(store):
+    """The job's status (a dict), or None before rank 0 published one."""
+    if not store.check([KEY]):
+        return None
+    try:
+        view = json.loads(store.get(KEY))
+    except ValueError:
+        raise UserError(f"the job's {KEY} is not JSON (another HetSeq version?)") from None
+    if not isinstance(view, dict):
+        raise UserError(f"the job's {KEY} is not a status")
+    return view
+
+
+def _cell(value, fmt):
+    return "-" if value is None else fmt.format(value)
+
+
+def render(view, url, now=None):
+    """The status as text lines."""
+    if view is None:
+        return [f"{url}: the job has not published its status yet (it is starting)"]
+    now = time.time() if now is None else now
+    planned = view.get("planned")
+    head = [url, f"update {view.get('update', 0)}" + (f"/{planned}" if planned else "")]
+    if view.get("left_s") is not None:
+        head.append(f"{format_duration(view['left_s'])} left")
+    if view.get("generation") is not None:
+        head.append(f"generation {view['generation']}")
+    ranks = view.get("ranks") or []
+    hosts = sorted({r.get("host") for r in ranks})
+    head.append(f"{len(hosts)} host(s), {len(ranks)} rank(s)")
+    head.append(f"{view.get('state', '?')} as of {max(0.0, now - view.get('time', now)):.0f} s ago")
+    lines = [" | ".join(head)]
+    if view.get("loss") is not None:
+        lines.append(f"loss {view['loss']:.4g} | {view.get('samples_per_s') or 0:.1f} samples/s")
+    total = sum(r.get("batch") or 0 for r in ranks) or 1
+    lines.append(f"{'rank':>4}  {'host':<16} {'batch':>6} {'share':>6} {'samples/s':>10} "
+                 f"{'waiting':>8}")
+    for r in ranks:
+        lines.append(f"{r.get('rank', '?'):>4}  {str(r.get('host'))[:16]:<16} "
+                     f"{r.get('batch', 0):>6} {100 * (r.get('batch') or 0) / total:>5.0f}% "
+                     f"{_cell(r.get('samples_per_s'), '{:.1f}'):>10} "
+                     f"{_cell(r.get('wait_s'), '{:.2f} s'):>8}")
+    saved = view.get("checkpoint")
+    lines.append("last checkpoint: " + ("none yet" if not saved else
+                 f"{saved['path']} (update {saved['update']}, "
+                 f"{max(0.0, now - saved['time']):.0f} s ago)"))
+    return lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="hetseq-status", description="Show a running HetSeq job: members, shares, "
+        "speed, progress, last checkpoint (read-only).")
+    parser.add_argument("url", metavar="tcp://HOST:PORT",
+                        help="the job's --distributed-init-method (any member's, with --elastic)")
+    parser.add_argument("--job-secret-file", metavar="PATH",
+                        help="the job's secret (or HETSEQ_JOB_SECRET)")
+    parser.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
+    parser.add_argument("--interval", type=float, default=2.0, metavar="S",
+                        help="seconds between looks with --watch (default: 2, at least 1)")
+    parser.add_argument("--json", action="store_true", help="print the status as JSON")
+    args = parser.parse_args(argv)
+    try:
+        secret_key = tunnel.read_secret(args.job_secret_file)
+        store, url = follow_leader(open_store(args.url, secret_key), args.url, secret_key)
+        while True:
+            view = read(store)
+            text = json.dumps(view) if args.json else "\n".join(render(view, url))
+            if args.watch and not args.json and sys.stdout.isatty():
+                text = "\x1b[H\x1b[2J" + text        # redraw in place
+            print(text, flush=True)
+            if not args.watch:
+                return
+            time.sleep(max(1.0, args.interval))
+    except KeyboardInterrupt:
+        return
+    except (UserError, dist.DistError) as err:
+        print(f"hetseq-status: error: {err}", file=sys.stderr)
+        sys.exit(getattr(err, "exit_code", 2))
+
+
+if __name__ == "__main__":
+    main()
