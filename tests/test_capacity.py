@@ -10,6 +10,7 @@ from test_parity import COMMON, EXACT, reference
 
 from conftest import assert_ok, final_params, max_diff, run_job
 from hetseq.errors import UserError
+from hetseq.plan import capacity
 from hetseq.plan.capacity import Plan, proportional
 from hetseq.plan.rebalance import Rebalancer
 
@@ -212,3 +213,13 @@ def test_half_the_memory_gives_half_the_micro_batch_and_the_same_update(tmp_path
     assert len(caps) == 2 and 0.4 <= caps[1] / caps[0] <= 0.6, results[0][1][-2000:]
     assert micro[1] > 1, results[0][1][-2000:]     # rank 1 accumulates its share
     assert max_diff(reference(*width), final_params(out)) < EXACT
+
+
+def test_a_manual_split_without_every_ranks_max_sentences_is_named():
+    """A --global-batch-size split by --max-sentences that a node left out
+    (an --elastic node, or a fixed job's): exit 2 naming the ranks, not a
+    TypeError from inside the split."""
+    from types import SimpleNamespace
+    peers = [{"max_sentences": 8, "weight": None}, {"max_sentences": None, "weight": None}]
+    with pytest.raises(UserError, match=r"ranks \[1\] have none: give --max-sentences"):
+        capacity._weights(SimpleNamespace(capacity="manual"), peers)

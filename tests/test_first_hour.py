@@ -2,6 +2,7 @@
 joins, waits and ends, the LR horizon actually used, TensorBoard and a
 picture of every run without asking."""
 
+import json
 import re
 import subprocess
 import sys
@@ -71,7 +72,9 @@ def test_waiting_node_names_the_missing_ranks_and_the_time_left(tmp_path):
 
 def test_plot_of_a_real_run(tmp_path):
     save = tmp_path / "run"
-    assert run_train(*COMMON, "--max-sentences", 8, "--save-dir", save).returncode == 0
+    validating = [f for f in COMMON if f != "--disable-validation"]
+    assert run_train(*validating, "--max-sentences", 8, "--save-dir", save,
+                     "--validate-interval-updates", 2).returncode == 0
     plot = subprocess.run([sys.executable, "-m", "hetseq.reporting.plot", str(save)], cwd=ROOT,
                           env=child_env(), capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0, plot.stderr
@@ -83,6 +86,30 @@ def test_plot_of_a_real_run(tmp_path):
     assert [line["update"] for line in lines] == list(range(1, 7))
     assert all(line["loss"] > 0 and 0.09 < line["lr"] <= 0.1 for line in lines)
     assert plan_changes(lines) == []
+    # Every validation (valid.jsonl), drawn beside the training loss.
+    from hetseq.reporting.plot import figure, read_lines
+    valid = read_lines(save / "valid.jsonl")
+    assert [(v["update"], v["split"]) for v in valid] == [(2, "valid"), (4, "valid"),
+                                                          (6, "valid")]
+    loss_axes = figure(save).axes[0]
+    drawn = {line.get_label(): list(line.get_xdata()) for line in loss_axes.get_lines()}
+    assert drawn["validation 'valid'"] == [2, 4, 6] and len(drawn["training"]) == 6
+
+
+def test_plot_draws_each_validation_metric_of_each_subset(tmp_path):
+    from hetseq.reporting.plot import figure
+    (tmp_path / "balance.jsonl").write_text("".join(
+        json.dumps({"update": u, "time": u, "batch_sizes": [4], "loss": 1.0 / u}) + "\n"
+        for u in range(1, 5)))
+    (tmp_path / "valid.jsonl").write_text("".join(
+        json.dumps({"update": u, "epoch": 1, "split": split, "time": u, "loss": 2.0 / u,
+                    "accuracy": u / 4}) + "\n" for u in (2, 4) for split in ("valid", "test"))
+        + '{"update": 6, "cut sh')      # a run killed mid-line
+    fig = figure(tmp_path)
+    assert [ax.get_ylabel() for ax in fig.axes] == [
+        "loss", "validation metrics", "samples/s (own compute)", "share of the global batch"]
+    labels = {line.get_label(): list(line.get_ydata()) for line in fig.axes[1].get_lines()}
+    assert labels == {"accuracy on 'test'": [0.5, 1.0], "accuracy on 'valid'": [0.5, 1.0]}
 
 
 def test_plot_without_a_run_is_one_line(tmp_path):

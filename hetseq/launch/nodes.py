@@ -4,6 +4,7 @@ standard input, its output relayed line by line with its host in front,
 and stopped by closing that input (node.py stops everything it started).
 """
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -16,7 +17,19 @@ import time
 
 from hetseq.launch.node import STARTED, exit_code
 
-LINE_LIMIT = 1 << 16       # a longer line is cut (a node's output is not trusted to be sane)
+LINE_LIMIT = 1 << 16
+PR_SET_PDEATHSIG = 1       # a longer line is cut (a node's output is not trusted to be sane)
+
+
+def die_with_parent():
+    """In the child before exec: SIGKILL when the launcher dies, even by
+    SIGKILL itself (Linux's PR_SET_PDEATHSIG), so that its ssh ends and the
+    node, seeing its input end, stops (node.py). Elsewhere: nothing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclasses.dataclass
@@ -38,7 +51,7 @@ class RunningNode:
         self.started = time.monotonic()
         self.proc = subprocess.Popen(command, cwd=cwd, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_parent)
         try:
             self.proc.stdin.write((json.dumps({"env": env}) + "\n").encode())
             self.proc.stdin.flush()

@@ -58,10 +58,10 @@ def make(lines, script, train_args, port, master=None):
     train_args``; ``master``: the meeting point's host (default: the first
     line's)."""
     train_args = [str(a) for a in train_args]
-    parser, elastic, node_dests = _nodes_parser(train_args)
-    _refuse_owned(parser, train_args, "on the hetseq-launch line")
     host = master or meeting_host(lines[0].host)
     url = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    parser, elastic, node_dests = _nodes_parser([*train_args, "--distributed-init-method", url])
+    _refuse_owned(parser, train_args, "on the hetseq-launch line")
     world = None if elastic else sum(line.slots for line in lines)
     nodes, first, seen = [], 0, {}
     for line in lines:

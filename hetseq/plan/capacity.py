@@ -228,7 +228,13 @@ def available_memory_bytes():
 RATE_PROBES = 3      # timed forward+backward passes for a rank's speed
 
 def _shares_manual(cfg, peers):
-    return [peer["max_sentences"] for peer in peers]
+    shares = [peer["max_sentences"] for peer in peers]
+    if None in shares:
+        raise UserError("--capacity manual splits --global-batch-size by each rank's "
+                        "--max-sentences, and ranks "
+                        f"{[r for r, s in enumerate(shares) if s is None]} have none: give "
+                        "--max-sentences on every node, or --capacity equal or auto")
+    return shares
 
 
 def _shares_equal(cfg, peers):

@@ -93,6 +93,16 @@ def shares(lines):
 
 def plot(save_dir, out=None):
     """Write the picture; returns its path."""
+    import matplotlib.pyplot as plt
+    fig = figure(save_dir)
+    out = out or os.path.join(save_dir, "run.png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def figure(save_dir):
+    """The picture of the run in ``save_dir``, a matplotlib Figure."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -102,7 +112,6 @@ def plot(save_dir, out=None):
     lines = read_balance(save_dir)
     valid = validation_series(read_lines(os.path.join(save_dir, ValidLog.NAME)))
     metrics = {key: v for key, v in valid.items() if key[1] != "loss"}
-    out = out or os.path.join(save_dir, "run.png")
     fig, axes = plt.subplots(4 if metrics else 3, 1, figsize=(9, 12 if metrics else 9))
     ax_loss, ax_rate, ax_share = axes[0], axes[-2], axes[-1]
     updates = [line["update"] for line in lines]
@@ -141,9 +150,7 @@ def plot(save_dir, out=None):
     if plan_changes(lines):
         ax_share.set_title("dotted: the plan changed", fontsize="small")
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def main(argv=None):

@@ -94,7 +94,15 @@ def follow_leader(store, url, secret_key):
         return store, url
     leader = json.loads(store.get("e/leader"))
     there = f"tcp://{leader['addr']}:{leader['port']}"
-    return (store, url) if there == url else (open_store(there, secret_key), there)
+    if there == url:
+        return store, url
+    store.close()
+    return open_store(there, secret_key), there
+
+
+def look(url, secret_key):
+    """(store, its URL) where the job's status is: ``url``'s, or its leader's."""
+    return follow_leader(open_store(url, secret_key), url, secret_key)
 
 
 def read(store):
@@ -162,9 +170,17 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         secret_key = tunnel.read_secret(args.job_secret_file)
-        store, url = follow_leader(open_store(args.url, secret_key), args.url, secret_key)
+        store, url = look(args.url, secret_key)
         while True:
-            view = read(store)
+            try:
+                view = read(store)
+            except dist.DistError:
+                if not args.watch:
+                    raise
+                # The member it read from is gone (--elastic: a new leader): ask again.
+                time.sleep(max(1.0, args.interval))
+                store, url = look(args.url, secret_key)
+                continue
             text = json.dumps(view) if args.json else "\n".join(render(view, url))
             if args.watch and not args.json and sys.stdout.isatty():
                 text = "\x1b[H\x1b[2J" + text        # redraw in place

@@ -1,0 +1,262 @@
+"""hetseq-launch: a hostfile and one command start every node (over real
+SSH servers in namespace hosts), stop them together, and keep the job
+secret out of every command line and log; hetseq-status shows the job.
+
+The SSH tests run the launcher on host A, as a user would on the first of
+their machines, against an sshd on each host (hetseq/testing/sshd.py: key
+login only, its keys and config in the test's folder). Host D has no sshd:
+the host that cannot be reached.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import (EXACT, EXACT_SGD, ROOT, TOY, Watched, _cluster, alone, child_env,
+                      final_params, max_diff, require)
+from hetseq.errors import UserError
+from hetseq.launch import hostfile, plan as planning
+from hetseq.launch.main import forwarded_env
+from hetseq.reporting import status
+
+LAUNCH = [sys.executable, "-m", "hetseq.launch"]
+PARITY = [*EXACT_SGD, "--max-update", 7]
+
+
+def value(argv, flag):
+    return argv[argv.index(flag) + 1]
+
+
+def make_plan(text, *args):
+    return planning.make(hostfile.parse(text), "train.py", [*TOY, *args], 29500)
+
+
+# ---- the hostfile and the plan (no processes) ----
+
+def test_hostfile_lines_become_each_nodes_ranks_and_flags():
+    job = make_plan("# lab\nnodeA slots=2 max-sentences=8  # the fast one\n"
+                    "me@nodeB slots=1 cpu 'save-dir=/scratch/my ckpt'\n")
+    a, b = job.nodes
+    assert job.url == "tcp://nodeA:29500" and job.world_size == 3 and not job.elastic
+    assert (a.first_rank, b.first_rank, b.host) == (0, 2, "me@nodeB")
+    assert value(a.argv, "--max-sentences") == "8"
+    assert value(b.argv, "--save-dir") == "/scratch/my ckpt" and "--cpu" in b.argv
+    for node, rank, gpus in ((a, "0", "2"), (b, "2", "1")):
+        assert value(node.argv, "--distributed-rank") == rank
+        assert value(node.argv, "--distributed-gpus") == gpus
+        assert value(node.argv, "--distributed-world-size") == "3"
+        assert value(node.argv, "--distributed-init-method") == "tcp://nodeA:29500"
+    elastic = make_plan("nodeA slots=1\nnodeB slots=3\n", "--elastic", "--global-batch-size", 16)
+    assert elastic.elastic and all("--distributed-rank" not in n.argv for n in elastic.nodes)
+    assert value(elastic.nodes[1].argv, "--distributed-gpus") == "3"
+    assert value(elastic.nodes[1].argv, "--log-format") == "simple"
+    given = make_plan("nodeA slots=1 log-format=json\n").nodes[0].argv
+    assert value(given, "--log-format") == "json" and given.count("--log-format") == 1
+
+
+@pytest.mark.parametrize("text, args, message", [
+    ("a slots=1 max-update=5\n", [], r"line 1 \(a\): max-update is a job flag .* put "
+                                     r"--max-update after the script"),
+    ("a slots=1 lr=0.1\n", [], r"lr is a job flag"),
+    ("a slots=1 max-sentence=4\n", [], r"unknown flag --max-sentence: did you mean "
+                                        r"--max-sentences\?"),
+    ("a slots=1 distributed-rank=3\n", [], r"distributed-rank: hetseq-launch writes it"),
+    ("a\n", [], r"line 1: a has no slots=N"),
+    ("a slots=0\n", [], r"slots=0: expected a whole number from 1"),
+    ("a slots=1 max-sentences=many\n", [], r"line 1 \(a\): that node's flags are not valid"),
+    ("a slots=1\n", ["--distributed-world-size", 4], r"--distributed-world-size on the "
+                                                     r"hetseq-launch line: hetseq-launch writes"),
+    ("a slots=1\n", ["--job-secret-file", "/x"], r"give it to hetseq-launch"),
+    ("# nothing\n", [], r"names no host"),
+])
+def test_a_wrong_hostfile_or_flag_is_named(text, args, message):
+    with pytest.raises((UserError, SystemExit)) as err:
+        make_plan(text, *args)
+    assert err.type is UserError and re.search(message, str(err.value)), err.value
+
+
+def test_cli_refuses_a_job_flag_in_the_hostfile_in_one_line(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=1 max-update=3\n")
+    done = subprocess.run([*LAUNCH, "--hostfile", hosts, "--launcher", "local", "train.py", *TOY],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=child_env())
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("hetseq-launch: error: hostfile line 1 "
+                                                           "(localhost): max-update is a job flag")
+
+
+def test_dry_run_prints_every_nodes_command_and_no_secret(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("nodeA slots=2 max-sentences=8\nnodeB slots=1 max-sentences=4\n")
+    (tmp_path / ".hetseq_env").write_text("# forwarded\nWANDB_MODE=offline\n")
+    secret = "3f" * 32
+    done = subprocess.run([*LAUNCH, "--hostfile", hosts, "--dry-run", "--ssh-opts", "-p 2222",
+                           "--env", "EXTRA=1", str(ROOT / "train.py"), *TOY],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=child_env({"HETSEQ_JOB_SECRET": secret}))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "hetseq-launch: 2 node(s), meeting at tcp://nodeA:29500, world size 3"
+    assert lines[1].startswith("nodeA (ranks 0-1): ssh -p 2222 -T -o BatchMode=yes")
+    assert "nodeA 'cd " in lines[1] and "--distributed-rank 0" in lines[1]
+    assert lines[2].startswith("nodeB (ranks 2): ssh") and "--distributed-rank 2" in lines[2]
+    assert "HETSEQ_JOB_SECRET=<elided>" in lines[3] and "WANDB_MODE" in lines[3]
+    assert "EXTRA" in lines[3] and secret not in done.stdout + done.stderr
+
+
+def test_forwarded_variables(tmp_path):
+    env_file = tmp_path / ".hetseq_env"
+    env_file.write_text("A=1\n# no\nB=x=y\n")
+    env = forwarded_env(["C", "D=4"], env_file=str(env_file),
+                        environ={"C": "3", "NCCL_DEBUG": "INFO", "HOME": "/root",
+                                 "HETSEQ_JOB_SECRET": "never"})
+    assert env == {"A": "1", "B": "x=y", "C": "3", "D": "4", "NCCL_DEBUG": "INFO"}
+    with pytest.raises(UserError, match="E is not set here"):
+        forwarded_env(["E"], env_file=str(env_file), environ={})
+
+
+def test_status_text_names_every_rank():
+    view = {"state": "training", "generation": 2, "update": 40, "planned": 60, "left_s": 21,
+            "loss": 0.5, "samples_per_s": 80.0, "time": 100.0,
+            "ranks": [{"rank": 0, "host": "hostA", "batch": 8, "samples_per_s": 20.0,
+                       "wait_s": 0.5},
+                      {"rank": 1, "host": "hostB", "batch": 24, "samples_per_s": None,
+                       "wait_s": None}],
+            "checkpoint": {"path": "/c/checkpoint_last.pt", "update": 30, "time": 90.0}}
+    lines = status.render(view, "tcp://hostA:29500", now=101.0)
+    assert lines[0] == ("tcp://hostA:29500 | update 40/60 | 0:00:21 left | generation 2 | "
+                        "2 host(s), 2 rank(s) | training as of 1 s ago")
+    assert re.search(r"0  hostA\s+8\s+25%\s+20.0\s+0.50 s", lines[3]), lines
+    assert re.search(r"1  hostB\s+24\s+75%\s+-\s+-", lines[4]), lines
+    assert lines[-1] == "last checkpoint: /c/checkpoint_last.pt (update 30, 11 s ago)"
+    assert "not published its status yet" in status.render(None, "tcp://h:1")[0]
+
+
+# ---- real SSH in namespace hosts ----
+
+@pytest.fixture(scope="module")
+def ssh_hosts(tmp_path_factory):
+    """Hosts A-D; an sshd on A, B and C (D has none: it cannot be reached)."""
+    from hetseq.testing import sshd
+    ok, why = sshd.available()
+    require(ok, f"SSH servers: {why}")
+    with _cluster(4) as cluster, \
+            sshd.SshServers(cluster, tmp_path_factory.mktemp("ssh"), [0, 1, 2]) as servers:
+        yield cluster, servers
+
+
+def launch(ssh_hosts, tmp_path, hostfile_text, *args):
+    """hetseq-launch on host A, as a Watched process."""
+    cluster, servers = ssh_hosts
+    hosts = tmp_path / "hosts"
+    hosts.write_text(hostfile_text)
+    return Watched(cluster.popen(0, [*LAUNCH, "--hostfile", hosts, "--ssh-opts", servers.opts,
+                                     str(ROOT / "train.py"), "--cpu", *map(str, args)],
+                                 cwd=ROOT, env=child_env(), text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+
+
+def processes_with(text):
+    """[(pid, command line)] of live processes whose command line holds ``text``."""
+    found, needle = [], text.encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            state = open(f"/proc/{pid}/stat", "rb").read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in cmdline and state != b"Z" and int(pid) != os.getpid():
+            found.append((int(pid), cmdline.replace(b"\0", b" ").decode(errors="replace")))
+    return found
+
+
+def secret_path(watched):
+    watched.wait_for(r"--job-secret-file \S+", timeout=60)
+    return re.search(r"--job-secret-file (\S+)", watched.output()).group(1)
+
+
+def test_a_heterogeneous_job_over_ssh_equals_one_process_and_never_shows_its_secret(
+        ssh_hosts, tmp_path):
+    """Three hosts, 1 + 2 + 1 ranks with 8, 6 and 12 sequences each (the
+    hostfile's): one process on the summed 32. While it trains, hetseq-status
+    (run on host B) shows every rank on its host, and the launcher's new
+    secret is in no process's command line; afterwards in no output or file."""
+    cluster, _ = ssh_hosts
+    saves = [tmp_path / name for name in "abc"]
+    job = launch(ssh_hosts, tmp_path,
+                 f"hostA slots=1 max-sentences=8 save-dir={saves[0]}\n"
+                 f"hostB slots=2 max-sentences=6 save-dir={saves[1]}\n"
+                 f"hostC slots=1 max-sentences=12 save-dir={saves[2]}\n",
+                 *PARITY, "--toy-sample-ms", 60)
+    path = secret_path(job)
+    secret = open(path).read().strip()
+    job.wait_for(r"hostA: .*\| update 2/7", timeout=120)
+    seen = cluster.run(1, [sys.executable, "-m", "hetseq.reporting.status", "tcp://hostA:29500",
+                           "--json", "--job-secret-file", path], timeout=60)
+    in_command_lines = processes_with(secret)
+    code, out = job.finish(180)
+    assert code == 0, out[-4000:]
+    assert seen.returncode == 0, seen.stderr
+    view = json.loads(seen.stdout)
+    assert [(r["rank"], r["host"], r["batch"]) for r in view["ranks"]] == \
+        [(0, "hostA", 8), (1, "hostB", 6), (2, "hostB", 6), (3, "hostC", 12)]
+    assert view["planned"] == 7 and 2 <= view["update"] <= 7, view
+    assert in_command_lines == [], in_command_lines
+    assert max_diff(alone(*PARITY, "--max-sentences", 32)["model"], final_params(saves[0])) \
+        < EXACT
+    # One line per node at the end, each node's lines under its host's name.
+    assert re.search(r"hostB \(ranks 1-2\): exit 0, \d+ s", out), out[-3000:]
+    assert "hostC: " in out and "hostB: " in out
+    assert secret not in out and not os.path.exists(path)
+    for save in saves:
+        for file in save.rglob("*"):
+            assert file.is_dir() or secret.encode() not in file.read_bytes(), file
+
+
+def test_ctrl_c_stops_every_node_and_an_elastic_job_goes_on_without_a_host_that_is_down(
+        ssh_hosts, tmp_path):
+    """--elastic over A, B and D (no sshd): D is named, A and B train as
+    generation 1; Ctrl-C on the launcher then leaves no process on any host."""
+    job = launch(ssh_hosts, tmp_path,
+                 f"hostA slots=1 max-sentences=8 save-dir={tmp_path / 'a'}\n"
+                 f"hostB slots=1 max-sentences=8 save-dir={tmp_path / 'b'}\n"
+                 f"hostD slots=1 max-sentences=8 save-dir={tmp_path / 'd'}\n",
+                 *TOY, "--elastic", "--min-nodes", 2, "--global-batch-size", 16,
+                 "--max-update", 10**6, "--toy-sample-ms", 5, "--distributed-timeout", 30)
+    # (ssh writes host names in lower case)
+    job.wait_for(r"hetseq-launch: hostD: could not be reached over ssh: .*hostd", timeout=60)
+    job.wait_for(r"hostA: .*\| update \d+", count=3, timeout=120)
+    assert processes_with(str(tmp_path / "b")), "host B's node is not running"
+    # Any member's address shows the job: host B's store points to the leader's.
+    cluster, _ = ssh_hosts
+    seen = cluster.run(2, [sys.executable, "-m", "hetseq.reporting.status", "tcp://hostB:29500",
+                           "--job-secret-file", secret_path(job)], timeout=60)
+    assert seen.returncode == 0, seen.stderr
+    assert re.match(r"tcp://10\.213\.0\.1:29500 \| update \d+/1000000 \| [\d:]+ left \| generation 1 \| 2 host\(s\), "
+                    r"2 rank\(s\) \| training as of \d+ s ago", seen.stdout), seen.stdout
+    assert re.search(r"0  hostA\s+8\s+50%", seen.stdout) and \
+        re.search(r"1  hostB\s+8\s+50%", seen.stdout), seen.stdout
+    os.kill(job.proc.pid, signal.SIGINT)
+    code, out = job.finish(60)
+    assert code != 0 and "stopping every node: SIGINT received" in out, out[-3000:]
+    assert re.search(r"hostD \(1 rank\(s\), given at the meeting point\): unreachable \(the job "
+                     r"went on without it: --elastic\)", out), out[-3000:]
+    assert processes_with(str(tmp_path)) == []
+
+
+def test_an_unreachable_host_is_named_and_the_others_are_stopped(ssh_hosts, tmp_path):
+    job = launch(ssh_hosts, tmp_path,
+                 f"hostA slots=1 max-sentences=8 save-dir={tmp_path / 'a'}\n"
+                 f"hostD slots=1 max-sentences=8 save-dir={tmp_path / 'd'}\n",
+                 *TOY, "--max-update", 10**6)
+    code, out = job.finish(90)
+    assert code == 255, out[-3000:]
+    assert len(re.findall(r"hetseq-launch: hostD: could not be reached over ssh: ssh: connect "
+                          r"to host hostd port 22: Connection refused", out)) == 1, out[-3000:]
+    assert "stopping every node: hostD could not be reached" in out
+    assert processes_with(str(tmp_path)) == []
