@@ -646,7 +646,58 @@ MUTATIONS = {
     'interval-validation-not-for-best': (
         "a validation between epoch ends counts for checkpoint_best",
         'hetseq/run/loop.py',
-        "self.checkpointer.save(controller.num_updates, data.epoch, None, metric)",
-        "self.checkpointer.save(controller.num_updates, data.epoch)",
+        "                self._save(None, metric)",
+        "                self._save(None, None)",
         ['tests/test_checkpoint.py::test_validations_between_epoch_ends_count_for_the_best_checkpoint']),
+    'secret-on-a-command-line': (
+        "hetseq-launch: the job secret is in no process's command line",
+        'hetseq/launch/nodes.py',
+        "        self.proc = subprocess.Popen(command, cwd=cwd, stdin=subprocess.PIPE,",
+        "        command = [*command[:-1], command[-1] + ' # ' + env.get('HETSEQ_JOB_SECRET', '')]\n"
+        "        self.proc = subprocess.Popen(command, cwd=cwd, stdin=subprocess.PIPE,",
+        ['tests/test_launch.py::test_a_heterogeneous_job_over_ssh_equals_one_process_and_never_shows_its_secret']),
+    'job-flag-in-a-hostfile': (
+        "hetseq-launch: a job flag in the hostfile is refused, naming it",
+        'hetseq/launch/plan.py',
+        "        if dest not in node_dests:",
+        "        if False:",
+        ['tests/test_launch.py::test_a_wrong_hostfile_or_flag_is_named',
+         'tests/test_launch.py::test_cli_refuses_a_job_flag_in_the_hostfile_in_one_line']),
+    'a-node-outlives-its-input': (
+        "hetseq-launch: a node stops when its input ends (Ctrl-C, a killed launcher, a dropped connection)",
+        'hetseq/launch/node.py',
+        "            pass\n        ending.set()",
+        "            pass",
+        ['tests/test_launch.py::test_a_killed_launcher_leaves_no_node_behind',
+         'tests/test_launch.py::test_ctrl_c_stops_every_node_and_an_elastic_job_goes_on_without_a_host_that_is_down']),
+    'unreachable-host-leaves-the-others-running': (
+        "hetseq-launch: a host that cannot be reached stops the others (fixed job)",
+        'hetseq/launch/main.py',
+        "            if not self.job.elastic:\n                self.stop(",
+        "            if False:\n                self.stop(",
+        ['tests/test_launch.py::test_an_unreachable_host_is_named_and_the_others_are_stopped']),
+    'exit-code-not-the-worst': (
+        "hetseq-launch: the exit code is the worst of the nodes'",
+        'hetseq/launch/main.py',
+        "        return max(codes, default=UNREACHABLE)",
+        "        return codes[0] if codes else 0",
+        ['tests/test_launch.py::test_an_unreachable_host_is_named_and_the_others_are_stopped']),
+    'status-without-hosts': (
+        "hetseq-status: every rank with its host",
+        'hetseq/reporting/status.py',
+        '        return [{"rank": r, "host": self.hosts[r] if r < len(self.hosts) else "?",',
+        '        return [{"rank": r, "host": "?",',
+        ['tests/test_launch.py::test_a_heterogeneous_job_over_ssh_equals_one_process_and_never_shows_its_secret']),
+    'status-does-not-follow-the-leader': (
+        "hetseq-status: any elastic member's address shows the job (it follows the leader)",
+        'hetseq/reporting/status.py',
+        "    if there == url:\n        return store, url",
+        "    if True:\n        return store, url",
+        ['tests/test_launch.py::test_ctrl_c_stops_every_node_and_an_elastic_job_goes_on_without_a_host_that_is_down']),
+    'validations-not-in-the-plot': (
+        "hetseq-plot: every validation beside the training loss",
+        'hetseq/reporting/report.py',
+        "        self.valid_log.record(update, epoch, split, metrics)\n",
+        "",
+        ['tests/test_first_hour.py::test_plot_of_a_real_run']),
 }

@@ -14,13 +14,15 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from conftest import (EXACT, EXACT_SGD, ROOT, TOY, Watched, _cluster, alone, child_env,
-                      final_params, max_diff, require)
+                      final_params, free_port, max_diff, require)
 from hetseq.errors import UserError
 from hetseq.launch import hostfile, plan as planning
+from hetseq.launch.node import STOP_S
 from hetseq.launch.main import forwarded_env
 from hetseq.reporting import status
 
@@ -135,6 +137,26 @@ def test_status_text_names_every_rank():
     assert re.search(r"1  hostB\s+24\s+75%\s+-\s+-", lines[4]), lines
     assert lines[-1] == "last checkpoint: /c/checkpoint_last.pt (update 30, 11 s ago)"
     assert "not published its status yet" in status.render(None, "tcp://h:1")[0]
+
+
+def test_a_killed_launcher_leaves_no_node_behind(tmp_path):
+    """SIGKILL gives the launcher no chance to stop anything: its nodes see
+    their input end (it held the only write end) and stop themselves."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"localhost slots=1 max-sentences=8 save-dir={tmp_path / 'a'}\n"
+                     f"localhost slots=1 max-sentences=8 save-dir={tmp_path / 'b'}\n")
+    job = Watched(subprocess.Popen(
+        [*LAUNCH, "--hostfile", hosts, "--launcher", "local", "--master-port", str(free_port()),
+         str(ROOT / "train.py"), "--cpu", *TOY, "--max-update", "1000000", "--toy-sample-ms", "5"],
+        cwd=ROOT, env=child_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    job.wait_for(r"localhost: .*\| update \d+", count=2, timeout=120)
+    assert len(processes_with(str(tmp_path / "b"))) >= 2     # the wrapper and train.py
+    job.proc.kill()
+    job.finish(30)
+    deadline = time.monotonic() + STOP_S + 10
+    while processes_with(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_with(str(tmp_path)) == []
 
 
 # ---- real SSH in namespace hosts ----

@@ -2,9 +2,11 @@
 itself): each started in a session of its own with the environment on its
 standard input, its output relayed line by line with its host in front,
 and stopped by closing that input (node.py stops everything it started).
+The launcher holds the only write end of each input, so a launcher that
+dies, even by SIGKILL, closes them too: its nodes stop (ssh passes the end
+of input on, and a dropped connection ends it as well).
 """
 
-import ctypes
 import dataclasses
 import json
 import os
@@ -17,19 +19,7 @@ import time
 
 from hetseq.launch.node import STARTED, exit_code
 
-LINE_LIMIT = 1 << 16
-PR_SET_PDEATHSIG = 1       # a longer line is cut (a node's output is not trusted to be sane)
-
-
-def die_with_parent():
-    """In the child before exec: SIGKILL when the launcher dies, even by
-    SIGKILL itself (Linux's PR_SET_PDEATHSIG), so that its ssh ends and the
-    node, seeing its input end, stops (node.py). Elsewhere: nothing."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+LINE_LIMIT = 1 << 16       # a longer line is cut (a node's output is not trusted to be sane)
 
 
 @dataclasses.dataclass
@@ -51,7 +41,7 @@ class RunningNode:
         self.started = time.monotonic()
         self.proc = subprocess.Popen(command, cwd=cwd, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=die_with_parent)
+                                     start_new_session=True)
         try:
             self.proc.stdin.write((json.dumps({"env": env}) + "\n").encode())
             self.proc.stdin.flush()
