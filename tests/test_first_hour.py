@@ -104,6 +104,7 @@ def test_plot_draws_each_validation_metric_of_each_subset(tmp_path):
     (tmp_path / "valid.jsonl").write_text("".join(
         json.dumps({"update": u, "epoch": 1, "split": split, "time": u, "loss": 2.0 / u,
                     "accuracy": u / 4}) + "\n" for u in (2, 4) for split in ("valid", "test"))
+        + '{"update": 5, "loss": 1.0}\n'     # no split (another writer): drawn as '?'
         + '{"update": 6, "cut sh')      # a run killed mid-line
     fig = figure(tmp_path)
     assert [ax.get_ylabel() for ax in fig.axes] == [

@@ -17,6 +17,7 @@ import sys
 import time
 
 import pytest
+from types import SimpleNamespace
 
 from conftest import (EXACT, EXACT_SGD, ROOT, TOY, Watched, _cluster, alone, child_env,
                       final_params, free_port, max_diff, require)
@@ -42,12 +43,13 @@ def make_plan(text, *args):
 
 def test_hostfile_lines_become_each_nodes_ranks_and_flags():
     job = make_plan("# lab\nnodeA slots=2 max-sentences=8  # the fast one\n"
-                    "me@nodeB slots=1 cpu 'save-dir=/scratch/my ckpt'\n")
+                    "me@nodeB slots=1 cpu 'save-dir=/scratch/my ckpt#1'  #  comment\n")
     a, b = job.nodes
     assert job.url == "tcp://nodeA:29500" and job.world_size == 3 and not job.elastic
     assert (a.first_rank, b.first_rank, b.host) == (0, 2, "me@nodeB")
     assert value(a.argv, "--max-sentences") == "8"
-    assert value(b.argv, "--save-dir") == "/scratch/my ckpt" and "--cpu" in b.argv
+    assert value(b.argv, "--save-dir") == "/scratch/my ckpt#1" and "--cpu" in b.argv
+    assert "comment" not in b.argv
     for node, rank, gpus in ((a, "0", "2"), (b, "2", "1")):
         assert value(node.argv, "--distributed-rank") == rank
         assert value(node.argv, "--distributed-gpus") == gpus
@@ -75,6 +77,7 @@ def test_hostfile_lines_become_each_nodes_ranks_and_flags():
                                                      r"hetseq-launch line: hetseq-launch writes"),
     ("a slots=1\n", ["--job-secret-file", "/x"], r"give it to hetseq-launch"),
     ("# nothing\n", [], r"names no host"),
+    ("-V slots=1\n", [], r"'-V' is not a host name"),
 ])
 def test_a_wrong_hostfile_or_flag_is_named(text, args, message):
     with pytest.raises((UserError, SystemExit)) as err:
@@ -120,6 +123,10 @@ def test_forwarded_variables(tmp_path):
     assert env == {"A": "1", "B": "x=y", "C": "3", "D": "4", "NCCL_DEBUG": "INFO"}
     with pytest.raises(UserError, match="E is not set here"):
         forwarded_env(["E"], env_file=str(env_file), environ={})
+    env_file.write_text("export TOKEN=s3cr3t-value\n")
+    with pytest.raises(UserError, match=r"\.hetseq_env line 1: expected NAME=VALUE") as err:
+        forwarded_env([], env_file=str(env_file), environ={})
+    assert "s3cr3t" not in str(err.value)
 
 
 def test_status_text_names_every_rank():
@@ -137,6 +144,66 @@ def test_status_text_names_every_rank():
     assert re.search(r"1  hostB\s+24\s+75%\s+-\s+-", lines[4]), lines
     assert lines[-1] == "last checkpoint: /c/checkpoint_last.pt (update 30, 11 s ago)"
     assert "not published its status yet" in status.render(None, "tcp://h:1")[0]
+
+
+def test_status_draws_only_what_it_expects():
+    """A status written by someone else (a job without a secret is anyone's
+    to write): wrong types become blanks, no terminal escape gets through."""
+    hostile = {"state": "\x1b[2Jowned", "update": "many", "left_s": float("inf"),
+               "loss": "low", "time": "now", "generation": [1],
+               "ranks": [{"rank": 0, "host": None, "batch": "8"}, "rank 1", {"host": "b\x07"}],
+               "checkpoint": "yesterday"}
+    view = status.clean(hostile)
+    text = "\n".join(status.render(view, "tcp://h:1", now=5.0))
+    assert "\x1b" not in text and "\x07" not in text and "[2Jowned as of ? s ago" in text
+    assert [r["host"] for r in view["ranks"]] == ["?", "b"] and view["checkpoint"] is None
+    assert status.clean({"ranks": {"0": {}}})["ranks"] == []
+
+
+def sleeper(marker):
+    return [sys.executable, "-m", "hetseq.launch.node", "--", sys.executable, "-c",
+            f"import time; time.sleep(60)  # {marker}"]
+
+
+def test_a_stop_while_nodes_start_stops_the_started_and_starts_no_more(tmp_path):
+    """Ctrl-C between two nodes' starts: the first is stopped, the second
+    never started, and the summary says so."""
+    from hetseq.launch.main import Launch
+    marker = str(tmp_path)
+    job = make_plan("a slots=1\nb slots=1\n")
+
+    class Transport:
+        wraps = False
+
+        def command(self, host, remote_dir, python, argv):
+            if host == "b":
+                launch.request_stop(signal.SIGINT, None)
+            return sleeper(marker), str(ROOT)
+
+        @staticmethod
+        def unreachable(code):
+            return False
+    launch = Launch(job, Transport(), SimpleNamespace(remote_dir="", remote_python=""), {})
+    launch.start()
+    code = launch.run()
+    assert code == 143 and [n.plan.label for n in launch.nodes] == ["a"]
+    assert processes_with(marker) == []
+
+
+def test_a_node_whose_lines_cannot_be_printed_still_ends_with_its_code(tmp_path):
+    """A terminal that cannot show a character (or is gone) costs the line,
+    never the node's end or its exit code."""
+    import io
+    import queue
+    from hetseq.launch.nodes import RunningNode
+    events, out = queue.Queue(), io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    command = [sys.executable, "-m", "hetseq.launch.node", "--", sys.executable, "-c",
+               "print('caf\u00e9 \u2192'); raise SystemExit(3)"]
+    plan = planning.NodePlan("a", "a", 1, 0, ())
+    node = RunningNode(plan, command, str(ROOT), {}, events, out=out)
+    assert events.get(timeout=60) is node and node.outcome.code == 3
+    out.seek(0)
+    assert out.buffer.getvalue().decode() == "a: caf? ?\n"
 
 
 def test_a_killed_launcher_leaves_no_node_behind(tmp_path):
@@ -256,8 +323,10 @@ def test_ctrl_c_stops_every_node_and_an_elastic_job_goes_on_without_a_host_that_
     assert processes_with(str(tmp_path / "b")), "host B's node is not running"
     # Any member's address shows the job: host B's store points to the leader's.
     cluster, _ = ssh_hosts
-    seen = cluster.run(2, [sys.executable, "-m", "hetseq.reporting.status", "tcp://hostB:29500",
-                           "--job-secret-file", secret_path(job)], timeout=60)
+    # (The installed command: it must import without the package's cycle.)
+    seen = cluster.run(2, [os.path.join(os.path.dirname(sys.executable), "hetseq-status"),
+                           "tcp://hostB:29500", "--job-secret-file", secret_path(job)],
+                       timeout=60)
     assert seen.returncode == 0, seen.stderr
     assert re.match(r"tcp://10\.213\.0\.1:29500 \| update \d+/1000000 \| [\d:]+ left \| generation 1 \| 2 host\(s\), "
                     r"2 rank\(s\) \| training as of \d+ s ago", seen.stdout), seen.stdout
@@ -276,7 +345,8 @@ def test_an_unreachable_host_is_named_and_the_others_are_stopped(ssh_hosts, tmp_
                  f"hostA slots=1 max-sentences=8 save-dir={tmp_path / 'a'}\n"
                  f"hostD slots=1 max-sentences=8 save-dir={tmp_path / 'd'}\n",
                  *TOY, "--max-update", 10**6)
-    code, out = job.finish(90)
+    job.wait_for(r"stopping every node: hostD could not be reached", timeout=60)
+    code, out = job.finish(60)
     assert code == 255, out[-3000:]
     assert len(re.findall(r"hetseq-launch: hostD: could not be reached over ssh: ssh: connect "
                           r"to host hostd port 22: Connection refused", out)) == 1, out[-3000:]

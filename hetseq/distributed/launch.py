@@ -24,7 +24,7 @@ from hetseq.distributed import health, rendezvous, tunnel
 from hetseq.distributed.topology import resolve_topology
 from hetseq.errors import HetSeqError, PeerLost
 from hetseq.reporting import NODE, rank_ranges, setup_logging
-from hetseq.reporting.status import StatusBoard
+from hetseq.reporting import status   # (the module: hetseq-status imports this package)
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def _run_rank(index, topology, node, identity, worker, worker_args):
         identity, tunnel.read_secret(node.launch.job_secret_file))
     heartbeat = health.Heartbeat(store, rank)
     if rank == 0:
-        ctx = dataclasses.replace(ctx, board=StatusBoard(
+        ctx = dataclasses.replace(ctx, board=status.StatusBoard(
             store, [peers[r]["host"] for r in range(ctx.world_size)]))
     try:
         result = worker(ctx, *worker_args)

@@ -6,8 +6,8 @@ plus that node's own flags::
     nodeB      slots=2  max-sentences=20 distributed-interface=eth1
     cpu-box    slots=1  cpu max-sentences=8 save-dir=/scratch/me/ckpt
 
-Words are split as a shell would (quotes keep spaces in a value); ``#``
-starts a comment. ``name=value`` becomes ``--name value``, a bare ``name``
+Words are split as a shell would (quotes keep spaces in a value); a word
+that starts with ``#`` starts a comment. ``name=value`` becomes ``--name value``, a bare ``name``
 ``--name``. Whether a name is a per-node flag is the plan's question
 (plan.py asks the parser); here only the form is checked.
 """
@@ -19,7 +19,7 @@ import shlex
 from hetseq.errors import UserError
 
 # A host as ssh takes it: [user@]name, an IPv4 address or a bracketless IPv6 one.
-HOST = re.compile(r"^([A-Za-z0-9._-]+@)?[A-Za-z0-9.:_-]+$")
+HOST = re.compile(r"^(?!-)([A-Za-z0-9._-]+@)?[A-Za-z0-9.:_-]+$")
 FLAG = re.compile(r"^[a-z][a-z0-9-]*$")
 MAX_SLOTS = 1024
 
@@ -45,9 +45,12 @@ def parse(text, where="hostfile"):
     nodes = []
     for number, raw in enumerate(text.splitlines(), 1):
         try:
-            words = shlex.split(raw, comments=True)
+            words = shlex.split(raw)
         except ValueError as err:
             raise UserError(f"{where} line {number}: {err} in {raw.strip()!r}") from None
+        # A comment starts with a word that starts with "#", as in a shell
+        # ("save-dir=/ckpt/run#1" keeps its "#").
+        words = words[:next((i for i, w in enumerate(words) if w.startswith("#")), len(words))]
         if words:
             nodes.append(_node(words, number, where))
     if not nodes:

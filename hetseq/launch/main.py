@@ -19,12 +19,13 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 
 from hetseq.distributed import secret as secrets_cli
 from hetseq.distributed import tunnel
 from hetseq.errors import UserError
 from hetseq.launch import hostfile, plan as planning
-from hetseq.launch.nodes import RunningNode, wait_all
+from hetseq.launch.nodes import RunningNode
 from hetseq.launch.transport import TRANSPORTS
 
 logger = logging.getLogger("hetseq.launch")
@@ -33,7 +34,8 @@ ENV_FILE = ".hetseq_env"
 # Forwarded without being asked, like DeepSpeed's NCCL*/PYTHON* variables.
 FORWARDED_PREFIXES = ("NCCL_", "GLOO_", "PYTHON", "HETSEQ_", "OMP_")
 STOP_S = 15.0            # after a stop, how long nodes get before their ssh is killed
-UNREACHABLE = 255
+UNREACHABLE = 255       # as ssh's own failure
+NOT_STARTED = 1
 
 
 def build_parser():
@@ -82,7 +84,9 @@ def forwarded_env(names, env_file=ENV_FILE, environ=os.environ):
     for where, item in items:
         name, eq, value = item.partition("=")
         if not name.isidentifier():
-            raise UserError(f"{where}: {item!r}: expected NAME=VALUE or NAME")
+            # (Never the line itself: its value may be a token.)
+            raise UserError(f"{where}: expected NAME=VALUE or NAME, with NAME a variable's "
+                            "name (no 'export', no spaces)")
         if not eq:
             if name not in environ:
                 raise UserError(f"{where}: {name} is not set here; give NAME=VALUE")
@@ -110,7 +114,13 @@ class Secret:
     def where(self):
         if self.folder is None:
             return "the job secret given"
-        return f"a new job secret, in {self.path} while the job runs"
+        return f"a new job secret, in {self.path} while hetseq-launch runs"
+
+    def status_flag(self):
+        """How hetseq-status is given the same secret."""
+        if self.path is None:
+            return f"(with {tunnel.SECRET_VARIABLE} set as here)"
+        return f"--job-secret-file {self.path}"
 
     def close(self):
         if self.folder is not None:
@@ -133,48 +143,89 @@ def dry_run(job, transport, args, env):
 
 
 class Launch:
-    """The nodes of one job while they run."""
+    """The nodes of one job while they run. Signals only record a request
+    (``requested``); the main thread acts on it, between two starts or
+    within POLL_S, so a handler never prints or waits for a lock."""
+
+    POLL_S = 0.2
 
     def __init__(self, job, transport, args, env):
         self.job, self.transport, self.args, self.env = job, transport, args, env
-        # Re-entrant: the signal handler says a line in the thread that may hold it.
-        self.events, self.lock = queue.Queue(), threading.RLock()
-        self.nodes, self.stopping = [], None
+        self.events, self.lock = queue.Queue(), threading.Lock()
+        self.nodes, self.stopping, self.requested = [], None, None
+        self.handled = set()
 
     def say(self, text):
         with self.lock:
             print(f"hetseq-launch: {text}", flush=True)
 
+    def request_stop(self, signum, _frame):
+        self.requested = f"{signal.Signals(signum).name} received"
+
     def start(self):
         for node in self.job.nodes:
             command, cwd = self.transport.command(node.host, self.args.remote_dir,
                                                   self.args.remote_python, node.argv)
-            self.nodes.append(RunningNode(node, command, cwd, self.env, self.events,
-                                          lock=self.lock))
+            if self.requested:        # (run() stops those already started)
+                break
+            try:
+                self.nodes.append(RunningNode(node, command, cwd, self.env, self.events,
+                                              lock=self.lock))
+            except OSError as err:
+                self.stop(f"could not start {node.label}: {command[0]}: "
+                          f"{err.strerror or err}")
+                break
 
     def stop(self, why):
+        """Close every node's input (they stop), then say so."""
         if self.stopping is None:
             self.stopping = why
-            self.say(f"stopping every node: {why}")
             for node in self.nodes:
                 if node.running:
                     node.stop()
+            self.say(f"stopping every node: {why}")
 
     def run(self):
         """Wait for every node; returns the exit code."""
-        while self.stopping is None and any(n.running for n in self.nodes):
-            try:
-                self._ended(self.events.get(timeout=0.2))
-            except queue.Empty:
-                pass
-        wait_all(self.nodes, self.events, STOP_S)
+        while any(n.running for n in self.nodes) or not self.events.empty():
+            if self.requested:
+                self.stop(self.requested)
+            if self.stopping is not None:
+                break
+            self._next(self.POLL_S)
+        self._wait_stopped()
+        while not self.events.empty():
+            self._next(0)
         return self.summary()
+
+    def _next(self, timeout):
+        try:
+            node = self.events.get(timeout=timeout) if timeout else self.events.get_nowait()
+        except queue.Empty:
+            return
+        if node.plan.label not in self.handled:
+            self.handled.add(node.plan.label)
+            self._ended(node)
+
+    def _wait_stopped(self):
+        """After a stop: STOP_S for every node to end, then their local
+        processes are killed (the remote wrappers see their input end)."""
+        if self.stopping is None:
+            return
+        deadline = time.monotonic() + STOP_S
+        while any(n.running for n in self.nodes) and time.monotonic() < deadline:
+            self._next(self.POLL_S)
+        for node in self.nodes:
+            if node.running:
+                node.kill()
+        for node in self.nodes:
+            node.proc.wait()
 
     def _ended(self, node):
         out, label = node.outcome, node.plan.label
         if not out.reached and self.transport.unreachable(out.code):
-            reason = out.last_line or f"ssh exited {out.code}"
-            self.say(f"{label}: could not be reached over ssh: {reason}")
+            self.say(f"{label}: could not be reached over ssh: "
+                     f"{out.last_line or f'ssh exited {out.code}'}")
             if not self.job.elastic:
                 self.stop(f"{label} could not be reached")
         elif out.code != 0 and not self.job.elastic:
@@ -184,19 +235,30 @@ class Launch:
         self.say("summary:")
         codes = []
         for node in self.nodes:
-            out, plan = node.outcome, node.plan
-            if not out.reached and self.transport.unreachable(out.code):
-                left_out = self.job.elastic
-                state = "unreachable" + (" (the job went on without it: --elastic)"
-                                         if left_out else "")
-                if not left_out:
-                    codes.append(UNREACHABLE)
-            else:
-                state = f"exit {out.code}" + (" (stopped by hetseq-launch)"
-                                              if out.stopped and out.code != 0 else "")
-                codes.append(out.code)
-            self.say(f"  {plan.label} ({plan.ranks()}): {state}, {out.seconds:.0f} s")
-        return max(codes, default=UNREACHABLE)
+            state, code = self._outcome(node)
+            if code is not None:
+                codes.append(code)
+            self.say(f"  {node.plan.label} ({node.plan.ranks()}): {state}, "
+                     f"{node.outcome.seconds:.0f} s")
+        for plan in self.job.nodes[len(self.nodes):]:
+            codes.append(NOT_STARTED)
+            self.say(f"  {plan.label} ({plan.ranks()}): not started ({self.stopping})")
+        return max(codes, default=NOT_STARTED)
+
+    def _outcome(self, node):
+        """(what the summary says, the code it counts; None: not counted)."""
+        out = node.outcome
+        if out.code is None:           # its output could not be read to the end
+            return "still running when hetseq-launch gave up on it", NOT_STARTED
+        if not out.reached and self.transport.unreachable(out.code):
+            if self.job.elastic:
+                return "unreachable (the job went on without it: --elastic)", None
+            return "unreachable", UNREACHABLE
+        if not out.reached and self.transport.wraps:
+            # ssh ran, but not the node's wrapper (it never said it started).
+            return f"exit {out.code} without starting the node", max(out.code, NOT_STARTED)
+        stopped = " (stopped by hetseq-launch)" if out.stopped and out.code != 0 else ""
+        return f"exit {out.code}{stopped}", out.code
 
 
 def main(argv=None):
@@ -215,9 +277,9 @@ def main(argv=None):
         launch = Launch(job, transport, args, {**env, tunnel.SECRET_VARIABLE: secret.text})
         launch.say(describe(job))
         launch.say(f"{secret.where()}; see the job with: hetseq-status {job.url} "
-                   f"--job-secret-file {secret.path}")
-        previous = {sig: signal.signal(sig, lambda s, _: launch.stop(
-            f"{signal.Signals(s).name} received")) for sig in (signal.SIGINT, signal.SIGTERM)}
+                   f"{secret.status_flag()}")
+        previous = {sig: signal.signal(sig, launch.request_stop)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             launch.start()
             code = launch.run()

@@ -70,8 +70,8 @@ def main(argv=None):
         raise SystemExit("usage: python -m hetseq.launch.node -- COMMAND... (started by "
                          "hetseq-launch, which sends the environment on standard input)")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **read_env(sys.stdin)}
-    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-    print(f"{STARTED} (pid {proc.pid})", flush=True)
+    # Listening before the command starts: a stop that comes while it
+    # starts still reaches it (ending.wait returns at once).
     ending = threading.Event()
 
     def on_signal(*_):
@@ -87,6 +87,13 @@ def main(argv=None):
             pass
         ending.set()
     threading.Thread(target=hold_stdin, daemon=True).start()
+    if ending.is_set():
+        os._exit(exit_code(-signal.SIGTERM))
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        print(f"{STARTED} (pid {proc.pid})", flush=True)
+    except OSError:
+        ending.set()          # nobody reads this node any more
     threading.Thread(target=lambda: (proc.wait(), ending.set()), daemon=True).start()
     ending.wait()
     if proc.poll() is None:
@@ -96,7 +103,10 @@ def main(argv=None):
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    sys.stdout.flush()
+    try:
+        sys.stdout.flush()
+    except OSError:
+        pass
     os._exit(exit_code(proc.wait()))
 
 

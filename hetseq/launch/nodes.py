@@ -10,7 +10,6 @@ of input on, and a dropped connection ends it as well).
 import dataclasses
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -32,7 +31,8 @@ class Outcome:
 
 
 class RunningNode:
-    """One node's local process; ``events`` receives the node when it ends."""
+    """One node's local process; ``events`` receives the node once it ended
+    (always: whatever happens to its output)."""
 
     def __init__(self, plan, command, cwd, env, events, out=sys.stdout, lock=None):
         self.plan, self.events, self.out = plan, events, out
@@ -50,18 +50,32 @@ class RunningNode:
         threading.Thread(target=self._relay, daemon=True, name=f"relay {plan.label}").start()
 
     def _relay(self):
-        for raw in iter(lambda: self.proc.stdout.readline(LINE_LIMIT), b""):
-            line = raw.decode("utf-8", "replace").rstrip("\r\n")
-            if line.startswith(STARTED) and not self.outcome.reached:
-                self.outcome.reached = True
-                continue
-            if line:
-                self.outcome.last_line = line
-            with self.lock:
-                print(f"{self.plan.label}: {line}", file=self.out, flush=True)
-        self.outcome.code = exit_code(self.proc.wait())
-        self.outcome.seconds = time.monotonic() - self.started
-        self.events.put(self)
+        try:
+            for raw in iter(lambda: self.proc.stdout.readline(LINE_LIMIT), b""):
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                if line.startswith(STARTED) and not self.outcome.reached:
+                    self.outcome.reached = True
+                    continue
+                if line:
+                    self.outcome.last_line = line
+                self.show(f"{self.plan.label}: {line}")
+        finally:
+            self.outcome.code = exit_code(self.proc.wait())
+            self.outcome.seconds = time.monotonic() - self.started
+            self.events.put(self)
+
+    def show(self, text):
+        """Print a line; one that cannot be printed (a closed or non-UTF-8
+        terminal) is dropped, and the node's output is still read to its end."""
+        with self.lock:
+            try:
+                print(text, file=self.out, flush=True)
+            except UnicodeEncodeError:
+                encoding = getattr(self.out, "encoding", None) or "ascii"
+                print(text.encode(encoding, "replace").decode(encoding), file=self.out,
+                      flush=True)
+            except (OSError, ValueError):
+                pass
 
     def stop(self):
         """Close its input: the wrapper stops its processes (SIGTERM, then SIGKILL)."""
@@ -81,19 +95,3 @@ class RunningNode:
     @property
     def running(self):
         return self.outcome.code is None
-
-
-def wait_all(nodes, events, stop_s):
-    """After ``stop``: wait up to ``stop_s`` for every node to end, then kill
-    the local processes of those that did not."""
-    deadline = time.monotonic() + stop_s
-    while any(n.running for n in nodes) and time.monotonic() < deadline:
-        try:
-            events.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
-        except queue.Empty:
-            pass
-    for node in nodes:
-        if node.running:
-            node.kill()
-    for node in nodes:
-        node.proc.wait()

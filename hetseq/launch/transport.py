@@ -27,16 +27,27 @@ def node_command(python, argv):
     return [python, "-m", "hetseq.launch.node", "--", python, *argv]
 
 
+def remote_path(path):
+    """``path`` quoted for the remote shell; a leading ``~/`` left to it (your
+    home there)."""
+    if path == "~" or path.startswith("~/"):
+        return "~/" + shlex.quote(path[2:]) if path[2:] else "~"
+    return shlex.quote(path)
+
+
 @TRANSPORTS.register("ssh")
 class Ssh:
     """``ssh [--ssh-opts] [defaults] HOST 'cd DIR && exec PYTHON -m hetseq.launch.node -- ...'``."""
+
+    wraps = True       # between the launcher and the node's wrapper: ssh
 
     def __init__(self, ssh_opts=""):
         self.opts = shlex.split(ssh_opts)
 
     def command(self, host, remote_dir, python, argv):
-        remote = f"cd {shlex.quote(remote_dir)} && exec {shlex.join(node_command(python, argv))}"
-        return ["ssh", *self.opts, *SSH_DEFAULTS, host, remote], None
+        remote = f"cd -- {remote_path(remote_dir)} && exec {shlex.join(node_command(python, argv))}"
+        # "--": a host is never read as an option of ssh's.
+        return ["ssh", *self.opts, *SSH_DEFAULTS, "--", host, remote], None
 
     @staticmethod
     def unreachable(code):
@@ -46,6 +57,8 @@ class Ssh:
 @TRANSPORTS.register("local")
 class Local:
     """The node on this machine: the wrapper started directly, in ``remote_dir``."""
+
+    wraps = False
 
     def __init__(self, ssh_opts=""):
         pass

@@ -61,9 +61,11 @@ def validation_series(lines):
     """{(split, metric): (updates, values)} of valid.jsonl's lines, in order."""
     series = {}
     for line in lines:
+        if not isinstance(line.get("update"), (int, float)):
+            continue
         for key, value in line.items():
             if key not in ("update", "epoch", "split", "time") and isinstance(value, (int, float)):
-                updates, values = series.setdefault((line["split"], key), ([], []))
+                updates, values = series.setdefault((line.get("split", "?"), key), ([], []))
                 updates.append(line["update"])
                 values.append(value)
     return series
@@ -93,10 +95,10 @@ def shares(lines):
 
 def plot(save_dir, out=None):
     """Write the picture; returns its path."""
-    import matplotlib.pyplot as plt
     fig = figure(save_dir)
     out = out or os.path.join(save_dir, "run.png")
     fig.savefig(out, dpi=100)
+    import matplotlib.pyplot as plt        # (figure imported it)
     plt.close(fig)
     return out
 

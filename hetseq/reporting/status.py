@@ -17,6 +17,7 @@ import argparse
 import datetime
 import json
 import logging
+import math
 import sys
 import time
 
@@ -92,8 +93,11 @@ def follow_leader(store, url, secret_key):
     names it in ``e/leader``); otherwise ``store`` itself."""
     if secret_key is None or not store.check(["e/leader"]):
         return store, url
-    leader = json.loads(store.get("e/leader"))
-    there = f"tcp://{leader['addr']}:{leader['port']}"
+    try:
+        leader = json.loads(store.get("e/leader"))
+        there = f"tcp://{leader['addr']}:{int(leader['port'])}"
+    except (ValueError, TypeError, KeyError):
+        raise UserError(f"{url}: the member's e/leader is not an address") from None
     if there == url:
         return store, url
     store.close()
@@ -106,7 +110,7 @@ def look(url, secret_key):
 
 
 def read(store):
-    """The job's status (a dict), or None before rank 0 published one."""
+    """The job's status (a dict, ``clean``), or None before rank 0 published one."""
     if not store.check([KEY]):
         return None
     try:
@@ -115,43 +119,84 @@ def read(store):
         raise UserError(f"the job's {KEY} is not JSON (another HetSeq version?)") from None
     if not isinstance(view, dict):
         raise UserError(f"the job's {KEY} is not a status")
-    return view
+    return clean(view)
+
+
+MAX_RANKS = 4096
+MAX_TEXT = 512
+
+
+def _number(value):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return value if ok else None
+
+
+def _whole(value):
+    return int(value) if _number(value) is not None and value == int(value) else None
+
+
+def _text(value):
+    """Printable characters only: what the store holds must not drive the terminal."""
+    return None if value is None else "".join(c for c in str(value)[:MAX_TEXT] if c.isprintable())
+
+
+def clean(view):
+    """The fields this viewer draws, each of its type (else None): whoever
+    holds the secret, or reaches a job without one, could have written it."""
+    ranks = view.get("ranks") if isinstance(view.get("ranks"), list) else []
+    saved = view.get("checkpoint") if isinstance(view.get("checkpoint"), dict) else None
+    return {
+        "state": _text(view.get("state")) or "?", "generation": _whole(view.get("generation")),
+        "update": _whole(view.get("update")) or 0, "planned": _whole(view.get("planned")),
+        "left_s": _number(view.get("left_s")), "loss": _number(view.get("loss")),
+        "samples_per_s": _number(view.get("samples_per_s")), "time": _number(view.get("time")),
+        "ranks": [{"rank": _whole(r.get("rank")), "host": _text(r.get("host")) or "?",
+                   "batch": _whole(r.get("batch")) or 0,
+                   "samples_per_s": _number(r.get("samples_per_s")),
+                   "wait_s": _number(r.get("wait_s"))}
+                  for r in ranks[:MAX_RANKS] if isinstance(r, dict)],
+        "checkpoint": None if saved is None else {
+            "path": _text(saved.get("path")) or "?", "update": _whole(saved.get("update")),
+            "time": _number(saved.get("time"))},
+    }
 
 
 def _cell(value, fmt):
     return "-" if value is None else fmt.format(value)
 
 
+def _ago(then, now):
+    return "?" if then is None else f"{max(0.0, now - then):.0f}"
+
+
 def render(view, url, now=None):
-    """The status as text lines."""
+    """The status (``clean``'s fields) as text lines."""
     if view is None:
         return [f"{url}: the job has not published its status yet (it is starting)"]
     now = time.time() if now is None else now
-    planned = view.get("planned")
-    head = [url, f"update {view.get('update', 0)}" + (f"/{planned}" if planned else "")]
-    if view.get("left_s") is not None:
+    planned = view["planned"]
+    head = [url, f"update {view['update']}" + (f"/{planned}" if planned else "")]
+    if view["left_s"] is not None:
         head.append(f"{format_duration(view['left_s'])} left")
-    if view.get("generation") is not None:
+    if view["generation"] is not None:
         head.append(f"generation {view['generation']}")
-    ranks = view.get("ranks") or []
-    hosts = sorted({r.get("host") for r in ranks})
-    head.append(f"{len(hosts)} host(s), {len(ranks)} rank(s)")
-    head.append(f"{view.get('state', '?')} as of {max(0.0, now - view.get('time', now)):.0f} s ago")
+    ranks = view["ranks"]
+    head.append(f"{len({r['host'] for r in ranks})} host(s), {len(ranks)} rank(s)")
+    head.append(f"{view['state']} as of {_ago(view['time'], now)} s ago")
     lines = [" | ".join(head)]
-    if view.get("loss") is not None:
-        lines.append(f"loss {view['loss']:.4g} | {view.get('samples_per_s') or 0:.1f} samples/s")
-    total = sum(r.get("batch") or 0 for r in ranks) or 1
+    if view["loss"] is not None:
+        lines.append(f"loss {view['loss']:.4g} | {view['samples_per_s'] or 0:.1f} samples/s")
+    total = sum(r["batch"] for r in ranks) or 1
     lines.append(f"{'rank':>4}  {'host':<16} {'batch':>6} {'share':>6} {'samples/s':>10} "
                  f"{'waiting':>8}")
     for r in ranks:
-        lines.append(f"{r.get('rank', '?'):>4}  {str(r.get('host'))[:16]:<16} "
-                     f"{r.get('batch', 0):>6} {100 * (r.get('batch') or 0) / total:>5.0f}% "
-                     f"{_cell(r.get('samples_per_s'), '{:.1f}'):>10} "
-                     f"{_cell(r.get('wait_s'), '{:.2f} s'):>8}")
-    saved = view.get("checkpoint")
+        lines.append(f"{_cell(r['rank'], '{}'):>4}  {r['host'][:16]:<16} {r['batch']:>6} "
+                     f"{100 * r['batch'] / total:>5.0f}% "
+                     f"{_cell(r['samples_per_s'], '{:.1f}'):>10} "
+                     f"{_cell(r['wait_s'], '{:.2f} s'):>8}")
+    saved = view["checkpoint"]
     lines.append("last checkpoint: " + ("none yet" if not saved else
-                 f"{saved['path']} (update {saved['update']}, "
-                 f"{max(0.0, now - saved['time']):.0f} s ago)"))
+                 f"{saved['path']} (update {saved['update']}, {_ago(saved['time'], now)} s ago)"))
     return lines
 
 
@@ -171,12 +216,16 @@ def main(argv=None):
     try:
         secret_key = tunnel.read_secret(args.job_secret_file)
         store, url = look(args.url, secret_key)
+        view = None
         while True:
             try:
                 view = read(store)
-            except dist.DistError:
+            except (dist.DistError, UserError):
                 if not args.watch:
                     raise
+                if view is not None and view["state"].startswith("done"):
+                    print(f"{url}: the job ended ({view['state']})")
+                    return
                 # The member it read from is gone (--elastic: a new leader): ask again.
                 time.sleep(max(1.0, args.interval))
                 store, url = look(args.url, secret_key)

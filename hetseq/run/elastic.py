@@ -56,7 +56,7 @@ from hetseq.distributed.membership import JobDone, Membership, Place, TooFew
 from hetseq.distributed.topology import resolve_elastic
 from hetseq.errors import HetSeqError, PeerLost, UserError
 from hetseq.reporting import NODE, rank_ranges, setup_logging
-from hetseq.reporting.status import StatusBoard
+from hetseq.reporting import status
 from hetseq.run import checkpoint
 from hetseq.update.controller import CONTROLLER, UPDATES
 
@@ -203,7 +203,7 @@ def _serve(place, state, device, args, job, node, inputs, topology):
     from hetseq.run.loop import Run
     setup_logging(place.rank, all_ranks=node.log.log_all_ranks, node_first=place.local == 0)
     gen = place.generation
-    board = StatusBoard(place.store, [m["host"] for m in gen.members for _ in
+    board = status.StatusBoard(place.store, [m["host"] for m in gen.members for _ in
                                       range(m.get("ranks", 1))], gen.number) \
         if place.rank == 0 else None
     ctx = DistContext(place.rank, place.world_size, device.index or 0, device, topology.backend,
