@@ -679,7 +679,7 @@ MUTATIONS = {
     'exit-code-not-the-worst': (
         "hetseq-launch: the exit code is the worst of the nodes'",
         'hetseq/launch/main.py',
-        "        return max(codes, default=UNREACHABLE)",
+        "        return max(codes, default=NOT_STARTED)",
         "        return codes[0] if codes else 0",
         ['tests/test_launch.py::test_an_unreachable_host_is_named_and_the_others_are_stopped']),
     'status-without-hosts': (
