@@ -114,6 +114,16 @@ def test_dry_run_prints_every_nodes_command_and_no_secret(tmp_path):
     assert "EXTRA" in lines[3] and secret not in done.stdout + done.stderr
 
 
+def test_pdsh_is_refused_with_the_reason(tmp_path, capsys):
+    from hetseq.launch.main import main
+    hosts = tmp_path / "hosts"
+    hosts.write_text("a slots=1\n")
+    with pytest.raises(SystemExit) as stop:
+        main(["--hostfile", str(hosts), "--launcher", "pdsh", "train.py", *map(str, TOY)])
+    assert stop.value.code == 2
+    assert "does not forward standard input" in capsys.readouterr().err
+
+
 def test_forwarded_variables(tmp_path):
     env_file = tmp_path / ".hetseq_env"
     env_file.write_text("A=1\n# no\nB=x=y\n")

@@ -34,6 +34,10 @@ ENV_FILE = ".hetseq_env"
 # Forwarded without being asked, like DeepSpeed's NCCL*/PYTHON* variables.
 FORWARDED_PREFIXES = ("NCCL_", "GLOO_", "PYTHON", "HETSEQ_", "OMP_")
 STOP_S = 15.0            # after a stop, how long nodes get before their ssh is killed
+PDSH_REFUSED = ("--launcher pdsh: pdsh runs one command on every host and does not forward "
+                "standard input, but each node here has its own command (its ranks and "
+                "flags) and takes the job secret on its standard input; use --launcher ssh "
+                "(pdsh -R ssh would also run ssh)")
 UNREACHABLE = 255       # as ssh's own failure
 NOT_STARTED = 1
 
@@ -46,8 +50,9 @@ def build_parser():
         epilog="example: hetseq-launch --hostfile hosts train.py --task bert --max-update 1000")
     p.add_argument("--hostfile", required=True, metavar="FILE",
                    help="one line per node: 'HOST slots=N [per-node flags as name=value]'")
-    p.add_argument("--launcher", default="ssh", choices=TRANSPORTS.names(),
-                   help="how nodes are started: ssh (default), or local for localhost lines")
+    p.add_argument("--launcher", default="ssh", choices=[*TRANSPORTS.names(), "pdsh"],
+                   help="how nodes are started: ssh (default), or local for localhost lines "
+                        "(pdsh: refused, with the reason)")
     p.add_argument("--ssh-opts", default="", metavar="'OPTS'",
                    help="options given to every ssh call, before hetseq-launch's own")
     p.add_argument("--master-addr", metavar="HOST",
@@ -268,6 +273,8 @@ def main(argv=None):
     try:
         lines = hostfile.read(args.hostfile)
         job = planning.make(lines, args.script, args.args, args.master_port, args.master_addr)
+        if args.launcher == "pdsh":
+            raise UserError(PDSH_REFUSED)
         transport = TRANSPORTS.get(args.launcher)(args.ssh_opts)
         env = forwarded_env(args.env)
         if args.dry_run:
