@@ -274,10 +274,11 @@ def test_an_elastic_member_serves_an_ipv6_address_at_the_urls_port():
     assert store.get("k") == b"v"
 
 
-def test_a_taken_port_is_an_error_unless_a_node_of_this_job_holds_it():
+def test_a_taken_port_is_an_error_unless_a_node_of_this_job_holds_it(monkeypatch):
     """A port held by another program, or by another job, is an error that
     says how to find the holder; a port held by a node of this job (the same
     secret) is not: a second node of the job on this host takes another port."""
+    monkeypatch.setattr(tunnel, "GREETING_S", 0.5)     # "another program" never greets
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"
     with socket.create_server(("127.0.0.1", port)):          # another program
@@ -295,6 +296,36 @@ def test_a_taken_port_is_an_error_unless_a_node_of_this_job_holds_it():
         pytest.fail(f"a second node of this job on this host was refused the port a node of "
                     f"the same job holds, instead of taking another: {err}")
     assert second not in (port, 0)                           # this job's second node here
+
+
+def test_a_member_slow_to_greet_still_holds_its_port(monkeypatch):
+    """A member busy training on a loaded host greets after GREETING_S: a
+    second node of the job on that host asks again, and does not take the
+    port for another job's (seen once under load, a node told to pick a free
+    port instead of joining)."""
+    monkeypatch.setattr(tunnel, "GREETING_S", 0.3)
+    port = free_port()
+    listener = socket.create_server(("127.0.0.1", port))
+
+    def slow_member():
+        late, _ = listener.accept()              # greeted too late: the knock gives up
+        time.sleep(2 * tunnel.GREETING_S)
+        late.close()
+        sock, _ = listener.accept()
+        tunnel.handshake_as_server(sock, key(), time.monotonic() + 5)
+        served.wait(10)
+        sock.close()
+    served = threading.Event()
+    threading.Thread(target=slow_member, daemon=True).start()
+    try:
+        _, second = rendezvous.serve_meeting_point(f"tcp://127.0.0.1:{port}", "127.0.0.1",
+                                                   port, key(), 10)
+    except UserError as err:
+        pytest.fail(f"a member that greeted late was taken for another job: {err}")
+    finally:
+        served.set()
+        listener.close()
+    assert second != port
 
 
 def test_a_store_never_listens_on_every_address(monkeypatch):

@@ -108,14 +108,25 @@ def _member_listener(url, address, port, secret):
     raise UserError(_in_use(address, port))
 
 
+# A gate in a process busy training on a loaded host may greet later than
+# tunnel.GREETING_S: asked this many times before its port counts as taken.
+HOLDER_TRIES = 3
+
+
 def _holds_this_job(address, port, secret):
-    """Whether the listener at address:port is a gate that proves ``secret``."""
-    try:
-        sock, _, _ = tunnel.connect_as_client((address, port), secret)
-    except (OSError, tunnel.Refused):
-        return False
-    sock.close()
-    return True
+    """Whether the listener at address:port is a gate that proves ``secret``.
+    One that does not greet in time is asked again (seen under load: a
+    second node on a member's host was told the port was another job's)."""
+    for _ in range(HOLDER_TRIES):
+        try:
+            sock, _, _ = tunnel.connect_as_client((address, port), secret)
+        except TimeoutError:
+            continue
+        except (OSError, tunnel.Refused):
+            return False
+        sock.close()
+        return True
+    return False
 
 
 def _in_use(address, port):
