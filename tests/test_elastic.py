@@ -318,12 +318,15 @@ def test_two_nodes_on_one_host_train_exactly_and_a_node_with_other_flags_is_refu
     """The smallest elastic job, on loopback: nodes met at the URL, ranks
     given out there, shares 16 and 32 of 48. A third node started with
     another --seed is refused (exit 2, the flag named) while they train."""
-    url = f"tcp://127.0.0.1:{free_port()}"
-    short = ["--toy-sample-ms", 3, "--max-update", 40]
+    url, go = f"tcp://127.0.0.1:{free_port()}", tmp_path / "go"
+    # (Held at their first step until the third node was refused: a job that
+    # had ended before it arrived would refuse nothing.)
+    short = ["--toy-sample-ms", 3, "--max-update", 40, "--toy-hold-until", go]
     nodes = [node(None, None, url, tmp_path / "a", *short),
              node(None, None, url, tmp_path / "b", *short, "--max-sentences", 32)]
     nodes[0].wait_for(r"generation 1: 2 nodes")
     code, out = node(None, None, url, tmp_path / "c", *short, "--seed", 2).finish(60)
+    go.touch()
     assert code == 2 and "--seed 2 here, 19940802 in the job" in out and "Traceback" not in out, out
     outputs = finish_ok(*nodes)
     leader = 0 if "this node is rank 0" in outputs[0] else 1

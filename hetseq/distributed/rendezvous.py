@@ -109,19 +109,22 @@ def _member_listener(url, address, port, secret):
 
 
 # A gate in a process busy training on a loaded host may greet later than
-# tunnel.GREETING_S: asked this many times before its port counts as taken.
+# tunnel.GREETING_S, or drop a handshake that outlived its HANDSHAKE_S (a
+# reset): asked this many times before its port counts as taken.
 HOLDER_TRIES = 3
 
 
 def _holds_this_job(address, port, secret):
     """Whether the listener at address:port is a gate that proves ``secret``.
-    One that does not greet in time is asked again (seen under load: a
-    second node on a member's host was told the port was another job's)."""
+    One that does not greet in time, or resets a handshake that took too
+    long, is asked again rather than taken for another job's."""
     for _ in range(HOLDER_TRIES):
         try:
             sock, _, _ = tunnel.connect_as_client((address, port), secret)
-        except TimeoutError:
-            continue
+        except ConnectionRefusedError:
+            return False                # gone: nobody holds it now
+        except (TimeoutError, ConnectionError):
+            continue                    # too slow for the handshake's deadlines: again
         except (OSError, tunnel.Refused):
             return False
         sock.close()

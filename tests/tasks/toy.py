@@ -6,6 +6,7 @@ dropout (--toy-dropout, 0.2 by default) draws each sample's mask from its own
 stream (hetseq/randomness.py), so every exactness test is one with dropout.
 """
 
+import os
 import sys
 import time
 
@@ -51,7 +52,7 @@ class ToyTask(Task):
                                 "toy_perturb_after", "toy_nan_grad_after", "toy_log_indices",
                                 "toy_nan_bias_grad_after", "toy_drift_rank", "toy_drift",
                                 "toy_fail_after", "toy_dump_params", "toy_sample_ms",
-                                "toy_slow_state_ms"})
+                                "toy_slow_state_ms", "toy_hold_until"})
     @classmethod
     def add_args(cls, parser):
         parser.add_argument("--toy-size", type=int, default=100, help="samples in the train split")
@@ -73,6 +74,9 @@ class ToyTask(Task):
         parser.add_argument("--toy-slow-state-ms", type=float, default=0.0,
                             help="the model's state_dict (a checkpoint save) prints 'toy: state "
                                  "of N updates' and then takes this long (a slow disk)")
+        parser.add_argument("--toy-hold-until", metavar="PATH",
+                            help="this node's training steps wait until PATH exists (a test "
+                                 "holds a job at its first update while something happens)")
         parser.add_argument("--toy-slow-after", type=int, default=0,
                             help="start sleeping after this many train_step calls")
         parser.add_argument("--toy-perturb-after", type=int, default=0,
@@ -148,6 +152,8 @@ class ToyTask(Task):
     def train_step(self, model, sample, backward=None):
         self.calls = getattr(self, "calls", 0) + 1
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        while self.args.toy_hold_until and not os.path.exists(self.args.toy_hold_until):
+            time.sleep(0.02)
         if self.args.toy_sample_ms:
             time.sleep(self.args.toy_sample_ms / 1000 * len(sample["x"]))
         if rank == self.args.toy_slow_rank and self.calls > self.args.toy_slow_after:
