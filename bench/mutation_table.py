@@ -673,14 +673,14 @@ MUTATIONS = {
     'unreachable-host-leaves-the-others-running': (
         "hetseq-launch: a host that cannot be reached stops the others (fixed job)",
         'hetseq/launch/main.py',
-        "            if not self.job.elastic:\n                self.stop(",
-        "            if False:\n                self.stop(",
+        "            if not self.job.elastic:\n                self._stopped_by(UNREACHABLE",
+        "            if False:\n                self._stopped_by(UNREACHABLE",
         ['tests/test_launch.py::test_an_unreachable_host_is_named_and_the_others_are_stopped']),
     'exit-code-not-the-worst': (
-        "hetseq-launch: the exit code is the worst of the nodes'",
+        "hetseq-launch: the exit code says the job failed (255: a host not reached)",
         'hetseq/launch/main.py',
-        "        return max(codes, default=NOT_STARTED)",
-        "        return codes[0] if codes else 0",
+        "        return self.cause if self.cause is not None else max(codes, default=NOT_STARTED)",
+        "        return 0",
         ['tests/test_launch.py::test_an_unreachable_host_is_named_and_the_others_are_stopped']),
     'status-without-hosts': (
         "hetseq-status: every rank with its host",
@@ -706,4 +706,16 @@ MUTATIONS = {
         "HOLDER_TRIES = 3",
         "HOLDER_TRIES = 1",
         ['tests/test_gate.py::test_a_member_slow_to_greet_still_holds_its_port']),
+    'a-killed-wrapper-leaves-its-command': (
+        "hetseq-launch: a node wrapper killed with SIGKILL takes its command along",
+        'hetseq/launch/node.py',
+        "        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)",
+        "        pass",
+        ['tests/test_launch.py::test_a_killed_node_wrapper_takes_its_command_along_and_its_end_stops_the_job']),
+    'exit-code-of-the-stopped-not-the-cause': (
+        "hetseq-launch: the exit code is that of the node whose end stopped the others",
+        'hetseq/launch/main.py',
+        "        return self.cause if self.cause is not None else max(codes, default=NOT_STARTED)",
+        "        return max(codes, default=NOT_STARTED)",
+        ['tests/test_launch.py::test_a_killed_node_wrapper_takes_its_command_along_and_its_end_stops_the_job']),
 }

@@ -236,6 +236,30 @@ def test_a_killed_launcher_leaves_no_node_behind(tmp_path):
     assert processes_with(str(tmp_path)) == []
 
 
+def test_a_killed_node_wrapper_takes_its_command_along_and_its_end_stops_the_job(tmp_path):
+    """SIGKILL to one node's wrapper: its train.py dies with it (it cannot be
+    told, so the kernel tells it), the launcher stops the other node, and the
+    exit code is the killed node's 137, not the 143 of the node it stopped."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"localhost slots=1 max-sentences=8 save-dir={tmp_path / 'a'}\n"
+                     f"localhost slots=1 max-sentences=8 save-dir={tmp_path / 'b'}\n")
+    job = Watched(subprocess.Popen(
+        [*LAUNCH, "--hostfile", hosts, "--launcher", "local", "--master-port", str(free_port()),
+         str(ROOT / "train.py"), "--cpu", *TOY, "--max-update", "1000000",
+         "--toy-hold-until", str(tmp_path / "never")],
+        cwd=ROOT, env=child_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    job.wait_for(r"localhost#2: .*joined the job", timeout=120)
+    wrapper, = [pid for pid, line in processes_with(str(tmp_path / "b"))
+                if "hetseq.launch.node" in line]
+    os.kill(wrapper, signal.SIGKILL)
+    code, out = job.finish(60)
+    assert code == 137, out[-3000:]
+    assert "stopping every node: localhost#2 exited with 137" in out, out[-3000:]
+    assert re.search(r"localhost \(ranks 0\): exit 143 \(stopped by hetseq-launch\)", out), \
+        out[-3000:]
+    assert processes_with(str(tmp_path)) == []
+
+
 # ---- real SSH in namespace hosts ----
 
 @pytest.fixture(scope="module")

@@ -44,13 +44,7 @@ def parse(text, where="hostfile"):
     UserError naming it."""
     nodes = []
     for number, raw in enumerate(text.splitlines(), 1):
-        try:
-            words = shlex.split(raw)
-        except ValueError as err:
-            raise UserError(f"{where} line {number}: {err} in {raw.strip()!r}") from None
-        # A comment starts with a word that starts with "#", as in a shell
-        # ("save-dir=/ckpt/run#1" keeps its "#").
-        words = words[:next((i for i, w in enumerate(words) if w.startswith("#")), len(words))]
+        words = _words(raw, number, where)
         if words:
             nodes.append(_node(words, number, where))
     if not nodes:
@@ -59,12 +53,31 @@ def parse(text, where="hostfile"):
     return nodes
 
 
+def _words(raw, number, where):
+    """The line's words as a shell splits them, up to a word that starts
+    with "#" (read lazily: a comment may hold an apostrophe; "run#1" keeps
+    its "#")."""
+    lexer = shlex.shlex(raw, posix=True)
+    lexer.whitespace_split, lexer.commenters = True, ""
+    words = []
+    try:
+        for word in lexer:
+            if word.startswith("#"):
+                break
+            words.append(word)
+    except ValueError as err:
+        raise UserError(f"{where} line {number}: {err} in {raw.strip()!r}") from None
+    return words
+
+
 def read(path):
     try:
         with open(path, encoding="utf-8") as f:
             return parse(f.read(), path)
     except OSError as err:
         raise UserError(f"--hostfile {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--hostfile {path}: not UTF-8 text") from None
 
 
 def _node(words, number, where):

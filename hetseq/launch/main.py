@@ -42,6 +42,12 @@ UNREACHABLE = 255       # as ssh's own failure
 NOT_STARTED = 1
 
 
+def port_number(text):
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a port from 1 to 65535")
+    return int(text)
+
+
 def build_parser():
     p = argparse.ArgumentParser(
         prog="hetseq-launch", allow_abbrev=False,
@@ -57,7 +63,7 @@ def build_parser():
                    help="options given to every ssh call, before hetseq-launch's own")
     p.add_argument("--master-addr", metavar="HOST",
                    help="where the job meets (default: the first host, as written)")
-    p.add_argument("--master-port", type=int, default=29500, metavar="PORT",
+    p.add_argument("--master-port", type=port_number, default=29500, metavar="PORT",
                    help="the meeting point's port on that host (default: 29500)")
     p.add_argument("--remote-dir", default=os.getcwd(), metavar="DIR",
                    help="the directory each node runs in (default: this one)")
@@ -82,9 +88,13 @@ def forwarded_env(names, env_file=ENV_FILE, environ=os.environ):
     env.pop(tunnel.SECRET_VARIABLE, None)
     items = []
     if os.path.exists(env_file):
-        with open(env_file, encoding="utf-8") as f:
-            items += [(f"{env_file} line {n}", line.strip()) for n, line in enumerate(f, 1)
-                      if line.strip() and not line.lstrip().startswith("#")]
+        try:
+            with open(env_file, encoding="utf-8") as f:
+                items += [(f"{env_file} line {n}", line.strip()) for n, line in enumerate(f, 1)
+                          if line.strip() and not line.lstrip().startswith("#")]
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserError(f"{env_file}: {getattr(err, 'strerror', None) or 'not UTF-8 text'}"
+                            "; it should hold NAME=VALUE lines") from None
     items += [("--env", item) for item in names]
     for where, item in items:
         name, eq, value = item.partition("=")
@@ -159,10 +169,14 @@ class Launch:
         self.events, self.lock = queue.Queue(), threading.Lock()
         self.nodes, self.stopping, self.requested = [], None, None
         self.handled = set()
+        self.cause = None        # the exit code of the node whose end stopped the others
 
     def say(self, text):
         with self.lock:
-            print(f"hetseq-launch: {text}", flush=True)
+            try:
+                print(f"hetseq-launch: {text}", flush=True)
+            except (OSError, ValueError):
+                pass            # (a closed terminal or pipe: the nodes still get stopped)
 
     def request_stop(self, signum, _frame):
         self.requested = f"{signal.Signals(signum).name} received"
@@ -177,7 +191,7 @@ class Launch:
                 self.nodes.append(RunningNode(node, command, cwd, self.env, self.events,
                                               lock=self.lock))
             except OSError as err:
-                self.stop(f"could not start {node.label}: {command[0]}: "
+                self.stop(f"could not start {node.label}: {err.filename or command[0]}: "
                           f"{err.strerror or err}")
                 break
 
@@ -192,14 +206,14 @@ class Launch:
 
     def run(self):
         """Wait for every node; returns the exit code."""
-        while any(n.running for n in self.nodes) or not self.events.empty():
+        while len(self.handled) < len(self.nodes):
             if self.requested:
                 self.stop(self.requested)
             if self.stopping is not None:
                 break
             self._next(self.POLL_S)
         self._wait_stopped()
-        while not self.events.empty():
+        while len(self.handled) < len(self.nodes) and not self.events.empty():
             self._next(0)
         return self.summary()
 
@@ -232,11 +246,19 @@ class Launch:
             self.say(f"{label}: could not be reached over ssh: "
                      f"{out.last_line or f'ssh exited {out.code}'}")
             if not self.job.elastic:
-                self.stop(f"{label} could not be reached")
+                self._stopped_by(UNREACHABLE, f"{label} could not be reached")
         elif out.code != 0 and not self.job.elastic:
-            self.stop(f"{label} exited with {out.code}")
+            self._stopped_by(out.code, f"{label} exited with {out.code}")
+
+    def _stopped_by(self, code, why):
+        if self.stopping is None:
+            self.cause = code
+        self.stop(why)
 
     def summary(self):
+        """Says how each node ended; returns the exit code: that of the node
+        whose end stopped the others (HetSeq's 2, 3 or 4, or 255: not the
+        143 of the nodes it stopped), else the worst of the nodes'."""
         self.say("summary:")
         codes = []
         for node in self.nodes:
@@ -248,7 +270,7 @@ class Launch:
         for plan in self.job.nodes[len(self.nodes):]:
             codes.append(NOT_STARTED)
             self.say(f"  {plan.label} ({plan.ranks()}): not started ({self.stopping})")
-        return max(codes, default=NOT_STARTED)
+        return self.cause if self.cause is not None else max(codes, default=NOT_STARTED)
 
     def _outcome(self, node):
         """(what the summary says, the code it counts; None: not counted)."""
@@ -276,18 +298,22 @@ def main(argv=None):
         if args.launcher == "pdsh":
             raise UserError(PDSH_REFUSED)
         transport = TRANSPORTS.get(args.launcher)(args.ssh_opts)
+        transport.check(lines)
         env = forwarded_env(args.env)
         if args.dry_run:
             dry_run(job, transport, args, env)
             return
-        secret = Secret(args.job_secret_file)
-        launch = Launch(job, transport, args, {**env, tunnel.SECRET_VARIABLE: secret.text})
-        launch.say(describe(job))
-        launch.say(f"{secret.where()}; see the job with: hetseq-status {job.url} "
-                   f"{secret.status_flag()}")
+        launch = Launch(job, transport, args, env)
+        # Before the secret exists: a signal from here on ends in summary()
+        # and the secret's removal (SIGHUP: the terminal closed).
         previous = {sig: signal.signal(sig, launch.request_stop)
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
+                    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
+            secret = Secret(args.job_secret_file)
+            launch.env = {**env, tunnel.SECRET_VARIABLE: secret.text}
+            launch.say(describe(job))
+            launch.say(f"{secret.where()}; see the job with: hetseq-status {job.url} "
+                       f"{secret.status_flag()}")
             launch.start()
             code = launch.run()
         finally:

@@ -13,6 +13,7 @@ session gets SIGTERM, and SIGKILL ``STOP_S`` later. It exits with the
 command's code (128 + N after signal N).
 """
 
+import ctypes
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import threading
 
 STARTED = "hetseq-launch node started"   # the launcher reads (and hides) this line
 STOP_S = 5.0
+PR_SET_PDEATHSIG = 1
 ENV_LIMIT = 1 << 20
 
 
@@ -42,6 +44,16 @@ def read_env(stream):
                                             for k, v in env.items()):
         raise SystemExit("hetseq.launch.node: 'env' must map names to strings")
     return env
+
+
+def die_with_parent():
+    """In the command before exec: SIGKILL when this wrapper dies, even by
+    SIGKILL (Linux's PR_SET_PDEATHSIG; this wrapper forks from its main
+    thread, which lives as long as it does). Elsewhere nothing."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
 
 
 def exit_code(returncode):
@@ -89,7 +101,8 @@ def main(argv=None):
     threading.Thread(target=hold_stdin, daemon=True).start()
     if ending.is_set():
         os._exit(exit_code(-signal.SIGTERM))
-    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=die_with_parent)
     try:
         print(f"{STARTED} (pid {proc.pid})", flush=True)
     except OSError:

@@ -10,6 +10,7 @@ of input on, and a dropped connection ends it as well).
 import dataclasses
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -19,6 +20,9 @@ import time
 from hetseq.launch.node import STARTED, exit_code
 
 LINE_LIMIT = 1 << 16       # a longer line is cut (a node's output is not trusted to be sane)
+CHUNK = 1 << 16
+POLL_S = 0.5
+AFTER_EXIT_S = 2.0
 
 
 @dataclasses.dataclass
@@ -50,19 +54,41 @@ class RunningNode:
         threading.Thread(target=self._relay, daemon=True, name=f"relay {plan.label}").start()
 
     def _relay(self):
+        """Its output, line by line, until it ends, or until the process has
+        been gone for AFTER_EXIT_S (a process it left behind may hold the
+        pipe open: its end is the process's, not the pipe's)."""
+        pending, fd, gone = b"", self.proc.stdout.fileno(), None
         try:
-            for raw in iter(lambda: self.proc.stdout.readline(LINE_LIMIT), b""):
-                line = raw.decode("utf-8", "replace").rstrip("\r\n")
-                if line.startswith(STARTED) and not self.outcome.reached:
-                    self.outcome.reached = True
-                    continue
-                if line:
-                    self.outcome.last_line = line
-                self.show(f"{self.plan.label}: {line}")
+            while True:
+                if select.select([fd], [], [], POLL_S)[0]:
+                    chunk = os.read(fd, CHUNK)
+                    if not chunk:
+                        break
+                    *lines, pending = (pending + chunk).split(b"\n")
+                    for line in lines:
+                        self._line(line)
+                    if len(pending) > LINE_LIMIT:
+                        self._line(pending[:LINE_LIMIT])
+                        pending = b""
+                elif self.proc.poll() is not None:
+                    gone = gone or time.monotonic()
+                    if time.monotonic() - gone > AFTER_EXIT_S:
+                        break
         finally:
-            self.outcome.code = exit_code(self.proc.wait())
+            if pending:
+                self._line(pending)
             self.outcome.seconds = time.monotonic() - self.started
+            self.outcome.code = exit_code(self.proc.wait())   # last: "ended" from here on
             self.events.put(self)
+
+    def _line(self, raw):
+        line = raw.decode("utf-8", "replace").rstrip("\r")
+        if line.startswith(STARTED) and not self.outcome.reached:
+            self.outcome.reached = True
+            return
+        if line:
+            self.outcome.last_line = line
+        self.show(f"{self.plan.label}: {line}")
 
     def show(self, text):
         """Print a line; one that cannot be printed (a closed or non-UTF-8

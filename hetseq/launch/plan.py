@@ -69,6 +69,8 @@ def make(lines, script, train_args, port, master=None):
         written = ["--distributed-gpus", str(line.slots), "--distributed-init-method", url]
         if not elastic:
             written += ["--distributed-world-size", str(world), "--distributed-rank", str(first)]
+        if world == 1:
+            written = []           # one process in all: a plain run, nowhere to meet
         if not _given(parser, [*train_args, *own], "log_format"):
             written += ["--log-format", "simple"]     # lines, not a tqdm bar, through a pipe
         argv = (script, *train_args, *own, *written)

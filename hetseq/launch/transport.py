@@ -13,8 +13,11 @@ forward standard input, and every node here has its own command and takes
 the job secret on standard input (node.py).
 """
 
+import os
 import shlex
+import socket
 
+from hetseq.errors import UserError
 from hetseq.registry import Registry
 
 TRANSPORTS = Registry("launcher")
@@ -44,6 +47,9 @@ class Ssh:
     def __init__(self, ssh_opts=""):
         self.opts = shlex.split(ssh_opts)
 
+    def check(self, lines):
+        pass
+
     def command(self, host, remote_dir, python, argv):
         remote = f"cd -- {remote_path(remote_dir)} && exec {shlex.join(node_command(python, argv))}"
         # "--": a host is never read as an option of ssh's.
@@ -63,8 +69,17 @@ class Local:
     def __init__(self, ssh_opts=""):
         pass
 
+    def check(self, lines):
+        """Every line must name this machine: the job meets at the first host's name."""
+        here = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
+        for line in lines:
+            if line.host.rsplit("@", 1)[-1] not in here:
+                raise UserError(f"hostfile line {line.line}: --launcher local runs every node "
+                                f"on this machine, and {line.host} is another: write "
+                                "localhost, or use --launcher ssh")
+
     def command(self, host, remote_dir, python, argv):
-        return node_command(python, argv), remote_dir
+        return node_command(python, argv), os.path.expanduser(remote_dir)
 
     @staticmethod
     def unreachable(code):

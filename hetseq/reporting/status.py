@@ -18,6 +18,7 @@ import datetime
 import json
 import logging
 import math
+import socket
 import sys
 import time
 
@@ -71,11 +72,19 @@ def open_store(url, secret_key, timeout_s=CONNECT_S):
     """A read connection to the store at ``url`` (tcp://HOST:PORT), through
     the gate with a secret, else c10d's TCPStore client."""
     from hetseq.distributed.rendezvous import url_host_port
-    if not url.startswith("tcp://"):
+    try:
+        host, port = url_host_port(url) if url.startswith("tcp://") else (None, None)
+    except ValueError:
+        host, port = None, None
+    if not host or not isinstance(port, int) or not 1 <= port <= 65535:
         raise UserError(f"{url}: expected the job's tcp://HOST:PORT (its "
                         "--distributed-init-method)")
-    host, port = url_host_port(url)
     timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as err:
+        raise UserError(f"nothing answers at {url} ({err.strerror or err}): is the job "
+                        "running, and is this its --distributed-init-method?") from None
     try:
         if secret_key is None:
             if tunnel.asks_for_secret((host, port)):
@@ -200,6 +209,16 @@ def render(view, url, now=None):
     return lines
 
 
+def interval(text):
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 1 <= seconds <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds from 1 to 3600")
+    return seconds
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="hetseq-status", description="Show a running HetSeq job: members, shares, "
@@ -209,8 +228,8 @@ def main(argv=None):
     parser.add_argument("--job-secret-file", metavar="PATH",
                         help="the job's secret (or HETSEQ_JOB_SECRET)")
     parser.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
-    parser.add_argument("--interval", type=float, default=2.0, metavar="S",
-                        help="seconds between looks with --watch (default: 2, at least 1)")
+    parser.add_argument("--interval", type=interval, default=2.0, metavar="S",
+                        help="seconds between looks with --watch (default: 2; 1 to 3600)")
     parser.add_argument("--json", action="store_true", help="print the status as JSON")
     args = parser.parse_args(argv)
     try:
@@ -227,7 +246,7 @@ def main(argv=None):
                     print(f"{url}: the job ended ({view['state']})")
                     return
                 # The member it read from is gone (--elastic: a new leader): ask again.
-                time.sleep(max(1.0, args.interval))
+                time.sleep(args.interval)
                 store, url = look(args.url, secret_key)
                 continue
             text = json.dumps(view) if args.json else "\n".join(render(view, url))
@@ -236,7 +255,7 @@ def main(argv=None):
             print(text, flush=True)
             if not args.watch:
                 return
-            time.sleep(max(1.0, args.interval))
+            time.sleep(args.interval)
     except KeyboardInterrupt:
         return
     except (UserError, dist.DistError) as err:
