@@ -11,6 +11,7 @@ the host that cannot be reached.
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -230,6 +231,7 @@ def test_a_killed_launcher_leaves_no_node_behind(tmp_path):
     assert len(processes_with(str(tmp_path / "b"))) >= 2     # the wrapper and train.py
     job.proc.kill()
     job.finish(30)
+    shutil.rmtree(os.path.dirname(secret_path(job)))   # what a SIGKILLed launcher leaves
     deadline = time.monotonic() + STOP_S + 10
     while processes_with(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.1)
