@@ -28,8 +28,6 @@ from hetseq.launch import hostfile, plan as planning
 from hetseq.launch.nodes import RunningNode
 from hetseq.launch.transport import TRANSPORTS
 
-logger = logging.getLogger("hetseq.launch")
-
 ENV_FILE = ".hetseq_env"
 # Forwarded without being asked, like DeepSpeed's NCCL*/PYTHON* variables.
 FORWARDED_PREFIXES = ("NCCL_", "GLOO_", "PYTHON", "HETSEQ_", "OMP_")

@@ -18,6 +18,7 @@ import shlex
 import socket
 
 from hetseq.errors import UserError
+from hetseq.launch.plan import meeting_host
 from hetseq.registry import Registry
 
 TRANSPORTS = Registry("launcher")
@@ -73,7 +74,7 @@ class Local:
         """Every line must name this machine: the job meets at the first host's name."""
         here = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
         for line in lines:
-            if line.host.rsplit("@", 1)[-1] not in here:
+            if meeting_host(line.host) not in here:
                 raise UserError(f"hostfile line {line.line}: --launcher local runs every node "
                                 f"on this machine, and {line.host} is another: write "
                                 "localhost, or use --launcher ssh")

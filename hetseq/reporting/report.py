@@ -63,7 +63,7 @@ class Reporter:
         ranks = format_ranks(result.ranks.samples, result.ranks.seconds, batch_sizes) \
             if self.progress.due(update, steps) and len(batch_sizes) > 1 else None
         self.progress.log(stats, update, steps, ranks)
-        if self.board is not None:
+        if self.board is not None and self.board.due():
             self.board.update(
                 update=update, planned=self.clock.planned, left_s=self.clock.left(update),
                 loss=metrics.get("loss"), samples_per_s=stats["samples_per_s"],
@@ -73,14 +73,14 @@ class Reporter:
     def saved(self, updates):
         """A checkpoint of ``updates`` was written (rank 0's checkpoint_last.pt)."""
         if self.board is not None and self.save_dir is not None:
-            self.board.update(force=True, checkpoint={
+            self.board.update(checkpoint={
                 "path": os.path.abspath(os.path.join(self.save_dir, "checkpoint_last.pt")),
                 "update": updates, "time": time.time()})
 
     def done(self, reason):
         logger.info("done: %s", reason)
         if self.board is not None:
-            self.board.update(force=True, state=f"done: {reason}")
+            self.board.update(state=f"done: {reason}")
 
     def end_epoch(self, epoch, updates):
         self.progress.summary({"epoch": epoch, "updates": updates,

@@ -45,13 +45,15 @@ class StatusBoard:
         self.view = {"state": "training", "generation": generation, "checkpoint": None}
         self._last = 0.0
 
-    def update(self, force=False, **figures):
-        """Merge ``figures`` into the view; write it when INTERVAL_S passed (or ``force``)."""
+    def due(self):
+        """Whether INTERVAL_S passed since the last write (the per-update
+        figures are gathered only then: rank 0's update path stays as it was)."""
+        return time.monotonic() - self._last >= INTERVAL_S
+
+    def update(self, **figures):
+        """Merge ``figures`` into the view and write it."""
         self.view.update(figures)
-        now = time.monotonic()
-        if not force and now - self._last < INTERVAL_S:
-            return
-        self._last = now
+        self._last = time.monotonic()
         try:
             self.store.set(KEY, json.dumps({**self.view, "time": time.time()}))
         except (RuntimeError, OSError, ValueError) as err:
