@@ -339,7 +339,8 @@ def test_overlapped_rounds_go_back_to_the_last_exchange_that_arrived(tmp_path):
     loopback (rounds of updates 1-2, 3, 4-5, 6, ...: an epoch of 100 samples
     ends at update 3 and 6). B's data ends in update 6 (--toy-fail-after 5):
     that round's statistics fail on A. The exchange of the round that ended
-    at update 5, in flight, had arrived: A applies it, goes back to update
+    at update 5, in flight, arrives (B, stopping on its own error, lets its
+    half complete before it exits): A applies it, goes back to update
     5, saves and stops, alone below --min-nodes 2. Both started again
     resume and finish. The weights are those of a fixed 2-rank job that
     settled at update 5 (its --max-update) and resumed to the end, to

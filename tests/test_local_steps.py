@@ -331,6 +331,38 @@ def test_an_overlapped_snapshot_goes_back_to_the_last_round_whose_exchange_arriv
     assert same(at_end, arrived)
 
 
+def test_a_rank_stopping_on_its_own_error_lets_the_round_it_sent_complete(caplog):
+    """--outer-overlap: round R's all-reduce runs while R+1 trains. A rank
+    that stops on an error of its own (its data ends) must not exit before
+    its half of R completes, or the members lose R too: Run.train waits for
+    it (not applied) and the error goes on. One that failed is only logged."""
+    import threading
+    import types
+    from concurrent.futures import Future
+    from hetseq.distributed import DistContext
+    from hetseq.run.loop import Run
+    from conftest import build_controller
+    flags = [*COMMON, "--local-steps", 2, "--outer-overlap", "--elastic",
+             "--global-batch-size", 8, "--distributed-init-method", "tcp://127.0.0.1:1"]
+    controller, _ = build_controller(flags, DistContext(0, 1, 0, torch.device("cpu")))
+
+    def data_ends():
+        raise UserError("this node's data ends")
+    sent = Future()
+    controller.exchange.pending = sent
+    threading.Timer(1.0, sent.set_result, [["the sum"]]).start()   # the peers' half, late
+    with pytest.raises(UserError, match="data ends"):
+        Run.train(types.SimpleNamespace(_train=data_ends, controller=controller))
+    assert sent.done(), "the rank exited with its round in flight"
+    caplog.set_level("INFO", logger="hetseq")
+    lost = Future()
+    lost.set_exception(RuntimeError("Connection closed by peer"))
+    controller.exchange.pending = lost
+    with pytest.raises(UserError, match="data ends"):
+        Run.train(types.SimpleNamespace(_train=data_ends, controller=controller))
+    assert "did not complete before this rank stopped (Connection closed" in caplog.text
+
+
 def test_a_snapshot_takes_the_data_position_of_the_update_it_went_back_to():
     """Run.snapshot: the position at the update the controller went back to,
     one of the last two completed (--outer-overlap may go back two rounds);

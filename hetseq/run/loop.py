@@ -17,7 +17,7 @@ import time
 from hetseq import randomness
 from hetseq.data.splits import Splits
 from hetseq.distributed import broadcast_from_main
-from hetseq.errors import UserError
+from hetseq.errors import HetSeqError, UserError
 from hetseq.optim.lr_scheduler import planned_updates
 from hetseq.plan import capacity, rebalance
 from hetseq.reporting.report import Reporter
@@ -135,6 +135,15 @@ class Run:
     # ---- the loop ----
 
     def train(self):
+        try:
+            self._train()
+        except HetSeqError:
+            # This rank stops on an error of its own: what its exchange already
+            # sent completes first, so the members keep that round.
+            self.controller.exchange.drain()
+            raise
+
+    def _train(self):
         training = self.job.training
         while not self.stop_reason():
             epoch = self.train_data.epoch

@@ -25,6 +25,7 @@ registers itself in EXCHANGES and names itself in ``mode_of``):
                            the update: a StepResult, or None inside a round
     divisor                what the summed gradient arrives divided by
     replicated(...)        the tensors every rank must hold equal
+    drain()                this rank stops on its own error: what it sent completes
     settle(), state_dict(...), load_state_dict(...), resumed_optimizer(...)
                            its part of the Controller's checkpoint (its keys
                            declared with controller.CONTROLLER.key)
@@ -101,6 +102,11 @@ class Exchange:
 
     def settle(self):
         """Every rank holds the same model after this (nothing in flight)."""
+
+    def drain(self):
+        """This rank stops on an error of its own (its data, its disk): what
+        it already sent completes first, with no new collective, so the
+        members keep it. A synchronous update has nothing in flight."""
 
     def state_dict(self, model, optimizer_state, local=False):
         """Its entries in the Controller's state (a collective where it says

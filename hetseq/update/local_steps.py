@@ -82,6 +82,10 @@ from hetseq.update.stats import StatsExchange, StepResult
 
 logger = logging.getLogger(__name__)
 
+# A rank that stops on its own error waits this long at most for the round it
+# sent (--outer-overlap) when the job sets no --distributed-timeout.
+DRAIN_S = 60
+
 # Its keys in the Controller's checkpoint: the outer step's state, every rank's inner optimizer.
 ROUNDS = CONTROLLER.key("local_steps", reset="optimizer")
 OPTIMIZERS = CONTROLLER.key("optimizers", reset="optimizer")
@@ -357,6 +361,19 @@ class LocalSteps(Exchange):
             self.flat.write(self.anchor)
             self.start = None
 
+    def drain(self):
+        """--outer-overlap: the round already sent completes on the members
+        only if this rank's half of its all-reduce does, so a rank that stops
+        on its own error waits for it (bounded by the job's collective
+        timeout) before it exits. Not applied: this rank is leaving."""
+        if self.pending is None:
+            return
+        try:
+            self.pending.result(timeout=self.ctx.timeout_s or DRAIN_S)
+        except Exception as err:     # a member gone too, or the timeout: nothing to keep
+            logger.info("the round in flight did not complete before this rank stopped (%s)",
+                        _first_line(err))
+
     def _apply_pending(self):
         if self.pending is None:
             return
@@ -434,7 +451,7 @@ class LocalSteps(Exchange):
             delta = self.pending.result()
         except Exception as err:     # the lost member's connection, or the group's timeout
             logger.info("the round in flight did not complete here (%s): trained again",
-                        str(err).strip().splitlines()[0][:160] if str(err).strip() else err)
+                        _first_line(err))
             return False
         self._outer_step(self.anchor, delta)
         self.anchor = self.flat.read()
@@ -493,11 +510,16 @@ class LocalSteps(Exchange):
         return saved
 
 
+def _first_line(err):
+    text = str(err).strip()
+    return text.splitlines()[0][:160] if text else type(err).__name__
+
+
 class _Done:
     """A finished 'future' (one process: nothing to wait for)."""
 
     def __init__(self, value):
         self.value = value
 
-    def result(self):
+    def result(self, timeout=None):
         return self.value
