@@ -442,13 +442,15 @@ def test_a_lost_host_an_intruder_and_a_late_joiner(three_hosts, tmp_path):
     URL names host A, as the issue's command does (on A itself the name
     resolves to 127.0.1.1)."""
     url = f"tcp://{three_hosts.names[0]}:29517"
-    # Slower samples than ELASTIC's: the survivors' 90 updates must outlast
-    # the intruder and the joiner's start (its second process forks too).
-    ranks, slower = {0: 2, 1: 1, 2: 2}, ["--toy-sample-ms", 10]
+    # From the switch-off until C joined, A and B take 1 s more per update: the
+    # survivors keep updating (a join is seen at an update) but cannot finish
+    # before the intruder and the joiner (two processes) have started.
+    ranks, slow = {0: 2, 1: 1, 2: 2}, tmp_path / "slow"
     a, b, c = (node(three_hosts, i, url, tmp_path / f"host{i}", "--cpu", "--distributed-gpus",
-                    ranks[i], *slower) for i in range(3))
+                    ranks[i], "--toy-slow-while", slow) for i in range(3))
     a.wait_for(r"generation 1: 3 nodes, this node is rank 0 \(ranks 0-1 of 5\)")
     a.wait_for(UPDATE_LINE, 10)
+    slow.touch()
     switch_off(three_hosts, 2, c)
     a.wait_for(changed("hostC", "left"), timeout=90)
     a.wait_for(r"resumed from the state of rank", timeout=30)
@@ -457,9 +459,9 @@ def test_a_lost_host_an_intruder_and_a_late_joiner(three_hosts, tmp_path):
                      env={"HETSEQ_JOB_SECRET": "9e4c7a1f0b3d5e2a8c6f4d1b7e9a0c3f"}).finish(60)
     assert code == 2 and "its secret differs" in out and "Traceback" not in out, out[-3000:]
     assert len(out.strip().splitlines()) == 1, out
-    joiner = node(three_hosts, 2, url, tmp_path / "joiner", "--cpu", "--distributed-gpus", 2,
-                  *slower)
+    joiner = node(three_hosts, 2, url, tmp_path / "joiner", "--cpu", "--distributed-gpus", 2)
     a.wait_for(changed("hostC", "joined"), timeout=90)
+    slow.unlink()
     out_a, out_b, out_c = finish_ok(a, b, joiner)
     # Rank 0 (A) says what the new splits are, for 5 ranks, then 3, then 5;
     # B says who left and joined.
