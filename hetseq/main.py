@@ -22,12 +22,16 @@ def main(argv=None):
         inputs = TASKS.get(job.task).resolve_inputs(args)
         if job.elastic.elastic:
             train_elastic(args, job, node, inputs)
-            return
-        launch(node, job.distributed_backend, train_worker, args, job, node, inputs,
-               identity=job.identity())
+        else:
+            launch(node, job.distributed_backend, train_worker, args, job, node, inputs,
+                   identity=job.identity())
     except (HetSeqError, WorkerFailed) as err:
         logger.error("%s", err)
         exit_now(err.exit_code)
+    # Done: everything is written and closed (a rank's files as in a spawned
+    # rank, which also ends this way). The interpreter's teardown would only
+    # free torch's modules: 1-3 s of CPU per command for nothing.
+    exit_now(0)
 
 
 if __name__ == "__main__":

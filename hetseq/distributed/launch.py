@@ -81,8 +81,9 @@ def launch(node, backend, worker, *worker_args, identity=None):
 
 
 # What every rank imports before it trains (torch.optim's first param group
-# imports torch._dynamo; --zero 3 needs FSDP).
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed.fsdp")
+# imports torch._dynamo; --zero 3 needs FSDP), and the fork server's quick
+# end once the command that started it has ended (quick_exit.py).
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.fsdp", "hetseq.distributed.quick_exit")
 
 
 def start_method(device_type, *modules):
@@ -162,8 +163,10 @@ def _spawned_rank(index, topology, node, identity, worker, worker_args):
 
 
 def exit_now(code):
-    """Exit with ``code`` at once: after a lost peer, tearing down the process
-    group at interpreter exit can abort the process and hide the code."""
+    """Exit with ``code`` at once, the log and standard streams flushed:
+    after a lost peer, tearing down the process group at interpreter exit
+    can abort the process and hide the code; after a finished job the
+    teardown only frees torch's modules, seconds of CPU."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
