@@ -599,11 +599,11 @@ def test_two_rounds_of_one_generation_meet_at_the_lower_ranked_leader(fooled):
     1's store, which is not leading (rank 1 is in rank 0's round) and says
     where it meets. Either way one generation of four forms. (One process:
     each Membership serves its own store on 127.0.0.1.)"""
-    import secrets
     import threading
     import types
     from hetseq.distributed import membership, tunnel
-    secret = tunnel.read_secret(None, {tunnel.SECRET_VARIABLE: secrets.token_hex(32)})
+    from hetseq.distributed.secret import make
+    secret = tunnel.read_secret(None, {tunnel.SECRET_VARIABLE: make()})
     launch = types.SimpleNamespace(distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
                                    distributed_timeout=10.0, distributed_interface=None)
     nodes = [membership.Membership(launch, "gloo", secret, 1, 0) for _ in range(5)]

@@ -20,12 +20,13 @@ import pytest
 import torch.distributed as dist
 
 from hetseq.distributed import store, store_table, tunnel
+from hetseq.distributed.secret import make as make_secret
 
 from conftest import require
 
 ROOT = Path(__file__).resolve().parents[1]
-SECRET = secrets.token_hex(32)
-OTHER = secrets.token_hex(32)
+SECRET = make_secret()
+OTHER = make_secret()
 
 
 def key(text):
