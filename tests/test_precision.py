@@ -107,3 +107,16 @@ def test_gradients_summed_in_bfloat16_when_asked(precision_jobs, zero):
     plain, reduced = (precision_jobs[f"zero{zero} {dtype}"].state["model"]
                       for dtype in ("float32", "bfloat16"))
     assert 1e-4 < max_diff(plain, reduced) < 2e-3
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_on_a_cpu_that_emulates_it_is_named(monkeypatch, caplog, native):
+    """An AVX2 CPU emulates bfloat16, 12x slower than fp32 (the GLUE demo):
+    a node whose CPU lacks it says so when --bf16 is given; one that has it
+    says nothing."""
+    from hetseq import cli
+    from hetseq.update import precision
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: native)
+    caplog.set_level("WARNING", logger="hetseq")
+    cli.parse([*TOY, "--cpu", "--bf16"])
+    assert ("without bfloat16 instructions" in caplog.text) != native, caplog.text
