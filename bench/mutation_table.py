@@ -718,4 +718,22 @@ MUTATIONS = {
         "        return self.cause if self.cause is not None else max(codes, default=NOT_STARTED)",
         "        return max(codes, default=NOT_STARTED)",
         ['tests/test_launch.py::test_a_killed_node_wrapper_takes_its_command_along_and_its_end_stops_the_job']),
+    'a-stopping-rank-drops-its-sent-round': (
+        "--outer-overlap: a rank that stops on its own error lets the round it sent complete first",
+        'hetseq/run/loop.py',
+        "            self.controller.exchange.drain()\n",
+        "            pass\n",
+        ['tests/test_local_steps.py::test_a_rank_stopping_on_its_own_error_lets_the_round_it_sent_complete']),
+    'a-made-secret-the-rule-refuses': (
+        "hetseq-secret never hands out a secret its own rule refuses",
+        'hetseq/distributed/secret.py',
+        "        if weakness(text.encode()) is None:\n            return text",
+        "        return text",
+        ['tests/test_secret.py::test_a_drawn_secret_the_rule_refuses_is_drawn_again']),
+    'uneven-ranks-split-equally': (
+        "--capacity auto under --local-steps: uneven ranks finish each round together",
+        'hetseq/plan/capacity.py',
+        "    return Plan(fastest_split(global_batch, weights), list(caps)",
+        "    return Plan(fastest_split(global_batch, [1.0] * len(weights)), list(caps)",
+        ['tests/test_local_steps.py::test_uneven_ranks_finish_each_round_together']),
 }
