@@ -33,7 +33,8 @@ CPU_FP16_FOR_TESTS = "HETSEQ_TEST_FP16_ON_CPU"
 def add_args(group):
     group.add_argument("--bf16", action="store_true",
                        help="bfloat16 autocast, fp32 master weights (CPU with bf16 support, "
-                            "or CUDA Ampere and newer)")
+                            "or CUDA Ampere and newer; a node whose CPU only emulates it, "
+                            "AVX2, says so: 12x slower than fp32 on the GLUE demo)")
     group.add_argument("--fp16", action="store_true",
                        help="float16 autocast with dynamic loss scaling, fp32 master weights "
                             "(CUDA only; on CPU use --bf16)")
