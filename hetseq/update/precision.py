@@ -63,9 +63,9 @@ def check_args(args):
     if args.bf16 and not cuda and not cpu_has_bf16():
         # A warning, not an error: --bf16 is the job's and this node's CPU is
         # one of several; the others may have it.
-        logger.warning("--bf16 on a CPU without bfloat16 instructions (%s): they are emulated, "
-                       "about 10x slower than fp32 here (the GLUE demo measured 12x); the job "
-                       "is faster in fp32 unless its other nodes gain more",
+        logger.warning("--bf16 on a CPU without bfloat16 instructions (%s): it is emulated, "
+                       "12x slower than fp32 on the GLUE demo; the job is faster in fp32 "
+                       "unless its other nodes gain more",
                        torch.backends.cpu.get_cpu_capability())
     if args.fp16_scale_window is not None and args.fp16_scale_window < 1:
         raise UserError(f"--fp16-scale-window {args.fp16_scale_window}: expected 1 or more")
