@@ -28,6 +28,10 @@ STRICT = os.environ.get("HETSEQ_TEST_STRICT") == "1"
 # Set by .ci/run: the whole suite must finish within this many seconds, or
 # the run fails saying by how much (docs/testing.md). 0: no limit.
 SUITE_LIMIT_S = float(os.environ.get("HETSEQ_SUITE_LIMIT_S") or 0)
+# train.py commands on this host fork from a process that imported torch once
+# (hetseq/testing/zygote.py: 6 s of CPU less per command on 2 cores);
+# HETSEQ_TEST_ZYGOTE=0 starts each one from nothing instead.
+ZYGOTE = os.environ.get("HETSEQ_TEST_ZYGOTE", "1") == "1"
 _SESSION = {}
 
 
@@ -43,6 +47,8 @@ def pytest_sessionstart(session):
 def pytest_sessionfinish(session, exitstatus):
     """Under HETSEQ_SUITE_LIMIT_S the suite fails when it ran longer (checked
     once, by the process that runs the session, not by each xdist worker)."""
+    if "zygote" in _SESSION:
+        _SESSION.pop("zygote").close()
     if not SUITE_LIMIT_S or hasattr(session.config, "workerinput") or "start" not in _SESSION:
         return
     took = time.monotonic() - _SESSION["start"]
@@ -116,8 +122,26 @@ def child_env(extra=None):
 RUN_DIR = Path(tempfile.mkdtemp(prefix="hetseq-tests-"))
 
 
+def zygote(env):
+    """This worker's zygote (started at its first use) when it can run a
+    command with environment ``env`` (Zygote.serves); None when it cannot or
+    HETSEQ_TEST_ZYGOTE=0."""
+    if not ZYGOTE:
+        return None
+    if "zygote" not in _SESSION:
+        from hetseq.testing.zygote import Zygote
+        _SESSION["zygote"] = Zygote()
+    return _SESSION["zygote"] if _SESSION["zygote"].serves(env) else None
+
+
 def run_train(*args, env=None, timeout=180):
-    return subprocess.run(train_cmd(*args), cwd=RUN_DIR, env=child_env(env), capture_output=True,
+    """``python train.py`` with ``args`` (and QUIET) on this host, waited for:
+    a CompletedProcess with its text output."""
+    env = child_env(env)
+    if zygote(env) is not None:
+        from hetseq.testing.zygote import run
+        return run(zygote(env), train_cmd(*args)[1:], RUN_DIR, env, timeout)
+    return subprocess.run(train_cmd(*args), cwd=RUN_DIR, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -165,8 +189,12 @@ def start_nodes(commands, cluster=None, on=None, env=None):
     for index, command in enumerate(commands):
         argv, options = train_cmd(*command), dict(cwd=RUN_DIR, env=child_env(env), text=True,
                                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        procs.append(subprocess.Popen(argv, **options) if cluster is None else
-                     cluster.popen(on[index] if on else index, argv, **options))
+        if cluster is not None:
+            procs.append(cluster.popen(on[index] if on else index, argv, **options))
+        elif zygote(options["env"]) is not None:
+            procs.append(zygote(options["env"]).popen(argv[1:], **options))
+        else:
+            procs.append(subprocess.Popen(argv, **options))
     return procs
 
 

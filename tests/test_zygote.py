@@ -1,0 +1,76 @@
+"""The test zygote (hetseq/testing/zygote.py) runs a command as a fresh
+``python`` would: its arguments, folder, environment, streams and exit code."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from hetseq.testing.zygote import Zygote, run
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote()
+    yield z
+    z.close()
+
+
+SCRIPT = textwrap.dedent("""
+    import os, sys
+    print("argv", sys.argv[1:], "cwd", os.getcwd(), "name", __name__)
+    print("env", os.environ.get("ZYGOTE_TEST"), file=sys.stderr)
+    import helper_module
+    print("path", helper_module.WHERE)
+    sys.exit(int(sys.argv[1]))
+""")
+
+
+def test_a_child_runs_as_python_would(zygote, tmp_path):
+    (tmp_path / "script.py").write_text(SCRIPT)
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "helper_module.py").write_text("WHERE = 'lib'\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ZYGOTE_TEST": "seen",
+           "PYTHONPATH": str(tmp_path / "lib")}
+    done = run(zygote, [tmp_path / "script.py", 7, "x"], tmp_path / "lib", env, timeout=60)
+    assert done.returncode == 7, done.stderr
+    assert f"argv ['7', 'x'] cwd {tmp_path / 'lib'} name __main__" in done.stdout
+    assert "path lib" in done.stdout and done.stderr == "env seen\n"
+
+
+@pytest.mark.parametrize("body, code", [("raise ValueError('boom')", 1), ("pass", 0),
+                                        ("raise SystemExit('bad input')", 1),
+                                        ("import os; os.kill(os.getpid(), 9)", -9),
+                                        ("raise KeyboardInterrupt", -signal.SIGINT)])
+def test_exit_codes_are_those_of_a_fresh_interpreter(zygote, tmp_path, body, code):
+    (tmp_path / "script.py").write_text(body + "\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    mine = run(zygote, [tmp_path / "script.py"], tmp_path, env, timeout=60)
+    fresh = subprocess.run([sys.executable, tmp_path / "script.py"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert mine.returncode == fresh.returncode == code
+    assert mine.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:]
+
+
+def test_a_killed_child_and_a_timeout_are_seen(zygote, tmp_path):
+    (tmp_path / "script.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    child = zygote.popen([tmp_path / "script.py"], tmp_path, env)
+    assert child.stdout.readline() == "up\n"
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(timeout=0.2)
+    assert child.poll() is None
+    child.kill()
+    assert child.wait(timeout=30) == -signal.SIGKILL
+    with pytest.raises(subprocess.TimeoutExpired):
+        run(zygote, [tmp_path / "script.py"], tmp_path, env, timeout=0.5)
+
+
+def test_an_environment_read_at_start_needs_a_process_of_its_own(zygote):
+    same = {**os.environ, "OMP_NUM_THREADS": "1", "HETSEQ_ANYTHING": "1"}
+    assert zygote.serves(same)
+    assert not zygote.serves({**same, "OMP_NUM_THREADS": "2"})
+    assert not zygote.serves({**same, "PYTHONHASHSEED": "12345"})
