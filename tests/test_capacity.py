@@ -173,8 +173,12 @@ def test_slowed_rank_gets_a_smaller_share_after_profiling(tmp_path, zero):
 def test_parity_holds_while_the_split_changes(tmp_path, ranks, extra):
     ref = reference("--max-update", 32)
     # Rank 1 turns slow after a few updates (start-up profiling makes 6 calls):
-    # the plan must change mid-run, and the result must not.
-    params, log = auto_nodes(tmp_path, "auto", ranks, "--toy-slow-rank", 1, "--toy-slow-ms", 4,
+    # the plan must change mid-run, and the result must not. Every sample
+    # sleeps 1 ms first: the toy's own compute (microseconds) would leave the
+    # start-up profile to the load of the machine (CI's once gave rank 0 88%
+    # of the batch, and 2 samples to a rank that then slowed changed nothing).
+    params, log = auto_nodes(tmp_path, "auto", ranks, "--toy-sample-ms", 1,
+                             "--toy-slow-rank", 1, "--toy-slow-ms", 4,
                              "--toy-slow-after", 12, "--max-update", 32, *extra)
     assert "capacity plan changed" in log, log[-3000:]
     assert max_diff(ref, params) < EXACT
