@@ -122,25 +122,29 @@ def child_env(extra=None):
 RUN_DIR = Path(tempfile.mkdtemp(prefix="hetseq-tests-"))
 
 
-def zygote(env):
-    """This worker's zygote (started at its first use) when it can run a
-    command with environment ``env`` (Zygote.serves); None when it cannot or
-    HETSEQ_TEST_ZYGOTE=0."""
+def zygote():
+    """This worker's zygote (started at its first use), or None when
+    HETSEQ_TEST_ZYGOTE=0. A command whose environment it cannot serve
+    (Zygote.serves) still starts anew."""
     if not ZYGOTE:
         return None
     if "zygote" not in _SESSION:
         from hetseq.testing.zygote import Zygote
         _SESSION["zygote"] = Zygote()
-    return _SESSION["zygote"] if _SESSION["zygote"].serves(env) else None
+    return _SESSION["zygote"]
+
+
+def _forks(env):
+    return zygote() is not None and zygote().serves(env)
 
 
 def run_train(*args, env=None, timeout=180):
     """``python train.py`` with ``args`` (and QUIET) on this host, waited for:
     a CompletedProcess with its text output."""
     env = child_env(env)
-    if zygote(env) is not None:
+    if _forks(env):
         from hetseq.testing.zygote import run
-        return run(zygote(env), train_cmd(*args)[1:], RUN_DIR, env, timeout)
+        return run(zygote(), train_cmd(*args)[1:], RUN_DIR, env, timeout)
     return subprocess.run(train_cmd(*args), cwd=RUN_DIR, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -191,8 +195,8 @@ def start_nodes(commands, cluster=None, on=None, env=None):
                                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         if cluster is not None:
             procs.append(cluster.popen(on[index] if on else index, argv, **options))
-        elif zygote(options["env"]) is not None:
-            procs.append(zygote(options["env"]).popen(argv[1:], **options))
+        elif _forks(options["env"]):
+            procs.append(zygote().popen(argv[1:], **options))
         else:
             procs.append(subprocess.Popen(argv, **options))
     return procs
@@ -330,7 +334,7 @@ def _cluster(size=2):
     available, why = netns.available()
     require(available, f"namespace hosts: {why}")
     netns.remove_stale()
-    return netns.VirtualCluster(size, rate="1gbit")
+    return netns.VirtualCluster(size, rate="1gbit", zygote=zygote())
 
 
 @pytest.fixture

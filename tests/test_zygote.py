@@ -74,3 +74,28 @@ def test_an_environment_read_at_start_needs_a_process_of_its_own(zygote):
     assert zygote.serves(same)
     assert not zygote.serves({**same, "OMP_NUM_THREADS": "2"})
     assert not zygote.serves({**same, "PYTHONHASHSEED": "12345"})
+
+
+HOST_VIEW = textwrap.dedent("""
+    import os, socket
+    print(socket.gethostname(), sorted(os.listdir("/sys/class/net")),
+          socket.gethostbyname("hostB"), os.readlink("/proc/self/ns/net"))
+    print(open("/etc/hosts").read())
+""")
+
+
+def test_a_child_on_a_namespace_host_sees_what_ip_netns_exec_shows(zygote, tmp_path):
+    """Its hostname, its network's interfaces in /sys, its /etc/hosts and its
+    network namespace: those of a command started through the host's own
+    wrapper (``ip netns exec ... unshare --uts``)."""
+    from conftest import _cluster
+    (tmp_path / "view.py").write_text(HOST_VIEW)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with _cluster(2) as cluster:
+        forked = run(zygote, [tmp_path / "view.py"], tmp_path, env, 60, cluster.host(0))
+        fresh = subprocess.run(cluster.command(0, [sys.executable, tmp_path / "view.py"]),
+                               env=env, capture_output=True, text=True, timeout=60)
+    assert forked.returncode == fresh.returncode == 0, (forked.stderr, fresh.stderr)
+    assert forked.stdout == fresh.stdout
+    assert forked.stdout.startswith(f"hostA ['eth0', 'lo'] {cluster.addresses[1]} ")
+    assert os.readlink("/proc/self/ns/net") not in forked.stdout

@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 PREFIX = "hetseq-net-"
@@ -81,8 +82,10 @@ def _burst(rate):
 class VirtualCluster:
     """``with VirtualCluster(3, rate="1gbit") as cluster: cluster.popen(0, argv)``."""
 
-    def __init__(self, hosts=2, rate="1gbit"):
-        self.size, self.rate = hosts, rate
+    def __init__(self, hosts=2, rate="1gbit", zygote=None):
+        """``zygote``: a hetseq/testing/zygote.py Zygote that python commands
+        fork from (entering their host themselves) instead of starting anew."""
+        self.size, self.rate, self.zygote = hosts, rate, zygote
         self.tag = f"{PREFIX}{os.getpid()}-{time.monotonic_ns() % 10**6}"
         self.switch = f"{self.tag}-sw"
         self.names = [host_name(i) for i in range(hosts)]
@@ -196,14 +199,32 @@ class VirtualCluster:
         return ["ip", "netns", "exec", self.namespaces[index], "unshare", "--uts", "sh", "-c",
                 'hostname "$0" && exec "$@"', self.names[index], *map(str, argv)]
 
-    def popen(self, index, argv, **kwargs):
-        proc = subprocess.Popen(self.command(index, argv), start_new_session=True, **kwargs)
+    def _forks(self, argv, env):
+        """Whether ``argv`` (with ``env``) is a python command the zygote runs."""
+        return (self.zygote is not None and str(argv[0]) == sys.executable
+                and self.zygote.serves(os.environ if env is None else env))
+
+    def popen(self, index, argv, cwd=None, env=None, **kwargs):
+        if self._forks(argv, env):
+            proc = self.zygote.popen(argv[1:], cwd or os.getcwd(),
+                                     os.environ if env is None else env,
+                                     start_new_session=True, host=self.host(index), **kwargs)
+        else:
+            proc = subprocess.Popen(self.command(index, argv), start_new_session=True, cwd=cwd,
+                                    env=env, **kwargs)
         self.procs.append(proc)
         return proc
 
     def run(self, index, argv, timeout=60):
+        if self._forks(argv, None):
+            from hetseq.testing.zygote import run
+            return run(self.zygote, argv[1:], os.getcwd(), os.environ, timeout, self.host(index))
         return subprocess.run(self.command(index, argv), capture_output=True, text=True,
                               timeout=timeout)
+
+    def host(self, index):
+        """(network namespace, hostname) of host ``index``."""
+        return self.namespaces[index], self.names[index]
 
     def close(self):
         for proc in self.procs:

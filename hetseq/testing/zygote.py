@@ -152,6 +152,8 @@ def _become(request, fds, base_path):
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
+        if request["host"]:
+            enter_host(*request["host"])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -161,6 +163,42 @@ def _become(request, fds, base_path):
         code = _run(request["argv"])
     finally:
         os._exit(code)
+
+
+# <sched.h> and <sys/mount.h>
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000
+MS_RDONLY, MS_BIND, MS_REC, MS_SLAVE, MNT_DETACH = 1, 4096, 16384, 1 << 19, 2
+
+
+def enter_host(netns, hostname):
+    """Be on a namespace host (hetseq/testing/cluster.py) as a command run
+    with ``ip netns exec NETNS unshare --uts`` after ``hostname HOSTNAME``:
+    its network namespace; a mount namespace of its own where /sys shows
+    that network's interfaces and /etc/netns/NETNS/* lie over /etc/* (its
+    /etc/hosts), as iproute2's netns_switch makes it; its own hostname."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result, what):
+        if result != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what} for host {hostname} ({netns}): {os.strerror(err)}")
+    fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
+    try:
+        check(libc.setns(fd, CLONE_NEWNET), "setns")
+    finally:
+        os.close(fd)
+    check(libc.unshare(CLONE_NEWNS | CLONE_NEWUTS), "unshare")
+    check(libc.mount(b"", b"/", b"none", MS_SLAVE | MS_REC, None), "mount --make-rslave /")
+    sysfs_flags = 0
+    if libc.umount2(b"/sys", MNT_DETACH) != 0 and os.statvfs("/sys").f_flag & os.ST_RDONLY:
+        sysfs_flags = MS_RDONLY        # a read-only /sys is shadowed by a read-only one
+    check(libc.mount(netns.encode(), b"/sys", b"sysfs", sysfs_flags, None), "mount /sys")
+    etc = f"/etc/netns/{netns}"
+    for name in sorted(os.listdir(etc)) if os.path.isdir(etc) else []:
+        check(libc.mount(f"{etc}/{name}".encode(), f"/etc/{name}".encode(), b"none", MS_BIND,
+                         None), f"bind {etc}/{name}")
+    socket.sethostname(hostname)
 
 
 def _fresh_streams(unbuffered):
@@ -243,10 +281,11 @@ class Zygote:
         return at_start(env) == at_start(self._env)
 
     def popen(self, argv, cwd, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-              text=True, start_new_session=False):
+              text=True, start_new_session=False, host=None):
         """Start ``python *argv`` (``argv[0]`` a script or ``-m``); a ``Child``.
         ``stdout``/``stderr``: PIPE, STDOUT (stderr only) or None (this
-        process's own)."""
+        process's own); ``host``: (network namespace, hostname) of a
+        namespace host to run it on (``enter_host``)."""
         ends, theirs = {}, [os.open(os.devnull, os.O_RDONLY)]
         for name, choice, own in (("stdout", stdout, 1), ("stderr", stderr, 2)):
             if choice == subprocess.PIPE:
@@ -263,7 +302,7 @@ class Zygote:
         try:
             conn.connect(self.path)
             request = {"argv": [str(a) for a in argv], "cwd": str(cwd), "env": dict(env),
-                       "new_session": start_new_session}
+                       "new_session": start_new_session, "host": host}
             socket.send_fds(conn, [json.dumps(request).encode()], theirs)
             answer = json.loads(conn.recv(MESSAGE) or b'{"error": "the zygote ended"}')
         finally:
@@ -383,11 +422,11 @@ def _readable(sock, timeout):
     return bool(selector.select(timeout))
 
 
-def run(zygote, argv, cwd, env, timeout=None):
+def run(zygote, argv, cwd, env, timeout=None, host=None):
     """``subprocess.run(..., capture_output=True, text=True, timeout=...)`` for
     a zygote's child: a CompletedProcess; on a timeout the child is killed
     and TimeoutExpired raised, as subprocess.run does."""
-    child = zygote.popen(argv, cwd, env, stderr=subprocess.PIPE)
+    child = zygote.popen(argv, cwd, env, stderr=subprocess.PIPE, host=host)
     try:
         out, err = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
