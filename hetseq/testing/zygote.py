@@ -84,7 +84,7 @@ def serve(path):
         for key, _ in selector.select():
             if key.fileobj is listener:
                 conn, _ = listener.accept()
-                _fork(conn, running, [listener, wake_r, wake_w], base_path)
+                _fork(conn, running, [selector, listener, wake_r, wake_w], base_path)
             elif key.fileobj is wake_r:
                 while _drained(wake_r):
                     pass
