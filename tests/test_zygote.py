@@ -99,3 +99,36 @@ def test_a_child_on_a_namespace_host_sees_what_ip_netns_exec_shows(zygote, tmp_p
     assert forked.stdout == fresh.stdout
     assert forked.stdout.startswith(f"hostA ['eth0', 'lo'] {cluster.addresses[1]} ")
     assert os.readlink("/proc/self/ns/net") not in forked.stdout
+
+
+def test_what_the_imports_did_every_child_does_too(zygote, tmp_path):
+    """hetseq's import sets TORCH_CPP_LOG_LEVEL where it is unset, before
+    torch loads: a child sees it as a fresh ``python train.py`` does, and a
+    command that sets its own starts anew. ``-m`` runs a preloaded module
+    as __main__ with no more output than a fresh interpreter's."""
+    (tmp_path / "level.py").write_text(
+        "import os, hetseq\nprint(os.environ.get('TORCH_CPP_LOG_LEVEL'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    env["OMP_NUM_THREADS"] = "1"
+    for argv in ([tmp_path / "level.py"], ["-m", "hetseq.reporting.status", "--help"]):
+        mine = run(zygote, argv, tmp_path, env, timeout=60)
+        fresh = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=60)
+        assert (mine.returncode, mine.stdout, mine.stderr) == \
+            (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert mine.stdout.startswith("usage: hetseq-status") and mine.stderr == ""
+    assert not zygote.serves({**env, "TORCH_CPP_LOG_LEVEL": "INFO"})
+
+
+def test_what_the_imports_printed_every_child_prints_first(tmp_path, monkeypatch, capfd):
+    from hetseq.testing import zygote as module
+    (tmp_path / "noisy_module.py").write_text(
+        "import os, sys\nprint('said at import')\nprint('warned', file=sys.stderr)\n"
+        "os.environ['ZYGOTE_TEST_SET'] = 'by import'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(module, "PRELOAD", ("noisy_module",))
+    monkeypatch.delenv("ZYGOTE_TEST_SET", raising=False)
+    preloaded = module.Preloaded()
+    assert preloaded.printed == [b"said at import\n", b"warned\n"]
+    assert preloaded.environ["ZYGOTE_TEST_SET"] == "by import"
+    monkeypatch.delenv("ZYGOTE_TEST_SET")

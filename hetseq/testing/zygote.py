@@ -50,21 +50,67 @@ MESSAGE = 1 << 20          # one request (arguments and environment) at most, in
 # cannot take them from its own environment: a command whose values differ
 # from the zygote's needs a process of its own (``Zygote.serves``).
 # PYTHONPATH and PYTHONUNBUFFERED a child applies itself (``_become``).
-AT_START = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD", "LD_LIBRARY_PATH")
+AT_START = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD", "LD_LIBRARY_PATH",
+            "TORCH_CPP_LOG_LEVEL")
 APPLIED = ("PYTHONPATH", "PYTHONUNBUFFERED")
 
 
 # ----------------------------------------------------------------- the zygote
 
+class Preloaded:
+    """What importing PRELOAD did, which a fresh interpreter's child would
+    do again: ``base_path``, sys.path without the script's folder and
+    PYTHONPATH (a child has its own); ``environ``, the variables the
+    imports set (hetseq's own TORCH_CPP_LOG_LEVEL=FATAL), which a child
+    takes where its environment has none; ``printed``, what they wrote
+    to standard output and error, which every child writes first."""
+
+    def __init__(self):
+        import contextlib
+        import importlib
+        # The environment this process started with, as the kernel keeps it:
+        # os.environ has had hetseq's own import already (this module's package).
+        with open("/proc/self/environ", "rb") as f:
+            before = dict(os.fsdecode(entry).partition("=")[::2]
+                          for entry in f.read().split(b"\0") if entry)
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+                contextlib.ExitStack() as stack:
+            saved = os.dup(1), os.dup(2)
+            for fd, file in ((1, out), (2, err)):
+                sys.stdout.flush() if fd == 1 else sys.stderr.flush()
+                os.dup2(file.fileno(), fd)           # what C code writes
+            stack.enter_context(contextlib.redirect_stdout(_text(out)))   # and Python
+            stack.enter_context(contextlib.redirect_stderr(_text(err)))
+            try:
+                for name in PRELOAD:
+                    importlib.import_module(name)
+            finally:
+                stack.close()
+                for fd, copy in zip((1, 2), saved):
+                    os.dup2(copy, fd)
+                    os.close(copy)
+                self.printed = [_read_all(out), _read_all(err)]
+                os.write(2, self.printed[1])       # the zygote's own log shows them too
+        own = before.get("PYTHONPATH", "").split(os.pathsep)
+        self.base_path = [entry for entry in sys.path[1:] if entry not in own]
+        self.environ = {k: v for k, v in os.environ.items() if before.get(k) != v}
+
+
+def _text(file):
+    return io.TextIOWrapper(open(file.fileno(), "wb", closefd=False), encoding="utf-8",
+                            write_through=True)
+
+
+def _read_all(file):
+    file.seek(0)
+    return file.read()
+
+
 def serve(path):
     """Import PRELOAD, listen at ``path``, fork a child per request, report
     each child's exit code on its request's connection; end when standard
     input closes (the test worker that started this ended)."""
-    import importlib
-    for name in PRELOAD:
-        importlib.import_module(name)
-    own = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    base_path = [entry for entry in sys.path[1:] if entry not in own]
+    preloaded = Preloaded()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(64)
@@ -84,7 +130,7 @@ def serve(path):
         for key, _ in selector.select():
             if key.fileobj is listener:
                 conn, _ = listener.accept()
-                _fork(conn, running, [selector, listener, wake_r, wake_w], base_path)
+                _fork(conn, running, [selector, listener, wake_r, wake_w], preloaded)
             elif key.fileobj is wake_r:
                 while _drained(wake_r):
                     pass
@@ -117,7 +163,7 @@ def _reap(running):
             conn.close()
 
 
-def _fork(conn, running, own, base_path):
+def _fork(conn, running, own, preloaded):
     try:
         data, fds, _, _ = socket.recv_fds(conn, MESSAGE, 3)
         request = json.loads(data)
@@ -127,21 +173,28 @@ def _fork(conn, running, own, base_path):
         conn.send(json.dumps({"error": str(err)}).encode())
         conn.close()
         return
+    # The child closes ``settled`` once it leads its own session (when asked):
+    # like Popen, the pid goes back only then, so a killpg right after works.
+    waiting, settled = os.pipe()
     pid = os.fork()
     if pid == 0:
+        os.close(waiting)
         for sock in [*own, *running.values(), conn]:
             sock.close()
-        _become(request, fds, base_path)       # never returns
+        _become(request, fds, settled, preloaded)       # never returns
+    os.close(settled)
+    os.read(waiting, 1)              # b"" once the child closed it (or ended)
+    os.close(waiting)
     for fd in fds:
         os.close(fd)
     conn.send(json.dumps({"pid": pid}).encode())
     running[pid] = conn
 
 
-def _become(request, fds, base_path):
-    """In the forked child: be ``python ARGV`` run in ``cwd`` with ``env``;
-    ``base_path``: the interpreter's sys.path without the script's folder
-    and PYTHONPATH, which come from the request."""
+def _become(request, fds, settled, preloaded):
+    """In the forked child: be ``python ARGV`` run in ``cwd`` with ``env``,
+    as a fresh interpreter that imported PRELOAD would be (``Preloaded``);
+    close ``settled`` once in a session of its own (when asked)."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -149,6 +202,7 @@ def _become(request, fds, base_path):
         signal.signal(signal.SIGINT, signal.default_int_handler)
         if request["new_session"]:
             os.setsid()
+        os.close(settled)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -157,9 +211,14 @@ def _become(request, fds, base_path):
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        for name, value in preloaded.environ.items():
+            os.environ.setdefault(name, value)
         _fresh_streams(bool(os.environ.get("PYTHONUNBUFFERED")))
+        for stream, printed in zip((sys.stdout, sys.stderr), preloaded.printed):
+            stream.buffer.write(printed)
+            stream.flush()
         extra = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        sys.path[:] = ["", *extra, *base_path]      # [0]: the script's folder (_run)
+        sys.path[:] = ["", *extra, *preloaded.base_path]    # [0]: the script's folder (_run)
         code = _run(request["argv"])
     finally:
         os._exit(code)
@@ -219,6 +278,9 @@ def _run(argv):
     import runpy
     try:
         if argv[0] == "-m":
+            # Run as __main__ beside the copy PRELOAD imported, as a fresh
+            # interpreter would (and without runpy's warning about it).
+            sys.modules.pop(argv[1], None)
             sys.argv = [argv[1], *argv[2:]]
             sys.path[0] = os.getcwd()
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
