@@ -627,7 +627,7 @@ MUTATIONS = {
         ['tests/test_local_steps.py::test_a_validation_between_updates_ends_the_round']),
     'default-outer-step-back-to-diloco': (
         "the default outer step is the weighted average (H = 1 and SGD: the synchronous update)",
-        'hetseq/update/local_steps.py',
+        'hetseq/update/exchange.py',
         '"--outer-lr", type=float, default=1.0,',
         '"--outer-lr", type=float, default=0.7,',
         ['tests/test_local_steps.py::test_exact_where_the_mathematics_says_so']),

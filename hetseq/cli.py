@@ -14,7 +14,7 @@ from hetseq.optim import OPTIMIZERS, SCHEDULERS, add_optimization_args
 from hetseq.plan import capacity
 from hetseq.run import checkpoint
 from hetseq.tasks import TASKS, import_builtin_tasks, import_user_dir
-from hetseq.update import local_steps, precision, sharding
+from hetseq.update import exchange, precision, sharding
 
 LEGACY = "accepted for HetSeq compatibility; no effect: "
 
@@ -206,7 +206,7 @@ def build_parser(task_cls=None):
     sharding.add_args(group)
     precision.add_args(group)
     capacity.add_args(parser.add_argument_group("Capacity: per-rank batch sizes"))
-    local_steps.add_args(parser.add_argument_group(
+    exchange.add_args(parser.add_argument_group(
         "Slow links: local steps (DiLoCo) and compressed gradients"))
     checkpoint.add_args(parser.add_argument_group("Checkpoints"))
     if task_cls is not None:
@@ -293,7 +293,7 @@ def check_args(args, defaults):
                         f"--divergence-tolerance {args.divergence_tolerance}: expected an "
                         "interval >= 0 updates and a relative distance >= 0")
     check_elastic(args, defaults)
-    local_steps.check_args(args, defaults)
+    exchange.check_args(args, defaults)
     sharding.check_args(args)
     precision.check_args(args)
     OPTIMIZERS.get(args.optimizer)        # unknown names list the registered ones

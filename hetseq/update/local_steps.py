@@ -73,8 +73,6 @@ import torch.distributed as dist
 
 from hetseq.distributed.collectives import gather_to_main
 from hetseq.distributed.compress import CODECS
-from hetseq.config import given_flags
-from hetseq.errors import UserError
 from hetseq.update.controller import CONTROLLER
 from hetseq.update.exchange import EXCHANGES, Exchange
 from hetseq.update.sharding import Sharding
@@ -89,103 +87,6 @@ DRAIN_S = 60
 # Its keys in the Controller's checkpoint: the outer step's state, every rank's inner optimizer.
 ROUNDS = CONTROLLER.key("local_steps", reset="optimizer")
 OPTIMIZERS = CONTROLLER.key("optimizers", reset="optimizer")
-
-
-def add_args(group):
-    group.add_argument("--local-steps", type=int, default=0, metavar="H",
-                       help="train H inner steps on each rank between exchanges (DiLoCo; "
-                            "docs/slow-links.md); default: every update synchronous, "
-                            "the large-batch update")
-    group.add_argument("--outer-lr", type=float, default=1.0, metavar="ETA",
-                       help="--local-steps: rate of the outer step (default: %(default)s, with "
-                            "--outer-momentum 0 the samples-weighted average of the ranks' "
-                            "models; DiLoCo's: 0.7)")
-    group.add_argument("--outer-momentum", type=float, default=0.0, metavar="MU",
-                       help="--local-steps: Nesterov momentum of the outer step (default: "
-                            "%(default)s, none; DiLoCo's: 0.9, which multiplies the job's LR "
-                            "up to ETA / (1 - MU) times: docs/slow-links.md)")
-    group.add_argument("--outer-overlap", action="store_true",
-                       help="--local-steps: exchange a round while the next one computes; "
-                            "apply it one round late")
-    group.add_argument("--outer-dtype", choices=sorted(CODECS.names()), default="float32",
-                       help="--local-steps: what the exchange sends; bfloat16 halves the "
-                            "bytes, int8 (with a scale per 256 values) quarters them "
-                            "(default: %(default)s)")
-    group.add_argument("--grad-compression", choices=("none", "powersgd"), default="none",
-                       help="synchronous updates: compress the gradient all-reduce with "
-                            "PowerSGD (error feedback; --zero 0 or 1) (default: none)")
-    group.add_argument("--powersgd-rank", type=int, default=4, metavar="R",
-                       help="PowerSGD: rank of each matrix's approximation (default: 4)")
-    group.add_argument("--powersgd-start", type=int, default=10, metavar="N",
-                       help="PowerSGD: plain all-reduce for the first N updates (at least "
-                            "2; default: 10)")
-    group.add_argument("--powersgd-min-compression", type=float, default=2.0, metavar="X",
-                       help="PowerSGD: compress a matrix only when that shrinks it X times; "
-                            "others go whole (default: 2, PyTorch's)")
-
-
-def check_args(args, defaults):
-    """Combinations that make no sense, each refused with one message
-    (``defaults``: the parser's, to tell which flags were given)."""
-    if args.local_steps < 0:
-        raise UserError(f"--local-steps {args.local_steps}: expected H >= 1 inner steps per "
-                        "round (or leave it out for synchronous updates)")
-    if not args.local_steps:
-        given = given_flags(args, defaults, ("outer_lr", "outer_momentum", "outer_overlap",
-                                        "outer_dtype"))
-        if given:
-            raise UserError(f"{', '.join(given)} set the outer step of --local-steps; add "
-                            "--local-steps H (e.g. 32)")
-    else:
-        _check_local_steps(args)
-    _check_powersgd(args, defaults)
-
-
-
-def _check_local_steps(args):
-    refused = (
-        (args.grad_compression != "none", "--grad-compression compresses synchronous updates; "
-         "with --local-steps use --outer-dtype bfloat16 or int8"),
-        (args.zero >= 2, f"--zero {args.zero} shards gradients or parameters, which local "
-         "steps keep whole on every rank; use --zero 0, or --zero 1 (the outer step's state "
-         "sharded)"),
-        (args.fp16, "--fp16's loss scale would differ from rank to rank inside a round; use "
-         "--bf16"),
-        (args.reduce_dtype != "float32", f"--reduce-dtype {args.reduce_dtype} sets the dtype "
-         "of gradient all-reduces, which local steps do not make; use --outer-dtype"),
-        (args.outer_lr <= 0, f"--outer-lr {args.outer_lr}: expected a rate > 0"),
-        (not 0 <= args.outer_momentum < 1, f"--outer-momentum {args.outer_momentum}: "
-         "expected 0 <= mu < 1"),
-    )
-    _refuse(f"--local-steps {args.local_steps}", refused)
-
-
-def _refuse(prefix, refused):
-    """The first (bad, message) that is bad, as one UserError."""
-    for bad, message in refused:
-        if bad:
-            raise UserError(f"{prefix}: {message}")
-
-
-def _check_powersgd(args, defaults):
-    if args.grad_compression != "powersgd":
-        given = given_flags(args, defaults, ("powersgd_rank", "powersgd_start",
-                                        "powersgd_min_compression"))
-        if given:
-            raise UserError(f"{', '.join(given)} set PowerSGD; add --grad-compression powersgd")
-        return
-    refused = (
-        (args.zero >= 2, f"--zero {args.zero} reduce-scatters gradients (FSDP), which "
-         "PowerSGD does not compress; use --zero 0 or 1"),
-        (args.reduce_dtype != "float32", f"--reduce-dtype {args.reduce_dtype} is another "
-         "compression of the same all-reduce; pick one"),
-        (args.elastic, "--elastic restarts DDP with every change of members, and with it "
-         "PowerSGD's error memory; leave out one of the two"),
-        (args.powersgd_rank < 1, f"--powersgd-rank {args.powersgd_rank}: expected R >= 1"),
-        (args.powersgd_start < 2, f"--powersgd-start {args.powersgd_start}: expected N >= 2 "
-         "(DDP builds its buckets in the first update)"),
-    )
-    _refuse("--grad-compression powersgd", refused)
 
 
 class _Flat:
