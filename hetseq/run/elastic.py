@@ -52,7 +52,8 @@ from hetseq.distributed import health, rendezvous, tunnel
 from hetseq.distributed.generations import choose_source
 from hetseq.distributed.launch import (PRELOAD, DistContext, WorkerFailed, device_of, exit_now,
                                        set_threads, start_linked)
-from hetseq.distributed.membership import JobDone, Membership, Place, TooFew
+from hetseq.distributed.membership import JobDone, Membership, TooFew
+from hetseq.distributed.place import Place
 from hetseq.distributed.topology import resolve_elastic
 from hetseq.errors import HetSeqError, PeerLost, UserError
 from hetseq.reporting import NODE, rank_ranges, setup_logging
