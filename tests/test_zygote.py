@@ -132,3 +132,17 @@ def test_what_the_imports_printed_every_child_prints_first(tmp_path, monkeypatch
     assert preloaded.printed == [b"said at import\n", b"warned\n"]
     assert preloaded.environ["ZYGOTE_TEST_SET"] == "by import"
     monkeypatch.delenv("ZYGOTE_TEST_SET")
+
+
+def test_a_bad_request_costs_that_request_not_the_zygote(zygote, tmp_path):
+    import json
+    import socket
+    for payload in (b"not json", json.dumps({"argv": ["x.py"]}).encode()):    # no streams
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            conn.connect(zygote.path)
+            conn.send(payload)
+            assert "error" in json.loads(conn.recv(1 << 16))
+    (tmp_path / "ok.py").write_text("print('still here')\n")
+    done = run(zygote, [tmp_path / "ok.py"], tmp_path, {**os.environ, "OMP_NUM_THREADS": "1"},
+               timeout=60)
+    assert (done.returncode, done.stdout) == (0, "still here\n")

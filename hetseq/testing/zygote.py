@@ -13,18 +13,20 @@ the script's. A test gets a Popen-like ``Child``.
 What a child shares with the zygote, and why that does not change what the
 tests see:
 - modules imported before its flags were read: HetSeq reads its flags and
-  environment at run time, not at import; the zygote's environment has the
-  one variable torch reads at import that tests set (OMP_NUM_THREADS=1,
-  ``conftest.child_env``);
+  environment at run time, not at import; what the imports did to the
+  environment and printed, a child does again (``Preloaded``); a command
+  whose variables read at start (AT_START) differ from the zygote's gets a
+  process of its own (``Zygote.serves``);
 - Python's hash seed (the same in every child; ranks forked from a fork
   server share theirs already); ``random`` reseeds itself after a fork and
   torch's generators start from their fixed seed in any fresh process;
 - the zygote never runs an OpenMP region, so a fork is safe (the fork
   server's rule, launch.start_method).
 The child is the zygote's, not the test's: its exit code comes back over the
-socket, and the test signals it by pid. Tests that need a process started
-from nothing (the launcher over SSH, namespace hosts, resource limits) keep
-``subprocess``.
+socket, and the test signals it by pid. On a namespace host the child
+enters the host itself (cluster.enter_host). Tests that need a process
+started from nothing (the launcher's nodes over SSH, the real launchers,
+resource limits) keep ``subprocess``.
 """
 
 import atexit
@@ -75,9 +77,10 @@ class Preloaded:
                           for entry in f.read().split(b"\0") if entry)
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
                 contextlib.ExitStack() as stack:
+            sys.stdout.flush()
+            sys.stderr.flush()
             saved = os.dup(1), os.dup(2)
             for fd, file in ((1, out), (2, err)):
-                sys.stdout.flush() if fd == 1 else sys.stderr.flush()
                 os.dup2(file.fileno(), fd)           # what C code writes
             stack.enter_context(contextlib.redirect_stdout(_text(out)))   # and Python
             stack.enter_context(contextlib.redirect_stderr(_text(err)))
@@ -156,27 +159,30 @@ def _reap(running):
             return
         conn = running.pop(pid, None)
         if conn is not None:
-            try:
-                conn.send(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode())
-            except OSError:
-                pass                  # the test stopped listening
+            _answer(conn, {"code": os.waitstatus_to_exitcode(status)})
             conn.close()
 
 
 def _fork(conn, running, own, preloaded):
+    """Start the child ``conn`` asks for and tell it the pid (or why not);
+    a request or a test gone wrong costs that request, not the zygote."""
+    fds = []
     try:
         data, fds, _, _ = socket.recv_fds(conn, MESSAGE, 3)
         request = json.loads(data)
         if len(fds) != 3:
             raise ValueError(f"3 standard streams expected, got {len(fds)}")
+        # The child closes ``settled`` once it leads its own session (when
+        # asked): like Popen's, the pid goes back only then, so a killpg
+        # right after works.
+        waiting, settled = os.pipe()
+        pid = os.fork()
     except (OSError, ValueError) as err:
-        conn.send(json.dumps({"error": str(err)}).encode())
+        _answer(conn, {"error": str(err)})
+        for fd in fds:
+            os.close(fd)
         conn.close()
         return
-    # The child closes ``settled`` once it leads its own session (when asked):
-    # like Popen, the pid goes back only then, so a killpg right after works.
-    waiting, settled = os.pipe()
-    pid = os.fork()
     if pid == 0:
         os.close(waiting)
         for sock in [*own, *running.values(), conn]:
@@ -187,8 +193,18 @@ def _fork(conn, running, own, preloaded):
     os.close(waiting)
     for fd in fds:
         os.close(fd)
-    conn.send(json.dumps({"pid": pid}).encode())
-    running[pid] = conn
+    if _answer(conn, {"pid": pid}):
+        running[pid] = conn
+    else:
+        conn.close()                 # the test went away: the child runs on, unwatched
+
+
+def _answer(conn, message):
+    try:
+        conn.send(json.dumps(message).encode())
+        return True
+    except OSError:
+        return False
 
 
 def _become(request, fds, settled, preloaded):
