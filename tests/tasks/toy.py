@@ -52,7 +52,8 @@ class ToyTask(Task):
                                 "toy_perturb_after", "toy_nan_grad_after", "toy_log_indices",
                                 "toy_nan_bias_grad_after", "toy_drift_rank", "toy_drift",
                                 "toy_fail_after", "toy_dump_params", "toy_sample_ms",
-                                "toy_slow_state_ms", "toy_hold_until", "toy_slow_while"})
+                                "toy_slow_state_ms", "toy_hold_until", "toy_hold_from",
+                                "toy_slow_while"})
     @classmethod
     def add_args(cls, parser):
         parser.add_argument("--toy-size", type=int, default=100, help="samples in the train split")
@@ -77,6 +78,9 @@ class ToyTask(Task):
         parser.add_argument("--toy-hold-until", metavar="PATH",
                             help="this node's training steps wait until PATH exists (a test "
                                  "holds a job at its first update while something happens)")
+        parser.add_argument("--toy-hold-from", type=int, default=1, metavar="N",
+                            help="--toy-hold-until holds from this node's train_step call N on "
+                                 "(a job held after a few updates)")
         parser.add_argument("--toy-slow-while", metavar="PATH",
                             help="while PATH exists, each of this node's training steps takes "
                                  "1 s more (a test keeps a job updating, slowly, until "
@@ -156,7 +160,8 @@ class ToyTask(Task):
     def train_step(self, model, sample, backward=None):
         self.calls = getattr(self, "calls", 0) + 1
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        while self.args.toy_hold_until and not os.path.exists(self.args.toy_hold_until):
+        while (self.args.toy_hold_until and self.calls >= self.args.toy_hold_from
+               and not os.path.exists(self.args.toy_hold_until)):
             time.sleep(0.02)
         if self.args.toy_slow_while and os.path.exists(self.args.toy_slow_while):
             time.sleep(1.0)
