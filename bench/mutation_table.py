@@ -92,10 +92,26 @@ MUTATIONS = {
          "tests/test_checkpoint.py::test_resume_on_another_world_size_is_exact_with_dropout"]),
     "attention-dropout-drawn-per-rank": (
         "BERT's attention-probability dropout is drawn per sample too",
-        "hetseq/bert/model.py",
-        "        if p > 0 and randomness.active():",
-        "        if False:",
+        "hetseq/nn.py",
+        "    if not (p > 0 and randomness.active()):",
+        "    if True:",
         ["tests/test_randomness.py::test_dropout_models_split_over_ranks_match_one_process"]),
+    "kernel-draws-per-slot": (
+        "the Triton kernels draw each sample's masks from its own key, not its slot in the batch",
+        "hetseq/kernels/triton_hash.py",
+        "    return tl.load(SITE_KEYS + sample, mask=real, other=0).to(tl.uint32, bitcast=True)",
+        "    return (tl.load(SITE_KEYS + 0 * sample, mask=real, other=0) + sample).to(\n"
+        "        tl.uint32, bitcast=True)",
+        ["tests/test_kernels.py::test_a_samples_attention_mask_is_its_own_wherever_it_sits",
+         "tests/test_kernels.py::test_the_dropout_kernel_keeps_what_the_torch_path_keeps",
+         "tests/test_randomness.py::"
+         "test_dropout_models_split_over_ranks_through_the_kernels_match_one_process"]),
+    "compiled-draws-break-the-graph": (
+        "a compiled forward traces its keyed draws without a graph break",
+        "hetseq/randomness.py",
+        "    word = _SITE_WORDS.get(site)",
+        "    word = None",
+        ["tests/test_kernels.py::test_a_compiled_bert_forward_draws_in_one_graph"]),
     "draws-keyed-by-batch-position": (
         "a sample's key is made from its index in the dataset, not its place in the batch",
         "hetseq/data/iterators.py",
@@ -105,9 +121,9 @@ MUTATIONS = {
          "tests/test_parity.py::test_two_uneven_ranks_match_one_process"]),
     "draws-depend-on-padding": (
         "a position's draw does not depend on the length a sequence is padded to",
-        "hetseq/randomness.py",
-        "words = _absorb_(words.unsqueeze(-1).expand(*words.shape, size).clone(), index)",
-        "words = _absorb_(words.unsqueeze(-1).expand(*words.shape, size).clone(), index + size)",
+        "hetseq/kernels/words.py",
+        "words = absorb_(words.unsqueeze(-1).expand(*words.shape, size).clone(), index)",
+        "words = absorb_(words.unsqueeze(-1).expand(*words.shape, size).clone(), index + size)",
         ["tests/test_randomness.py::test_a_samples_mask_does_not_depend_on_its_batch_or_its_padding",
          "tests/test_randomness.py::test_dropout_models_split_over_ranks_match_one_process"]),
     "draws-ignore-the-epoch": (

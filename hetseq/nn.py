@@ -3,7 +3,7 @@
 import torch.nn.functional as F
 from torch import nn
 
-from hetseq import randomness
+from hetseq import kernels, randomness
 
 
 class Dropout(nn.Dropout):
@@ -32,3 +32,19 @@ class Dropout(nn.Dropout):
 
     def extra_repr(self):
         return super().extra_repr() + (f", site={self.site!r}" if self.site else "")
+
+
+def attention(q, k, v, key_mask, dropout):
+    """``F.scaled_dot_product_attention`` of q, k, v ([batch, heads, L, d])
+    whose probabilities' dropout is ``dropout``'s (a ``Dropout`` of the
+    model: its p, its site), drawn per sample while HetSeq trains: on CUDA
+    inside one flash-style kernel, elsewhere explicitly, with the same masks.
+    ``key_mask``: [batch, L] bool, True where a key may be attended, or None.
+    Outside a training step it is torch's fused attention and dropout."""
+    p = dropout.p if dropout.training else 0.0
+    if not (p > 0 and randomness.active()):
+        return kernels.sdpa(q, k, v, key_mask, p)
+    if dropout.site is None:
+        raise RuntimeError("hetseq.nn.attention's dropout has no site: build it as part of "
+                           "the task's model (the Controller names every one it holds)")
+    return randomness.attention(q, k, v, key_mask, p, dropout.site)

@@ -20,21 +20,23 @@ node and a GPU node draw identical masks):
   passes, and how many times that site has drawn in this forward) is hashed
   into each key (``_site_keys``);
 - each element of a sample's tensor has a *coordinate word*: the hash of its
-  indices, dimension by dimension (``_coordinates``). It does not depend on
-  the tensor's size, so padding a sequence to another length leaves the
-  words of its real positions, and hence their draws, unchanged;
-- the draw is ``mix(coordinate word ^ site key)``: 32 random bits per element,
-  a counter-based generator (the role Philox plays in cuRAND), computed with
-  about ten elementwise integer passes. On CPU that is faster than torch's
-  own dropout, whose Mersenne Twister runs on one thread.
+  indices, dimension by dimension. It does not depend on the tensor's size,
+  so padding a sequence to another length leaves the words of its real
+  positions, and hence their draws, unchanged;
+- the draw is ``absorb(coordinate word, site key)``: 32 random bits per
+  element, a counter-based generator (the role Philox plays in cuRAND).
 
-The mixing function is Wellons's ``lowbias32`` (two multiply-xorshift
-rounds; full avalanche). Tensors hold int32 and wrap on overflow; shifts are
-made logical with a mask. ``tests/test_randomness.py`` checks every step
-against the same function on Python integers.
+The hash (Wellons's ``lowbias32``) and its int32 tensor form are in
+hetseq/kernels/words.py; hetseq/kernels/ draws and applies the masks, on
+CUDA inside Triton kernels (attention flash-style), elsewhere in torch
+passes: the same bits either way. ``tests/test_randomness.py`` checks every
+step against the same function on Python integers.
 
 A task draws through this module inside ``Task.loss`` (``uniform``,
-``generators``, ``dropout``) or with ``hetseq.nn.Dropout`` in its model. The
+``generators``, ``dropout``, ``attention``) or with ``hetseq.nn.Dropout``
+and ``hetseq.nn.attention`` in its model. Under ``torch.compile`` the
+draws trace into the graph (the call counts are Python state that dynamo
+replays; the kernels are custom operators), except ``generators``. The
 Controller opens ``using(keys)`` around each micro-batch's forward; outside
 it (a model run by hand, evaluation) nothing is keyed and ``dropout`` is
 torch's. A site draws once per call: a module called twice in a forward
@@ -53,55 +55,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-WORD = 1 << 32
-GOLDEN = 0x9E3779B9            # added at every absorb, so that a zero word still mixes
-MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
-SHIFTS = (16, 15, 16)
-
-
-# ---- the hash, on Python integers (the reference the tensors must equal) ----
-
-def mix32(value):
-    """lowbias32 of an unsigned 32-bit integer."""
-    x = value % WORD
-    for shift, multiplier in zip(SHIFTS, MULTIPLIERS + (None,)):
-        x ^= x >> shift
-        if multiplier is not None:
-            x = (x * multiplier) % WORD
-    return x
-
-
-def absorb32(state, word):
-    """The state after taking in one more 32-bit word."""
-    return mix32(((state ^ (word % WORD)) + GOLDEN) % WORD)
-
-
-def _signed(value):
-    """An unsigned 32-bit value as the int32 a tensor holds."""
-    value %= WORD
-    return value - WORD if value >= 1 << 31 else value
-
-
-# ---- the same on int32 tensors, in place ----
-
-_MULTIPLIERS = tuple(_signed(m) for m in MULTIPLIERS)
-_GOLDEN = _signed(GOLDEN)
-
-
-def _mix_(x):
-    """lowbias32 of every element of the int32 tensor ``x``, in place."""
-    for shift, multiplier in zip(SHIFTS, _MULTIPLIERS + (None,)):
-        # >> on int32 copies the sign bit; the mask makes the shift logical.
-        x.bitwise_xor_(x.bitwise_right_shift(shift).bitwise_and_((1 << (32 - shift)) - 1))
-        if multiplier is not None:
-            x.mul_(multiplier)            # wraps modulo 2**32
-    return x
-
-
-def _absorb_(state, words):
-    """``absorb32`` elementwise, in place on ``state`` (int32; ``words`` broadcast)."""
-    state.bitwise_xor_(words).add_(_GOLDEN)
-    return _mix_(state)
+from hetseq import kernels
+from hetseq.kernels import ops
+from hetseq.kernels.words import WORD, absorb32, absorb_, signed
 
 
 def _words(values):
@@ -128,38 +84,30 @@ def sample_keys(seed, epoch, indices):
     for word in (seed % WORD, seed // WORD % WORD, epoch % WORD):
         state = absorb32(state, word)
     low, high = _words(indices)
-    keys = torch.full(low.shape, _signed(state), dtype=torch.int32)
-    return _absorb_(_absorb_(keys, low), high)
+    keys = torch.full(low.shape, signed(state), dtype=torch.int32)
+    return absorb_(absorb_(keys, low), high)
+
+
+# Each site's word, computed once: a compiled forward reads it from here
+# (torch.compile cannot trace zlib), so name_sites fills it before compiling.
+_SITE_WORDS = {}
 
 
 def _site_word(site):
-    return zlib.crc32(site.encode("utf-8"))
+    word = _SITE_WORDS.get(site)
+    if word is None:
+        word = _SITE_WORDS[site] = zlib.crc32(site.encode("utf-8"))
+    return word
 
 
 def _site_keys(keys, site, call):
     """The samples' keys for the ``call``-th draw of ``site`` in a forward."""
-    return _absorb_(_absorb_(keys.clone(), _signed(_site_word(site))), _signed(call))
-
-
-@functools.lru_cache(maxsize=32)
-def _coordinates(shape, device):
-    """int32 words for every element of a per-sample tensor of ``shape``,
-    hashed dimension by dimension from its indices, never from the sizes:
-    element (i, j) has the same word in a (4, 7) tensor and in a (9, 7) one."""
-    words = torch.zeros((), dtype=torch.int32, device=device)
-    for size in shape:
-        index = torch.arange(size, dtype=torch.int32, device=device)
-        words = _absorb_(words.unsqueeze(-1).expand(*words.shape, size).clone(), index)
-    return words
+    return ops.site_keys(keys, _site_word(site), call)
 
 
 def _bits(keys, site, call, shape, device):
     """32 random bits (int32) for each element of a [len(keys), *shape] tensor."""
-    site_keys = _site_keys(keys.to(device), site, call)
-    coordinates = _coordinates(tuple(shape), device)
-    bits = coordinates.unsqueeze(0).bitwise_xor(
-        site_keys.view((-1,) + (1,) * len(shape)))
-    return _mix_(bits.add_(_GOLDEN))
+    return ops.keyed_bits(_site_keys(keys.to(device), site, call), list(shape))
 
 
 # ---- the keys of the forward under way ----
@@ -183,7 +131,10 @@ class _Draws:
     def next_call(self, site):
         # A draw inside backward is a recompute (activation checkpointing): it
         # must draw what the forward drew, which only checkpoint_context knows.
-        if not self.replaying and torch._C._current_graph_task_id() != -1:
+        # (A compiled forward counts its draws while it is traced; dynamo
+        # replays the counts each run.)
+        if not (self.replaying or torch.compiler.is_compiling()) and \
+                torch._C._current_graph_task_id() != -1:
             raise RuntimeError(
                 f"hetseq.randomness: '{site}' draws again during backward: activation "
                 "checkpointing recomputes the forward, and a keyed draw counts its calls. "
@@ -277,7 +228,6 @@ def _eager(fn):
     return call
 
 
-@_eager
 def uniform(site, shape, device=None):
     """Uniform floats in [0, 1) of shape [batch, *shape], row i drawn for the
     batch's sample i at ``site`` (a name unique in the task's forward)."""
@@ -298,34 +248,44 @@ def generators(site):
 
 def dropout(x, p, site, training=True):
     """Dropout of ``x`` ([batch, ...]) with the mask of each sample drawn
-    from its own stream at ``site``; torch's dropout when nothing is keyed."""
+    from its own stream at ``site``; torch's dropout when nothing is keyed.
+    An element is kept when its 32 bits, as int32, are at or above
+    p * 2**32 - 2**31 (kernels.threshold): probability 1 - p, to 2**-32."""
     if not training or p == 0.0:
         return x
     if not active():
         return F.dropout(x, p, training=True)
-    return _keyed_dropout(x, p, site)
+    kernels.threshold(p)            # a bad p is refused before any draw counts
+    return kernels.dropout(x, _site_keys_of(x, site, "dropout"), p)
 
 
-@_eager
-def _keyed_dropout(x, p, site):
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1], got {p}")
-    threshold = round(p * WORD) - (1 << 31)
-    if threshold >= 1 << 31:      # p within 2**-33 of 1: nothing is kept
-        return x * 0.0
-    draws = _draws("dropout")
-    _check_batch(x.shape[0], draws, "dropout")
-    bits = _bits(draws.keys, site, draws.next_call(site), x.shape[1:], x.device)
-    keep = bits >= threshold     # kept with probability 1 - p, to 2**-32
-    # x * keep / (1 - p) in one kernel that saves only the boolean mask for
-    # backward: the op torch's own dropout backward uses.
-    return torch.ops.aten.native_dropout_backward(x, keep, 1.0 / (1.0 - p))
+def attention(q, k, v, key_mask, p, site):
+    """Scaled dot-product attention (q, k, v: [batch, heads, L, d]) whose
+    probabilities' dropout is drawn per sample at ``site``, (head, query,
+    key) each an element's coordinates: the same mask for a sample however
+    it is batched or padded. ``key_mask``: [batch, L], True where a key may
+    be attended (None: every key). Torch's fused attention and dropout when
+    nothing is keyed. On CUDA one flash-style kernel (kernels/), elsewhere
+    the explicit arithmetic, with the same masks."""
+    if p == 0.0 or not active():
+        return kernels.sdpa(q, k, v, key_mask, p)
+    kernels.threshold(p)
+    return kernels.attention(q, k, v, key_mask, _site_keys_of(q, site, "attention"), p)
+
+
+def _site_keys_of(x, site, what):
+    draws = _draws(what)
+    _check_batch(x.shape[0], draws, what)
+    return _site_keys(draws.keys.to(x.device), site, draws.next_call(site))
 
 
 def name_sites(model):
     """Give every module of ``model`` that draws per sample (it has a
     ``site`` attribute left None) its path in the model as its site: the
     same on every rank, since every rank builds the same model."""
+    kernels.chosen()                # HETSEQ_KERNELS checked before the first forward
     for name, module in model.named_modules():
         if hasattr(module, "site") and module.site is None:
             module.site = name or type(module).__name__
+        if getattr(module, "site", None):
+            _site_word(module.site)

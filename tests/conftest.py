@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetseq.testing.watched import Watched  # noqa: F401  (tests import it from here)
+# Without a GPU, HetSeq's Triton kernels (hetseq/kernels/) run in Triton's
+# interpreter on CPU tensors. Set before any kernel is defined: triton.jit
+# reads it then, in this process and in every command a test starts.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hetseq.testing.watched import Watched  # noqa: F401,E402  (tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ["--task", "toy", "--user-dir", str(ROOT / "tests" / "tasks")]

@@ -124,6 +124,6 @@ def _design_map():
 def test_the_design_map_lists_every_module_and_only_those():
     listed = {path for path in _design_map() if path.startswith("hetseq/")}
     present = {str(p.relative_to(ROOT)) for p in (ROOT / "hetseq").rglob("*.py")
-               if p.name != "__init__.py" or p.parent.name in ("optim", "tasks", "reporting")}
+               if p.name != "__init__.py" or p.parent.name in ("optim", "tasks", "reporting", "kernels")}
     assert sorted(listed - present) == [], "docs/design.md lists modules that do not exist"
     assert sorted(present - listed) == [], "modules missing from docs/design.md's layout"

@@ -6,33 +6,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import require_module
 from hetseq import randomness
+from hetseq.kernels import words
 from hetseq.nn import Dropout
 
 
 def reference_bits(key, site, call, coordinates):
     """One element's 32 bits, on Python integers: what the tensors must give."""
-    site_key = randomness.absorb32(randomness.absorb32(key % 2**32,
-                                                       randomness._site_word(site)), call)
+    site_key = words.absorb32(words.absorb32(key % 2**32, randomness._site_word(site)), call)
     word = 0
     for index in coordinates:
-        word = randomness.absorb32(word, index)
-    return randomness._signed(randomness.absorb32(word, site_key))
+        word = words.absorb32(word, index)
+    return words.signed(words.absorb32(word, site_key))
 
 
 def test_the_hash_on_tensors_equals_the_hash_on_python_integers():
     """int32 tensors wrap on overflow and shift arithmetically: the module
     masks the shifts; this pins that it computes the function it documents."""
     values = torch.tensor([0, 1, -1, 2**31 - 1, -2**31, 123456789, -987654321], dtype=torch.int32)
-    mixed = randomness._mix_(values.clone()).tolist()
-    assert mixed == [randomness._signed(randomness.mix32(v)) for v in values.tolist()]
+    mixed = words.mix_(values.clone()).tolist()
+    assert mixed == [words.signed(words.mix32(v)) for v in values.tolist()]
     indices = [0, 7, 2**32 + 5, 10**12]
     expected = []
     for index in indices:
         state = 0
         for word in (123, 0, 4, index % 2**32, index >> 32):
-            state = randomness.absorb32(state, word)
-        expected.append(randomness._signed(state))
+            state = words.absorb32(state, word)
+        expected.append(words.signed(state))
     assert randomness.sample_keys(123, 4, indices).tolist() == expected
     keys = randomness.sample_keys(1, 1, [3, 8])
     bits = randomness._bits(keys, "layer.dropout", 2, (3, 5), torch.device("cpu"))
@@ -231,9 +232,31 @@ def split_runs(models, tmp_path_factory):
     return run_jobs(2, jobs, tmp_path_factory.mktemp("dropout-jobs"))
 
 
+@pytest.fixture(scope="module")
+def kernel_split_runs(models, tmp_path_factory):
+    """The 6+2 splits with every draw made inside the Triton kernels (on a
+    CPU in Triton's interpreter: conftest sets TRITON_INTERPRET=1)."""
+    require_module("triton")
+    from hetseq.testing.jobs import run_jobs
+    jobs = [(f"{task} 6+2", [[*models[task], "--max-sentences", 6],
+                             [*models[task], "--max-sentences", 2]]) for task in ("bert", "glue")]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HETSEQ_KERNELS", "triton")
+        return run_jobs(2, jobs, tmp_path_factory.mktemp("dropout-kernel-jobs"))
+
+
+_ALONE = {}
+
+
 def alone(argv):
+    """One process of 8 through the torch path (the reference), once per argv."""
     from hetseq.testing.jobs import run_alone
-    return run_alone([*argv, "--max-sentences", 8])["model"]
+    key = tuple(map(str, argv))
+    if key not in _ALONE:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("HETSEQ_KERNELS", "torch")
+            _ALONE[key] = run_alone([*argv, "--max-sentences", 8])["model"]
+    return _ALONE[key]
 
 
 def largest_difference(a, b):
@@ -253,3 +276,14 @@ def test_dropout_models_split_over_ranks_match_one_process(models, split_runs, n
     # The dropout took part: without it the same run lands elsewhere.
     without = alone(models[f"{task} without dropout"])
     assert largest_difference(reference, without) > 100 * FP32_EXACT
+
+
+@pytest.mark.parametrize("name", ["bert 6+2", "glue 6+2"])
+def test_dropout_models_split_over_ranks_through_the_kernels_match_one_process(
+        models, kernel_split_runs, name):
+    """The same through the kernels that draw inside (attention flash-style,
+    elementwise dropout in one pass): the weights of one process of 8
+    trained through the torch path, so the two paths draw the same masks
+    and a CPU node and a GPU node of one job train one model."""
+    reference = alone(models[name.split()[0]])
+    assert largest_difference(reference, kernel_split_runs[name].state["model"]) < FP32_EXACT

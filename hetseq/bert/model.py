@@ -1,9 +1,9 @@
 """BERT encoder with masked-LM and next-sentence heads (pretraining) or a
 classification head (fine-tuning), from a Google/NVIDIA ``bert_config.json``
-or a Hugging Face ``config.json``. Attention runs through ``scaled_dot_product_attention``,
-except while training with attention dropout under HetSeq: each sample's mask
-is then drawn from its own stream (hetseq/randomness.py), which needs the
-probabilities as a tensor (SDPA draws its mask inside).
+or a Hugging Face ``config.json``. Attention runs through ``hetseq.nn.attention``:
+torch's fused attention, except while training with attention dropout under
+HetSeq, where each sample's mask is drawn from its own stream
+(hetseq/randomness.py): inside a flash-style kernel on CUDA, explicitly on CPU.
 
 Parameter names follow Hugging Face's ``BertForPreTraining`` except that the
 query/key/value projections are fused into one ``qkv`` matrix (one GEMM
@@ -17,9 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetseq import randomness
 from hetseq.errors import UserError
-from hetseq.nn import Dropout
+from hetseq.nn import Dropout, attention
 
 ACTIVATIONS = {
     "gelu": F.gelu,
@@ -126,26 +125,14 @@ class BertAttention(nn.Module):
         self.probs_dropout = Dropout(c.attention_probs_dropout_prob)
         self.output = DenseLayerNorm(c.hidden_size, c)
 
-    def forward(self, x, attn_mask):
+    def forward(self, x, key_mask):
         B, L, H = x.shape
         q, k, v = self.qkv(x).view(B, L, 3, self.heads, H // self.heads).permute(2, 0, 3, 1, 4)
-        p = self.probs_dropout.p if self.training else 0.0
-        if p > 0 and randomness.active():
-            context = self._keyed(q, k, v, attn_mask)
-        else:   # fused; dropout (outside HetSeq's training step) is torch's
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
+        # A padded key's probability is 0 and a real position's draw does not
+        # depend on the padded length: a sample's result does not depend on
+        # what it was batched with.
+        context = attention(q, k, v, key_mask, self.probs_dropout)
         return self.output(context.transpose(1, 2).reshape(B, L, H), x)
-
-    def _keyed(self, q, k, v, attn_mask):
-        """SDPA's arithmetic with the probabilities' dropout drawn per sample.
-        A padded key's probability is 0 whatever its mask, and a real
-        position's draw does not depend on the padded length, so a sample's
-        result does not depend on what it was batched with."""
-        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-        # The lowest finite score, not -inf: a sample with no real token gets
-        # even weights instead of NaN (softmax of a row of -inf).
-        scores = scores.masked_fill(~attn_mask, torch.finfo(scores.dtype).min)
-        return self.probs_dropout(scores.softmax(-1)) @ v
 
 
 class Intermediate(nn.Module):
@@ -165,8 +152,8 @@ class BertLayer(nn.Module):
         self.intermediate = Intermediate(c)
         self.output = DenseLayerNorm(c.intermediate_size, c)
 
-    def forward(self, x, attn_mask):
-        x = self.attention(x, attn_mask)
+    def forward(self, x, key_mask):
+        x = self.attention(x, key_mask)
         return self.output(self.intermediate(x), x)
 
 
@@ -175,9 +162,9 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(c) for _ in range(c.num_hidden_layers))
 
-    def forward(self, x, attn_mask):
+    def forward(self, x, key_mask):
         for layer in self.layer:
-            x = layer(x, attn_mask)
+            x = layer(x, key_mask)
         return x
 
 
@@ -199,9 +186,9 @@ class BertModel(nn.Module):
         self.pooler = BertPooler(c)
 
     def forward(self, input_ids, token_type_ids, attention_mask):
-        # Boolean mask, True where a key may be attended: [B, 1, 1, L].
-        attn_mask = attention_mask.bool()[:, None, None, :]
-        hidden = self.encoder(self.embeddings(input_ids, token_type_ids), attn_mask)
+        # Boolean mask, True where a key may be attended: [B, L].
+        key_mask = attention_mask.bool()
+        hidden = self.encoder(self.embeddings(input_ids, token_type_ids), key_mask)
         return hidden, self.pooler(hidden)
 
 

@@ -1,0 +1,127 @@
+"""The kernels keyed draws run in (hetseq/randomness.py chooses what to
+draw; these draw it and apply it).
+
+Two paths give the same bits for every element (words.py's hash):
+
+    torch   int32 tensor passes (about ten per element), the mask applied by
+            torch's own dropout backward; attention computed explicitly, its
+            L x L probabilities kept for backward. CPUs, and the reference.
+    triton  the hash computed inside the kernel that uses it: elementwise
+            dropout in one pass, attention flash-style (triton_attention.py),
+            nothing L x L in memory, masks drawn again in backward. CUDA
+            devices, when Triton is installed (it ships with torch's CUDA
+            builds).
+
+``HETSEQ_KERNELS=torch|triton`` forces one (the default, ``auto``, is the
+above). ``triton`` on a CPU tensor runs Triton's
+interpreter and needs ``TRITON_INTERPRET=1``: how the tests run the
+kernels without a GPU.
+"""
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from hetseq.errors import UserError
+from hetseq.kernels import ops, words
+
+PATHS = ("torch", "triton")
+_checked = set()    # HETSEQ_KERNELS values seen: checked once each
+_triton = []        # whether Triton imports, once known
+
+
+def chosen():
+    """What HETSEQ_KERNELS asks for: auto, torch or triton. Read at each call
+    (a process forked from one that read it may run with another value)."""
+    name = os.environ.get("HETSEQ_KERNELS", "auto")
+    if name not in _checked:
+        if name not in ("auto",) + PATHS:
+            raise UserError(f"HETSEQ_KERNELS={name}: expected auto, torch or triton")
+        if name == "triton" and not _imports_triton():
+            raise UserError("HETSEQ_KERNELS=triton but Triton is not installed; pip install "
+                            "triton, or leave HETSEQ_KERNELS out")
+        _checked.add(name)
+    return name
+
+
+def _imports_triton():
+    if not _triton:
+        try:
+            import triton  # noqa: F401
+            _triton.append(True)
+        except ImportError:
+            _triton.append(False)
+    return _triton[0]
+
+
+def path(device):
+    """The path keyed draws take for tensors on ``device``."""
+    name = chosen()
+    if name == "auto":
+        return "triton" if device.type == "cuda" and _imports_triton() else "torch"
+    if name == "triton" and device.type != "cuda" and \
+            os.environ.get("TRITON_INTERPRET") != "1":
+        raise UserError("HETSEQ_KERNELS=triton on a CPU tensor needs TRITON_INTERPRET=1 "
+                        "(Triton's interpreter); on a CPU use the torch path")
+    return name
+
+
+def threshold(p):
+    """The int32 an element's bits must reach to be kept with probability
+    1 - p (to 2**-32); None when nothing is kept (p within 2**-33 of 1)."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+    value = round(p * words.WORD) - (1 << 31)
+    return None if value >= 1 << 31 else value
+
+
+def dropout(x, site_keys, p):
+    """``x`` ([batch, ...]) with sample i's mask drawn from ``site_keys[i]``."""
+    cut = threshold(p)
+    if cut is None:
+        return x * 0.0
+    scale = 1.0 / (1.0 - p)
+    if x.dim() >= 2 and path(x.device) == "triton":
+        return ops.keyed_dropout(x, site_keys, cut, scale)
+    return _torch_dropout(x, site_keys, cut, scale)
+
+
+def _torch_dropout(x, site_keys, cut, scale):
+    keep = ops.keyed_bits(site_keys, list(x.shape[1:])) >= cut
+    # x * keep * scale in one kernel that saves only the boolean mask for
+    # backward: the op torch's own dropout backward uses.
+    return torch.ops.aten.native_dropout_backward(x, keep, scale)
+
+
+def attention(q, k, v, key_mask, site_keys, p):
+    """softmax(q k^T / sqrt(d), masked keys out) with its probabilities'
+    dropout drawn per (sample, head, query, key) from ``site_keys``, times v.
+    q, k, v: [batch, heads, L, d]; ``key_mask``: [batch, L] bool, True where
+    a key may be attended (None: every key)."""
+    cut = threshold(p)
+    scale = q.shape[-1] ** -0.5
+    if cut is not None and path(q.device) == "triton":
+        return ops.keyed_attention(q, k, v, key_mask, site_keys, cut, 1.0 / (1.0 - p),
+                                   scale)[0]
+    return explicit_attention(q, k, v, key_mask, site_keys, p)
+
+
+def explicit_attention(q, k, v, key_mask, site_keys, p):
+    """The torch path: SDPA's arithmetic with the probabilities as a tensor.
+    A masked key's score is the lowest finite value, not -inf: a sample with
+    no real token gets even weights instead of NaN (softmax of a row of -inf)."""
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask[:, None, None, :], torch.finfo(scores.dtype).min)
+    probs = scores.softmax(-1)
+    cut = threshold(p)
+    if cut is None:
+        return (probs * 0.0) @ v
+    return _torch_dropout(probs, site_keys, cut, 1.0 / (1.0 - p)) @ v
+
+
+def sdpa(q, k, v, key_mask, p=0.0):
+    """torch's fused attention with the same mask convention (no keys)."""
+    mask = None if key_mask is None else key_mask[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
