@@ -81,3 +81,83 @@ def test_update_is_the_mean_loss_gradient_step(want_norm):
         torch.testing.assert_close(p.detach(), e, rtol=1e-6, atol=1e-7)
     ctrl.train_step([batch], batch)
     assert result.grad_norm is None        # an earlier update's gradient is gone
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+def test_clipping_on_the_device_is_the_mean_loss_gradient_clipped(clip):
+    """The norm and the clipping factor stay on the device (no host read
+    before the step); the step is p - lr * min(1, clip / ||g||) g."""
+    ctrl, task = controller(ModeTask, "--clip-norm", str(clip))
+    ctrl._mode = lambda training: None
+    ctrl.model.eval()
+    batch = torch.randn(5, 4, generator=torch.Generator().manual_seed(2)) * 10
+    model = task.build_model().eval()
+    (model(batch).sum() / 5).backward()
+    grads = [q.grad for q in model.parameters()]
+    norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])).item()
+    factor = min(1.0, clip / (norm + 1e-6)) if clip else 1.0
+    expected = [p.detach() - 0.1 * factor * g for p, g in zip(ctrl.params, grads)]
+    result = ctrl.train_step([batch], batch)
+    assert result.grad_norm == pytest.approx(norm, rel=1e-6)
+    for p, e in zip(ctrl.params, expected):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-6, atol=1e-7)
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """torch's fused optimizers run on CPUs too: the CUDA path's logic, here."""
+    from hetseq import optim
+    monkeypatch.setattr(optim, "FUSED_DEVICES", ("cuda", "cpu"))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("clip", ["0", "0.5"])
+def test_a_fused_optimizer_skips_a_non_finite_update_on_the_device(fused_on_cpu, optimizer, clip):
+    """The flag goes to the optimizer, which skips on the device; the host
+    counts the update as skipped, as without fusion."""
+    ctrl, _ = controller(ModeTask, "--optimizer", optimizer, "--clip-norm", clip,
+                         "--momentum", "0.9" if optimizer == "sgd" else "0")
+    assert ctrl._fused
+    batch = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
+    ctrl.train_step([batch], batch)
+    before = ([p.detach().clone() for p in ctrl.params],
+              {i: {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
+               for i, s in ctrl.optimizer.state_dict()["state"].items()})
+    poisoned = batch.clone()
+    poisoned[0, 0] = float("nan")
+    result = ctrl.train_step([poisoned], poisoned)
+    assert not result.updated and ctrl.num_updates == 1 and ctrl.failed_updates == 1
+    assert all(torch.equal(p, q) for p, q in zip(ctrl.params, before[0]))
+    state = ctrl.optimizer.state_dict()["state"]
+    assert all(torch.equal(state[i][k], v) for i, s in before[1].items() for k, v in s.items())
+    assert ctrl.train_step([batch], batch).updated and ctrl.num_updates == 2
+
+
+def test_a_fused_step_is_queued_before_the_host_reads_its_flag(fused_on_cpu):
+    """On a GPU a host read waits for every kernel queued before it: the
+    fused step goes first, so the one read of the update comes after it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    ctrl, _ = controller(ModeTask, "--optimizer", "adamw", "--clip-norm", "1")
+    batch = torch.randn(5, 4, generator=torch.Generator().manual_seed(4))
+    ctrl.train_step([batch], batch)
+    apply = ctrl.apply_update
+    ops = Ops()
+
+    def watched(sample_size):
+        with ops:
+            return apply(sample_size)
+    ctrl.apply_update = watched
+    ctrl.train_step([batch], batch)
+    reads = [i for i, name in enumerate(ops.names) if name.startswith("_local_scalar_dense")]
+    steps = [i for i, name in enumerate(ops.names) if name.startswith("_fused_adamw")]
+    assert len(reads) == 1 and steps and steps[0] < reads[0], ops.names

@@ -91,6 +91,11 @@ def _scale_and_check(grads, scale, device):
     return found
 
 
+def _read_later(value):
+    """A device value the host reads only when asked (a log line's norm)."""
+    return lambda: float(value)
+
+
 def _squares(grads, device):
     """Sum of the squares of ``grads`` (a float64 tensor of one element)."""
     total = torch.zeros(1, dtype=torch.float64, device=device)
@@ -128,6 +133,10 @@ class Controller:
         # The settings a saved state must have to fit this kind of optimizer.
         self._optimizer_kind = (job.optimizer.optimizer, set(built.defaults))
         self.optimizer = self.sharding.build_optimizer(built)
+        # A fused optimizer (one kernel for the step, build_optimizer chose it
+        # for CUDA parameters) skips a non-finite update on the device itself.
+        self._fused = type(self.optimizer) is type(built) and bool(built.defaults.get("fused"))
+        self._kernels = {k: built.defaults.get(k) for k in ("fused", "foreach")}
         self.exchange.attach(self.params)
         self._state_slots = OPTIMIZERS.get(job.optimizer.optimizer).state_slots(job.optimizer)
         self._offloaded = job.sharding.cpu_offload and ctx.device.type != "cpu"
@@ -222,18 +231,10 @@ class Controller:
             return False, None
         grads = self.sharding.local_grads(self.params)
         scale = self.exchange.divisor / (sample_size * (self.scaler.scale if self.scaler else 1.0))
-        clip = self.cfg.clip_norm
         if self.sharding.shards_grads:
-            norm, finite = self._sharded_norm_and_scale(grads, scale, clip)
-        elif clip > 0:
-            # ||scale * g|| = scale * ||g||: one pass for the norm.
-            norm = float(torch.nn.utils.get_total_norm(grads)) * scale
-            finite = math.isfinite(norm)
+            finite, norm = self._sharded_step(grads, scale, self.cfg.clip_norm)
         else:
-            finite = not _scale_and_check(grads, scale, self.ctx.device).item()
-            norm = self._local_norm(self._steps)
-        if clip > 0 and finite:   # the scaling and the clipping factor in one pass
-            torch._foreach_mul_(grads, scale * min(1.0, clip / (norm + 1e-6)))
+            finite, norm = self._step(grads, scale, self.cfg.clip_norm)
         if self.scaler is not None:
             self.scaler.update(overflow=not finite)
         if not finite:
@@ -241,9 +242,44 @@ class Controller:
                 self._skip_update()
             return False, norm
         self.failed_updates = 0
-        self.optimizer.step()
         self.count_update()
         return True, norm
+
+    def _step(self, grads, scale, clip):
+        """Scale (and clip) a whole gradient on its device and step unless it
+        is non-finite: (finite, its norm or a function measuring it). The
+        host reads one flag per update, after the step is queued when the
+        optimizer is fused (it skips on the device, as under GradScaler),
+        before it otherwise."""
+        if clip > 0:
+            # ||scale * g|| = scale * ||g||; the factor in float64, as the host would.
+            norm = torch.nn.utils.get_total_norm(grads).double() * scale if grads else \
+                torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+            found = norm.isfinite().logical_not().float().reshape(1)
+            if grads:
+                torch._foreach_mul_(grads, (clip / (norm + 1e-6)).clamp(max=1.0) * scale)
+            shown = _read_later(norm)
+        else:
+            found = _scale_and_check(grads, scale, self.ctx.device)
+            shown = self._local_norm(self._steps)
+        if self._fused:
+            self.optimizer.found_inf = found.reshape(())
+            self.optimizer.step()
+            return not found.item(), shown
+        if found.item():
+            return False, shown
+        self.optimizer.step()
+        return True, shown
+
+    def _sharded_step(self, grads, scale, clip):
+        """_step for a gradient whose shards are spread over the ranks (the
+        norm and flag come from one all-reduce, read before the step)."""
+        norm, finite = self._sharded_norm_and_scale(grads, scale, clip)
+        if clip > 0 and finite:   # the scaling and the clipping factor in one pass
+            torch._foreach_mul_(grads, scale * min(1.0, clip / (norm + 1e-6)))
+        if finite:
+            self.optimizer.step()
+        return finite, norm
 
     def count_update(self):
         """One more update done (also one that made no step but counts: an
@@ -282,6 +318,16 @@ class Controller:
                 f"{self.failed_updates} updates in a row had a non-finite loss or gradient "
                 f"(--max-nan-updates {self.cfg.max_nan_updates}); lower --lr, set --clip-norm, "
                 "or check the data for broken samples")
+
+    def _keep_own_kernels(self):
+        """A loaded state brings the saver's kernel settings (a GPU rank's
+        fused=True, a CPU rank's None): this rank keeps the ones built for
+        its own parameters."""
+        for optimizer in (self.optimizer, getattr(self.optimizer, "optim", None)):
+            for group in getattr(optimizer, "param_groups", ()):
+                for setting in ("fused", "foreach"):
+                    if setting in group:
+                        group[setting] = self._kernels.get(setting)
 
     # ---- measuring and validating ----
 
@@ -351,6 +397,7 @@ class Controller:
             own = self.exchange.resumed_optimizer(state, state[OPTIMIZER])
             _check_same_optimizer(own, *self._optimizer_kind)
             self.sharding.load_optimizer_state(self.model, self.optimizer, own)
+            self._keep_own_kernels()
         self.exchange.load_state_dict(self.model, state)
         if self.scaler is not None and LOSS_SCALER in state:
             self.scaler.load_state_dict(state[LOSS_SCALER])
