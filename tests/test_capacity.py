@@ -34,6 +34,41 @@ def test_zero_or_failed_speed_is_a_clear_error(rates):
         proportional(32, rates, [0, 0])
 
 
+class Warming:
+    """A device whose first calls are slow (kernel choice, allocation, clocks
+    rising: the first ``first`` times the steady 0.1 s) and settle
+    geometrically (``decay`` per call), with 2% noise."""
+
+    def __init__(self, first, decay):
+        self.first, self.decay, self.calls = first, decay, 0
+        self.noise = random.Random(5)
+
+    def __call__(self, size):
+        slow = 1 + (self.first - 1) * self.decay ** self.calls
+        self.calls += 1
+        return 0.1 * slow * (1 + 0.02 * self.noise.uniform(-1, 1))
+
+
+@pytest.mark.parametrize("first, decay", [(8, 0.2), (8, 0.35), (3, 0.5), (1, 0)])
+def test_the_speed_probe_times_a_warm_device(first, decay):
+    """A GPU's probe once read 543 samples/s where it trained at 1770: its
+    first calls are slow. The rate is timed once the calls settle: within
+    10% of the device's steady rate (one warm-up call was 2x off here)."""
+    rate = capacity.steady_rate(Warming(first, decay), 64, lockstep=False)
+    assert rate == pytest.approx(640, rel=0.1)
+
+
+def test_ranks_in_lockstep_probe_as_often_as_each_other():
+    """Under FSDP every forward communicates: a rank that warms up longer
+    than another would leave it waiting in a collective."""
+    counts = []
+    for first in (1, 8):
+        device = Warming(first, 0.5)
+        capacity.steady_rate(device, 8, lockstep=True)
+        counts.append(device.calls)
+    assert counts[0] == counts[1] == capacity.WARMUPS[0] + capacity.RATE_PROBES
+
+
 def test_batch_smaller_than_world_is_an_error():
     with pytest.raises(UserError, match="global batch 2 is smaller than the 3 ranks"):
         proportional(2, [1.0, 1.0, 1.0], [0, 0, 0])

@@ -225,7 +225,26 @@ def available_memory_bytes():
 
 # ---- making the plan at start-up ----
 
-RATE_PROBES = 3      # timed forward+backward passes for a rank's speed
+RATE_PROBES = 3      # timed forward+backward passes for a rank's speed (their median)
+# Untimed passes before them: a GPU's first calls choose kernels, allocate
+# and raise its clocks (a probe after one warm-up once read 3x slow). At
+# least the first number; then, where ranks may call apart (not FSDP), more
+# until two in a row agree within SETTLED, up to the second number.
+WARMUPS = (2, 8)
+SETTLED = 0.1
+
+
+def steady_rate(run, size, lockstep):
+    """Samples/s of ``run(size)`` (which returns its seconds) once warm.
+    ``lockstep``: every rank must call as often (FSDP's forwards
+    communicate), so the warm-up is the fixed minimum."""
+    times = [run(size) for _ in range(WARMUPS[0])]
+    while not lockstep and len(times) < WARMUPS[1] and \
+            abs(times[-1] - times[-2]) > SETTLED * min(times[-2:]):
+        times.append(run(size))
+    timed = sorted(run(size) for _ in range(RATE_PROBES))
+    return size / timed[len(timed) // 2]
+
 
 def _shares_manual(cfg, peers):
     shares = [peer["max_sentences"] for peer in peers]
@@ -317,8 +336,7 @@ def _measure(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size
     if shares.micro_batch_cap:
         cap = min(cap, shares.micro_batch_cap) if cap else shares.micro_batch_cap
     micro = min(probe, cap) if cap else probe
-    run(micro)                                                 # a warm-up
-    return RATE_PROBES * micro / sum(run(micro) for _ in range(RATE_PROBES)), cap
+    return steady_rate(run, micro, controller.lockstep), cap
 
 
 def make_plan(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size=1,
