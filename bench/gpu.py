@@ -17,10 +17,13 @@ sample, hetseq/randomness.py), AdamW at a fixed rate, clip 1.
   ``torch.cuda.set_per_process_memory_fraction(--fraction)`` as a small
   card; then 3 training steps at that cap, which must not run out of memory
   (the optimizer state appears only at the first step, after the probe);
-- compile: plain and ``--compile`` Controllers take turns step by step (the
-  order flipping), bf16; the first compiled step is the start-up cost.
+- table: HetSeq's default step (eager and --compile) against a bare loop
+  (eager and compiled) and transformers, BERT-base bf16 at sequence 128
+  (batch 256) and 512 (batch 64): bench/step_table.py, docs/gpu.md;
+- rate: --capacity auto's speed probe (capacity.steady_rate over
+  ``Controller.probe``) against the rate the same Controller trains at.
 
-    python bench/gpu.py [--parts speed,probe,compile] [--out FILE]
+    python bench/gpu.py [--parts table,rate,probe,speed] [--out FILE]
 """
 
 import argparse
@@ -37,7 +40,7 @@ from output import emit  # noqa: E402
 
 from hetseq import cli  # noqa: E402
 from hetseq.distributed import DistContext  # noqa: E402
-from hetseq.plan.capacity import cuda_memory_cap  # noqa: E402
+from hetseq.plan.capacity import cuda_memory_cap, steady_rate  # noqa: E402
 from hetseq.randomness import KeyedBatch, sample_keys  # noqa: E402
 from hetseq.tasks import TASKS  # noqa: E402
 from hetseq.update.controller import Controller  # noqa: E402
@@ -118,32 +121,20 @@ def probe(kind, precision, fraction, steps):
     return result
 
 
-def compiled(kind, size, steps):
-    plain, fast = controller(kind, "bf16"), controller(kind, "bf16", "--compile")
+def probe_rate(kind, size, steps):
+    """The speed probe's rate against the rate the Controller trains at."""
+    ctrl = controller(kind, "bf16")
     batch = keyed(kind, size)
-    start = time.perf_counter()
-    step(fast, batch)
-    torch.cuda.synchronize()
-    first = time.perf_counter() - start
-    spent = {"plain": 0.0, "compiled": 0.0}
-    for i in range(steps + 2):
-        pair = (("plain", plain), ("compiled", fast))
-        for name, ctrl in pair if i % 2 == 0 else pair[::-1]:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            step(ctrl, batch)
-            torch.cuda.synchronize()
-            if i >= 2:
-                spent[name] += time.perf_counter() - start
-    return {"model": kind.__name__, "batch": size, "first_compiled_step_s": round(first, 1),
-            "plain_samples_per_s": round(steps * size / spent["plain"], 1),
-            "compiled_samples_per_s": round(steps * size / spent["compiled"], 1),
-            "compile_speedup": round(spent["plain"] / spent["compiled"], 3)}
+    probed = steady_rate(lambda n: ctrl.probe(keyed(kind, n)), size, lockstep=False)
+    trained = size / seconds_per_step(ctrl, batch, steps)
+    return {"model": kind.__name__, "batch": size, "probe_samples_per_s": round(probed, 1),
+            "trained_samples_per_s": round(trained, 1),
+            "probe_over_trained (goal within 0.9-1.1)": round(probed / trained, 3)}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="speed,probe,compile")
+    parser.add_argument("--parts", default="table,rate,probe")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--fraction", type=float, default=0.1)
@@ -164,8 +155,12 @@ def main():
         if result["probe"][0].get("trained_at_cap"):
             result["speed"] = result.get("speed", []) + [
                 speed(BertBase, "bf16", cap, opts.steps, opts.peak_tflops)]
-    if "compile" in parts:
-        result["compile"] = [compiled(Bert, 128, opts.steps), compiled(BertBase, 128, opts.steps)]
+    if "table" in parts:
+        import step_table
+        result["table"] = [step_table.table(BertBase, seq, size, CTX.device, peak=opts.peak_tflops)
+                           for seq, size in ((128, 256), (512, 64))]
+    if "rate" in parts:
+        result["rate"] = probe_rate(BertBase, 256, opts.steps)
     emit(result, opts.out)
 
 

@@ -155,3 +155,20 @@ def test_an_elastic_gpu_node_hands_its_state_to_a_cpu_joiner_exactly(tmp_path):
     assert "cuda:0" in first.output(), first.output()[-3000:]
     trained = {k: v.cpu() for k, v in final_params(tmp_path / "a").items()}
     assert max_diff(reference(), trained) < EXACT
+
+
+from test_randomness import models  # noqa: E402,F401  (the BERT with dropout, and its data)
+
+
+def test_a_gpu_rank_drawing_in_kernels_and_a_cpu_rank_train_one_bert(tmp_path, models):  # noqa: F811
+    """BERT with hidden and attention dropout, SGD: a GPU rank (its masks
+    drawn inside the Triton kernels, attention flash-style) and a CPU rank
+    (the torch path) of one job, 6+2, make the update of one CPU process of
+    8. Both devices draw the same masks; the tolerance is the GPU's float32
+    sums in another order (without dropout the run lands 1e-3 away)."""
+    from conftest import final_params, max_diff
+    from test_randomness import alone
+    _gpu_and_cpu_job([*models["bert"], "--save-dir", tmp_path],
+                     ["--max-sentences", 6], ["--max-sentences", 2])
+    trained = {name: value.cpu() for name, value in final_params(tmp_path).items()}
+    assert max_diff(alone(models["bert"]), trained) < 1e-4

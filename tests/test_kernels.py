@@ -8,7 +8,7 @@ import torch
 
 from conftest import require_module
 from hetseq import kernels, randomness
-from hetseq.kernels import ops, words
+from hetseq.kernels import ops
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 IEEE = 1e-6       # float32 with IEEE products: only the order of sums differs
@@ -271,3 +271,20 @@ def test_compiled_and_eager_masks_are_identical(dynamo_counters):
     for a, b in zip(ours, eager):
         assert torch.equal(a, b)
     assert dict(dynamo_counters["graph_break"]) == {}
+
+
+def test_the_gpu_step_table_runs():
+    """bench/step_table.py, which a GPU session runs once with no time to
+    debug, works end to end: its smoke size on this device."""
+    import sys
+
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "bench"))
+    import step_table
+    only = ["hetseq", "hetseq_unkeyed", "bare", "transformers"]
+    result = step_table.main(["--device", DEVICE.type, "--model", "tiny", "--seq", "32",
+                              "--batch", "4", "--rounds", "1", "--steps", "1", "--only", *only])
+    rows = result["tables"][0]["rows"]
+    assert sorted(rows) == sorted(only)
+    assert all(row["samples_per_s"] > 0 for row in rows.values())
+    assert result["tables"][0]["ratios"]["default_over_bare (goal >= 0.95)"] > 0
