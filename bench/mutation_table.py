@@ -44,15 +44,14 @@ MUTATIONS = {
         "a node's own flags never change the collectives (the sharded norm always rides "
         "with the overflow flag)",
         "hetseq/update/controller.py",
-        "        if self.sharding.shards_grads:\n            norm, finite = "
-        "self._sharded_norm_and_scale(grads, scale, clip)",
-        "        if self.sharding.shards_grads and clip == 0:\n"
+        "        norm, finite = self._sharded_norm_and_scale(grads, scale, clip)\n",
+        "        if clip == 0:\n"
         "            finite = not self.sharding.reduce(_scale_and_check(grads, scale, "
         "self.ctx.device)).item()\n"
         "            norm = lambda: math.sqrt(self.sharding.reduce(_squares(grads, "
         "self.ctx.device)).item())\n"
-        "        elif self.sharding.shards_grads:\n            norm, finite = "
-        "self._sharded_norm_and_scale(grads, scale, clip)",
+        "        else:\n"
+        "            norm, finite = self._sharded_norm_and_scale(grads, scale, clip)\n",
         ["tests/test_per_node_flags.py::test_every_rank_takes_the_same_update_path"]),
     "zero1-not-sharded": (
         "--zero 1 splits the optimizer state",

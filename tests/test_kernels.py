@@ -288,3 +288,12 @@ def test_the_gpu_step_table_runs():
     assert sorted(rows) == sorted(only)
     assert all(row["samples_per_s"] > 0 for row in rows.values())
     assert result["tables"][0]["ratios"]["default_over_bare (goal >= 0.95)"] > 0
+
+
+def test_a_misspelt_kernel_path_is_named_before_training():
+    from conftest import TOY, run_train
+    result = run_train(*TOY, "--max-sentences", 8, "--max-update", 1, "--no-save",
+                       env={"HETSEQ_KERNELS": "trition"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "HETSEQ_KERNELS=trition: expected auto, torch or triton" in result.stderr
+    assert "Traceback" not in result.stderr

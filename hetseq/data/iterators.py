@@ -131,13 +131,16 @@ class GlobalBatchIterator:
     """
 
     def __init__(self, dataset, collate_fn, batches, shares, rank, num_workers=0, micro_cap=0,
-                 min_micro_batches=1):
+                 min_micro_batches=1, pin_memory=False):
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.batches = batches
         self.shares = list(shares)
         self.rank = rank
         self.num_workers = num_workers
+        # For a GPU rank: batches in page-locked memory, so that the
+        # Controller's non-blocking copy runs while the host goes on.
+        self.pin_memory = pin_memory
         self.micro_cap = micro_cap
         # Padding with None up to this many micro-batches per step, so that
         # every rank runs as many forwards as the others (needed when each
@@ -217,7 +220,8 @@ class GlobalBatchIterator:
         # or resuming mid-epoch (a new loader) would shift the dropout stream.
         generator = torch.Generator().manual_seed(self.batches.seed * 1_000_003 + self.epoch)
         return DataLoader(self.dataset, batch_sampler=batch_sampler, generator=generator,
-                          collate_fn=self.collate_fn, num_workers=self.num_workers)
+                          collate_fn=self.collate_fn, num_workers=self.num_workers,
+                          pin_memory=self.pin_memory)
 
     def state_dict(self):
         return {"epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch,

@@ -27,4 +27,5 @@ class Splits:
         slice of each in micro-batches of at most ``micro_cap`` samples."""
         batches = GlobalBatches.for_dataset(dataset, sum(shares), self.seed, shuffle)
         return GlobalBatchIterator(dataset, self.task.collater(dataset), batches, shares,
-                                   self.ctx.rank, self.num_workers, micro_cap, min_micro_batches)
+                                   self.ctx.rank, self.num_workers, micro_cap, min_micro_batches,
+                                   pin_memory=self.ctx.device.type == "cuda")

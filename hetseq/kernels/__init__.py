@@ -38,7 +38,10 @@ def chosen():
     if name not in _checked:
         if name not in ("auto",) + PATHS:
             raise UserError(f"HETSEQ_KERNELS={name}: expected auto, torch or triton")
-        if name == "triton" and not _imports_triton():
+        # Triton is imported here, outside any compiled region (name_sites
+        # calls this before the first forward), and only where it may run.
+        wanted = name == "triton" or (name == "auto" and torch.cuda.is_available())
+        if wanted and not _imports_triton() and name == "triton":
             raise UserError("HETSEQ_KERNELS=triton but Triton is not installed; pip install "
                             "triton, or leave HETSEQ_KERNELS out")
         _checked.add(name)
@@ -100,11 +103,15 @@ def attention(q, k, v, key_mask, site_keys, p):
     q, k, v: [batch, heads, L, d]; ``key_mask``: [batch, L] bool, True where
     a key may be attended (None: every key)."""
     cut = threshold(p)
-    scale = q.shape[-1] ** -0.5
-    if cut is not None and path(q.device) == "triton":
+    if cut is not None and _fits_the_kernel(q, k, v) and path(q.device) == "triton":
         return ops.keyed_attention(q, k, v, key_mask, site_keys, cut, 1.0 / (1.0 - p),
-                                   scale)[0]
+                                   q.shape[-1] ** -0.5)[0]
     return explicit_attention(q, k, v, key_mask, site_keys, p)
+
+
+def _fits_the_kernel(q, k, v):
+    """Head dimensions up to 128 (its tiles), one dtype for q, k and v."""
+    return q.shape[-1] <= 128 and q.dtype == k.dtype == v.dtype
 
 
 def explicit_attention(q, k, v, key_mask, site_keys, p):
