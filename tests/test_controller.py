@@ -133,6 +133,49 @@ def test_a_fused_optimizer_skips_a_non_finite_update_on_the_device(fused_on_cpu,
     assert ctrl.train_step([batch], batch).updated and ctrl.num_updates == 2
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_non_finite_first_update_leaves_a_fused_optimizer_fresh(fused_on_cpu, optimizer):
+    """Skipped before any step, the optimizer has no state yet: the next
+    update is the first step of a fresh one (fused SGD, handed the flag on
+    its first step, kept an uninitialised momentum buffer)."""
+    flags = ["--optimizer", optimizer, "--momentum", "0.9" if optimizer == "sgd" else "0"]
+    batch = torch.randn(5, 4, generator=torch.Generator().manual_seed(6))
+    poisoned = batch.clone()
+    poisoned[1, 2] = float("inf")
+    skipped, _ = controller(ModeTask, *flags)
+    fresh, _ = controller(ModeTask, *flags)
+    for ctrl in (skipped, fresh):
+        ctrl._mode = lambda training: None
+        ctrl.model.eval()
+    assert not skipped.train_step([poisoned], poisoned).updated
+    for ctrl in (skipped, fresh):
+        assert ctrl.train_step([batch], batch).updated
+    for ctrl in (skipped, fresh):
+        assert ctrl.train_step([batch], batch).updated
+    assert all(torch.equal(p, q) for p, q in zip(skipped.params, fresh.params))
+
+
+@pytest.mark.parametrize("saver_fused", [False, True])
+def test_a_loaded_state_keeps_this_ranks_own_kernels(monkeypatch, saver_fused):
+    """A checkpoint of a GPU rank (fused) resumed on a CPU rank and back:
+    the loader keeps the kernels built for its own parameters (and a fused
+    one its step counts as float32 on their device)."""
+    from hetseq import optim
+
+    def build(fused):
+        monkeypatch.setattr(optim, "FUSED_DEVICES", ("cpu",) if fused else ())
+        return controller(ModeTask, "--optimizer", "adamw")[0]
+    saver, loader = build(saver_fused), build(not saver_fused)
+    batch = torch.randn(5, 4, generator=torch.Generator().manual_seed(7))
+    saver.train_step([batch], batch)
+    loader.load_state_dict(saver.state_dict())
+    group = loader.optimizer.param_groups[0]
+    assert bool(group["fused"]) is (not saver_fused)
+    for state in loader.optimizer.state.values():
+        assert state["step"].dtype == torch.float32
+    assert loader.train_step([batch], batch).updated
+
+
 def test_a_fused_step_is_queued_before_the_host_reads_its_flag(fused_on_cpu):
     """On a GPU a host read waits for every kernel queued before it: the
     fused step goes first, so the one read of the update comes after it."""
@@ -149,7 +192,7 @@ def test_a_fused_step_is_queued_before_the_host_reads_its_flag(fused_on_cpu):
 
     ctrl, _ = controller(ModeTask, "--optimizer", "adamw", "--clip-norm", "1")
     batch = torch.randn(5, 4, generator=torch.Generator().manual_seed(4))
-    ctrl.train_step([batch], batch)
+    ctrl.train_step([batch], batch)       # the first step makes the optimizer's state
     apply = ctrl.apply_update
     ops = Ops()
 

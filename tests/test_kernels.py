@@ -108,6 +108,32 @@ def test_attention_outputs_and_gradients_equal_the_explicit_path(d, masked):
         torch.testing.assert_close(a, b, rtol=IEEE, atol=IEEE)
 
 
+@pytest.mark.parametrize("lq, lk", [(80, 80), (70, 100), (100, 70), (150, 130)])
+def test_attention_over_several_tiles_equals_the_explicit_path(lq, lk):
+    """More queries and keys than one tile (64 on a CPU): the running max and
+    sum rescale across tiles, each tile's mask is drawn at its own
+    positions; queries and keys of different lengths (cross-attention)."""
+    keys = site_keys([3, 8])
+    q = qkv(2, 2, lq, 64)[0]
+    k, v = qkv(2, 2, lk, 64, seed=1)[1:]
+    key_mask = torch.arange(lk, device=DEVICE)[None, :] < torch.tensor([[lk], [lk - 13]],
+                                                                        device=DEVICE)
+    out = kernels.attention(q, k, v, key_mask, keys, 0.25)
+    reference = kernels.explicit_attention(q, k, v, key_mask, keys, 0.25)
+    torch.testing.assert_close(out, reference, rtol=IEEE, atol=IEEE)
+    grad = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), grad),
+                    torch.autograd.grad(reference, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, rtol=IEEE, atol=IEEE)
+
+
+def test_a_mask_that_is_not_bool_is_refused():
+    q, k, v = qkv(2, 2, 8, 16)
+    with pytest.raises(ValueError, match="key_mask must be a bool tensor"):
+        kernels.attention(q, k, v, torch.ones(2, 8, dtype=torch.long, device=DEVICE),
+                          site_keys([1, 2]), 0.1)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_attention_in_narrow_dtypes_is_the_explicit_path_rounded(dtype):
     """bf16/fp16 inputs: the kernel accumulates in float32, so it lands within
@@ -156,8 +182,8 @@ types = {"STATS": "*fp32", "DELTA": "*fp32", "KEY_MASK": "*u8", "SITE_KEYS": "*i
          "ROW_WORDS": "*i32", "scale": "fp32", "keep_scale": "fp32"}
 builds = [(triton_dropout._dropout, dict(BLOCK_R=2, BLOCK_C=1024), 4)]
 for (kernel, d), tiles in triton_attention.CONFIGS.items():
-    for m, n, warps in tiles[:1]:
-        builds.append((kernel, dict(HAS_MASK=True, DROPOUT=True, BLOCK_M=m, BLOCK_N=n,
+    for (m, n, warps), masked in ((tiles[0], True), (tiles[-1], False)):
+        builds.append((kernel, dict(HAS_MASK=masked, DROPOUT=True, BLOCK_M=m, BLOCK_N=n,
                                     BLOCK_D=d, LENGTH_CLASS=128, WIDEN=False,
                                     PRECISION="ieee" if dtype == "fp32" else "tf32"), warps))
 for kernel, constants, warps in builds:
@@ -187,7 +213,7 @@ def test_the_kernels_compile_for_an_h100(dtype):
     result = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100, dtype], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 1 + len(_attention_configs())
+    assert result.stdout.count("compiled") == 1 + 2 * len(_attention_configs())
 
 
 def _attention_configs():
@@ -273,21 +299,27 @@ def test_compiled_and_eager_masks_are_identical(dynamo_counters):
     assert dict(dynamo_counters["graph_break"]) == {}
 
 
-def test_the_gpu_step_table_runs():
+def test_the_gpu_step_table_runs(tmp_path):
     """bench/step_table.py, which a GPU session runs once with no time to
-    debug, works end to end: its smoke size on this device."""
+    debug, works end to end: its smoke size on this device (in a process of
+    its own: the bench puts bench/ on the module path)."""
+    import json
+    import subprocess
     import sys
 
-    from conftest import ROOT
-    sys.path.insert(0, str(ROOT / "bench"))
-    import step_table
+    from conftest import ROOT, child_env
     only = ["hetseq", "hetseq_unkeyed", "bare", "transformers"]
-    result = step_table.main(["--device", DEVICE.type, "--model", "tiny", "--seq", "32",
-                              "--batch", "4", "--rounds", "1", "--steps", "1", "--only", *only])
-    rows = result["tables"][0]["rows"]
-    assert sorted(rows) == sorted(only)
-    assert all(row["samples_per_s"] > 0 for row in rows.values())
-    assert result["tables"][0]["ratios"]["default_over_bare (goal >= 0.95)"] > 0
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "step_table.py"), "--device", DEVICE.type,
+         "--model", "tiny", "--seq", "32", "--batch", "4", "--rounds", "1", "--steps", "1",
+         "--only", *only, "--out", str(tmp_path / "table.json")],
+        cwd=ROOT, env=child_env({"HETSEQ_KERNELS": "triton"}), capture_output=True, text=True,
+        timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = json.loads((tmp_path / "table.json").read_text())["tables"][0]
+    assert sorted(table["rows"]) == sorted(only)
+    assert all(row["samples_per_s"] > 0 for row in table["rows"].values())
+    assert table["ratios"]["default_over_bare (goal >= 0.95)"] > 0
 
 
 def test_a_misspelt_kernel_path_is_named_before_training():

@@ -29,6 +29,8 @@ from hetseq.kernels import ops, words
 PATHS = ("torch", "triton")
 _checked = set()    # HETSEQ_KERNELS values seen: checked once each
 _triton = []        # whether Triton imports, once known
+_capable = {}       # CUDA device index -> whether auto takes the Triton path there
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)     # what the kernels compute in
 
 
 def chosen():
@@ -44,6 +46,11 @@ def chosen():
         if wanted and not _imports_triton() and name == "triton":
             raise UserError("HETSEQ_KERNELS=triton but Triton is not installed; pip install "
                             "triton, or leave HETSEQ_KERNELS out")
+        if wanted and torch.cuda.is_available():
+            # Ampere (sm_80) and newer: where the tiles were chosen, and bf16
+            # products exist; older cards keep the torch path unless forced.
+            _capable.update((i, torch.cuda.get_device_capability(i) >= (8, 0))
+                            for i in range(torch.cuda.device_count()))
         _checked.add(name)
     return name
 
@@ -62,7 +69,8 @@ def path(device):
     """The path keyed draws take for tensors on ``device``."""
     name = chosen()
     if name == "auto":
-        return "triton" if device.type == "cuda" and _imports_triton() else "torch"
+        fits = device.type == "cuda" and _imports_triton() and _capable.get(device.index or 0)
+        return "triton" if fits else "torch"
     if name == "triton" and device.type != "cuda" and \
             os.environ.get("TRITON_INTERPRET") != "1":
         raise UserError("HETSEQ_KERNELS=triton on a CPU tensor needs TRITON_INTERPRET=1 "
@@ -85,7 +93,7 @@ def dropout(x, site_keys, p):
     if cut is None:
         return x * 0.0
     scale = 1.0 / (1.0 - p)
-    if x.dim() >= 2 and path(x.device) == "triton":
+    if x.dim() >= 2 and x.dtype in DTYPES and path(x.device) == "triton":
         return ops.keyed_dropout(x, site_keys, cut, scale)
     return _torch_dropout(x, site_keys, cut, scale)
 
@@ -102,6 +110,7 @@ def attention(q, k, v, key_mask, site_keys, p):
     dropout drawn per (sample, head, query, key) from ``site_keys``, times v.
     q, k, v: [batch, heads, L, d]; ``key_mask``: [batch, L] bool, True where
     a key may be attended (None: every key)."""
+    _check_key_mask(key_mask, k)
     cut = threshold(p)
     if cut is not None and _fits_the_kernel(q, k, v) and path(q.device) == "triton":
         return ops.keyed_attention(q, k, v, key_mask, site_keys, cut, 1.0 / (1.0 - p),
@@ -110,8 +119,19 @@ def attention(q, k, v, key_mask, site_keys, p):
 
 
 def _fits_the_kernel(q, k, v):
-    """Head dimensions up to 128 (its tiles), one dtype for q, k and v."""
-    return q.shape[-1] <= 128 and q.dtype == k.dtype == v.dtype
+    """Head dimensions up to 128 (its tiles), the same for v; one dtype the
+    kernel computes in for q, k and v."""
+    return q.shape[-1] <= 128 and v.shape[-1] == q.shape[-1] and \
+        q.dtype == k.dtype == v.dtype and q.dtype in DTYPES
+
+
+def _check_key_mask(key_mask, k):
+    if key_mask is None:
+        return
+    if key_mask.dtype != torch.bool or key_mask.shape != (k.shape[0], k.shape[2]):
+        raise ValueError(f"hetseq attention: key_mask must be a bool tensor [batch, L] = "
+                         f"[{k.shape[0]}, {k.shape[2]}], True where a key may be attended; got "
+                         f"{key_mask.dtype} {list(key_mask.shape)} (pass attention_mask.bool())")
 
 
 def explicit_attention(q, k, v, key_mask, site_keys, p):
@@ -130,5 +150,6 @@ def explicit_attention(q, k, v, key_mask, site_keys, p):
 
 def sdpa(q, k, v, key_mask, p=0.0):
     """torch's fused attention with the same mask convention (no keys)."""
+    _check_key_mask(key_mask, k)
     mask = None if key_mask is None else key_mask[:, None, None, :]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)

@@ -55,7 +55,7 @@ def keyed_dropout(x: Tensor, site_keys: Tensor, threshold: int, scale: float) ->
 
 @keyed_dropout.register_fake
 def _(x, site_keys, threshold, scale):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return torch.empty_like(x.contiguous())      # as the kernel allocates it
 
 
 def _dropout_context(ctx, inputs, output):
@@ -111,6 +111,7 @@ def _(grad, q, k, v, out, stats, key_mask, site_keys, threshold, keep_scale, sca
 
 def _attention_context(ctx, inputs, output):
     q, k, v, key_mask, site_keys, ctx.threshold, ctx.keep_scale, ctx.scale = inputs
+    ctx.mark_non_differentiable(output[1])          # the rows' max and sum
     ctx.save_for_backward(q, k, v, *output, key_mask, site_keys)
 
 

@@ -20,8 +20,10 @@ P = exp(s - m) / l is recomputed tile by tile:
     dQ = dS K * scale,   dK = dS^T Q * scale    (dS is 0 at a masked key)
 
 One kernel walks the queries for a block of keys (dK, dV), another the
-keys for a block of queries (dQ): no atomics, so the result is
-deterministic. Inputs are [batch, heads, L, d] of any strides.
+keys for a block of queries (dQ): no atomics, so for given tiles the
+result does not vary from run to run (the autotuner's choice of tiles, by
+timing, may; as cuBLAS's choice of GEMM kernels may). Inputs are
+[batch, heads, L, d] of any strides.
 """
 
 import torch
@@ -88,10 +90,10 @@ def _forward(Q, K, V, O, STATS, KEY_MASK, SITE_KEYS,
              HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
              WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_D: tl.constexpr, LENGTH_CLASS: tl.constexpr):
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
     b = bh // heads
     h = bh % heads
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     q = _tile(Q, sqb, sqh, sql, sqd, b, h, rows, Lq, dims, D)
     if DROPOUT:
@@ -121,7 +123,7 @@ def _forward(Q, K, V, O, STATS, KEY_MASK, SITE_KEYS,
     _put(O, sob, soh, sol, sod, b, h, rows, Lq, dims, D, acc)
     inside = rows < Lq
     tl.store(STATS + bh.to(tl.int64) * Lq + rows, m, mask=inside)
-    tl.store(STATS + (bh.to(tl.int64) + tl.num_programs(1)) * Lq + rows, l, mask=inside)
+    tl.store(STATS + (bh.to(tl.int64) + tl.num_programs(0)) * Lq + rows, l, mask=inside)
 
 
 @triton.jit
@@ -142,10 +144,10 @@ def _backward_kv(Q, K, V, DO, STATS, DELTA, KEY_MASK, SITE_KEYS, DK, DV,
                  HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
                  WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr, LENGTH_CLASS: tl.constexpr):
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
     b = bh // heads
     h = bh % heads
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     kT = _tile_t(K, skb, skh, skl, skd, b, h, cols, Lk, dims, D)
     vT = _tile_t(V, svb, svh, svl, svd, b, h, cols, Lk, dims, D)
@@ -161,7 +163,7 @@ def _backward_kv(Q, K, V, DO, STATS, DELTA, KEY_MASK, SITE_KEYS, DK, DV,
         do = _tile(DO, sdb, sdh, sdl, sdd, b, h, rows, Lq, dims, D)
         delta = tl.load(DELTA + bh.to(tl.int64) * Lq + rows, mask=rows < Lq, other=0.0)
         s = _scores(q, kT, cols, Lk, attend, scale, HAS_MASK, PRECISION, WIDEN)
-        p = _probabilities(s, STATS, bh, tl.num_programs(1), rows, Lq)
+        p = _probabilities(s, STATS, bh, tl.num_programs(0), rows, Lq)
         dp = _dot(do, vT, PRECISION, WIDEN)
         if DROPOUT:
             keep = kept(absorb(head_word, rows.to(tl.uint32)), cols, site, threshold)
@@ -184,10 +186,10 @@ def _backward_q(Q, K, V, DO, STATS, DELTA, KEY_MASK, SITE_KEYS, DQ,
                 HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
                 WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, LENGTH_CLASS: tl.constexpr):
-    bh = tl.program_id(1)
+    bh = tl.program_id(0)
     b = bh // heads
     h = bh % heads
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     q = _tile(Q, sqb, sqh, sql, sqd, b, h, rows, Lq, dims, D)
     do = _tile(DO, sdb, sdh, sdl, sdd, b, h, rows, Lq, dims, D)
@@ -203,7 +205,7 @@ def _backward_q(Q, K, V, DO, STATS, DELTA, KEY_MASK, SITE_KEYS, DQ,
         vT = _tile_t(V, svb, svh, svl, svd, b, h, cols, Lk, dims, D)
         attend = _attend(KEY_MASK, b, smb, sml, cols, Lk, HAS_MASK)
         s = _scores(q, kT, cols, Lk, attend, scale, HAS_MASK, PRECISION, WIDEN)
-        p = _probabilities(s, STATS, bh, tl.num_programs(1), rows, Lq)
+        p = _probabilities(s, STATS, bh, tl.num_programs(0), rows, Lq)
         dp = _dot(do, vT, PRECISION, WIDEN)
         if DROPOUT:
             dp = tl.where(kept(row_words, cols, site, threshold), dp * keep_scale, 0.0)
@@ -238,13 +240,14 @@ _tuned = {}
 
 
 def _launch(kernel, rows_per_program, programs, args, d, length, device, **constants):
-    """Run ``kernel`` over (ceil(programs / its block), batch * heads) programs.
+    """Run ``kernel`` over (batch * heads, ceil(programs / its block)) programs
+    (batch * heads on the first axis, which takes 2**31 - 1; the second 65535).
     On CUDA with the autotuned tiles; on a CPU (Triton's interpreter) with
     one tile large enough for the tests' shapes, since timing means nothing there."""
     block_d = max(16, triton.next_power_of_2(d))
     constants.update(BLOCK_D=block_d, LENGTH_CLASS=max(64, triton.next_power_of_2(length)))
     if device.type != "cuda":
-        kernel[(triton.cdiv(programs[0], 64), programs[1])](*args, BLOCK_M=64, BLOCK_N=64,
+        kernel[(programs[1], triton.cdiv(programs[0], 64))](*args, BLOCK_M=64, BLOCK_N=64,
                                                              **constants)
         return
     key = (kernel, 64 if block_d <= 64 else 128)
@@ -252,7 +255,7 @@ def _launch(kernel, rows_per_program, programs, args, d, length, device, **const
         configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=2)
                    for m, n, w in CONFIGS[key]]
         _tuned[key] = triton.autotune(configs, key=["BLOCK_D", "LENGTH_CLASS"])(kernel)
-    grid = lambda meta: (triton.cdiv(programs[0], meta[rows_per_program]), programs[1])  # noqa: E731
+    grid = lambda meta: (programs[1], triton.cdiv(programs[0], meta[rows_per_program]))  # noqa: E731
     _tuned[key][grid](*args, **constants)
 
 

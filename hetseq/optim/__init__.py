@@ -40,10 +40,10 @@ FUSED_DEVICES = ("cuda",)
 
 
 def fused_for(params):
-    """``fused=`` for an optimizer of ``params``: True where every one is on a
-    fused device, None (torch's choice) otherwise."""
-    params = list(params)
-    return True if params and all(p.device.type in FUSED_DEVICES for p in params) else None
+    """``fused=`` for an optimizer of ``params`` (tensors or param groups):
+    True where every one is on a fused device, None (torch's choice) otherwise."""
+    tensors = [t for p in params for t in (p["params"] if isinstance(p, dict) else [p])]
+    return True if tensors and all(t.device.type in FUSED_DEVICES for t in tensors) else None
 
 
 def parse_float_tuple(text):
@@ -68,6 +68,7 @@ class AdamW(OptimizerFactory):
 
     @classmethod
     def build(cls, cfg, params, lr):
+        params = list(params)
         betas = parse_float_tuple(cfg.adam_betas)
         if len(betas) != 2:
             raise UserError(f"--adam-betas {cfg.adam_betas}: expected two numbers, e.g. '(0.9, 0.999)'")
@@ -105,6 +106,7 @@ class SGD(OptimizerFactory):
     def build(cls, cfg, params, lr):
         if cfg.nesterov and cfg.momentum <= 0:
             raise UserError("--nesterov needs --momentum > 0")
+        params = list(params)
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
                                weight_decay=cfg.weight_decay, fused=fused_for(params))
 

@@ -329,6 +329,10 @@ def _measure(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size
         # of calls, which only works when forwards do not communicate.
         cap = cuda_memory_cap(run, probe, cfg.global_batch_size or 4 * probe)
     else:
+        if ctx.device.type == "cuda":
+            # Kernels chosen and tuned first (every rank alike): the tuner's
+            # one-off buffers are no activations.
+            run(probe)
         measure = cuda_peak_bytes(run, ctx.device) if ctx.device.type == "cuda" \
             else saved_activation_bytes(run)
         cap = slope_memory_cap(measure, probe,

@@ -91,6 +91,15 @@ def _scale_and_check(grads, scale, device):
     return found
 
 
+def _multiply(grads, factor):
+    """``grads`` times a device scalar, in each gradient's dtype (the fast
+    foreach kernel needs the scalar's dtype to match; rounded to it, the
+    factor multiplies as a host float of float32 opmath would)."""
+    for dtype in {g.dtype for g in grads}:
+        group = [g for g in grads if g.dtype == dtype]
+        torch._foreach_mul_(group, factor.to(dtype))
+
+
 def _read_later(value):
     """A device value the host reads only when asked (a log line's norm)."""
     return lambda: float(value)
@@ -256,13 +265,15 @@ class Controller:
             norm = torch.nn.utils.get_total_norm(grads).double() * scale if grads else \
                 torch.zeros((), dtype=torch.float64, device=self.ctx.device)
             found = norm.isfinite().logical_not().float().reshape(1)
-            if grads:
-                torch._foreach_mul_(grads, (clip / (norm + 1e-6)).clamp(max=1.0) * scale)
+            _multiply(grads, (clip / (norm + 1e-6)).clamp(max=1.0) * scale)
             shown = _read_later(norm)
         else:
             found = _scale_and_check(grads, scale, self.ctx.device)
             shown = self._local_norm(self._steps)
-        if self._fused:
+        # Once every parameter has its state (or the optimizer keeps none): a
+        # fused SGD skipping its first step keeps an uninitialised momentum buffer.
+        stateful = self._state_slots and len(self.optimizer.state) < len(self.params)
+        if self._fused and not stateful:
             self.optimizer.found_inf = found.reshape(())
             self.optimizer.step()
             return not found.item(), shown
@@ -322,12 +333,20 @@ class Controller:
     def _keep_own_kernels(self):
         """A loaded state brings the saver's kernel settings (a GPU rank's
         fused=True, a CPU rank's None): this rank keeps the ones built for
-        its own parameters."""
+        its own parameters, and a fused optimizer its step counts on their
+        device, as float32 (torch moves them only when the saver was fused;
+        ZeRO's loader puts them on the host)."""
         for optimizer in (self.optimizer, getattr(self.optimizer, "optim", None)):
             for group in getattr(optimizer, "param_groups", ()):
                 for setting in ("fused", "foreach"):
                     if setting in group:
                         group[setting] = self._kernels.get(setting)
+                if not group.get("fused"):
+                    continue
+                for param in group["params"]:
+                    state = optimizer.state.get(param, {})
+                    if torch.is_tensor(state.get("step")):
+                        state["step"] = state["step"].to(param.device, torch.float32)
 
     # ---- measuring and validating ----
 
