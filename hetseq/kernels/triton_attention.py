@@ -137,6 +137,23 @@ def _probabilities(s, STATS, bh, n_bh, rows, Lq):
 
 
 @triton.jit
+def _tile_grads(q, kT, vT, do, delta, rows, cols, Lq, Lk, attend, STATS, bh, row_words, site,
+                threshold, keep_scale, scale, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
+                PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """A tile's (P as dropped, for dV; dS): P recomputed from the rows' saved
+    max and sum, its mask drawn again."""
+    s = _scores(q, kT, cols, Lk, attend, scale, HAS_MASK, PRECISION, WIDEN)
+    p = _probabilities(s, STATS, bh, tl.num_programs(0), rows, Lq)
+    dp = _dot(do, vT, PRECISION, WIDEN)
+    dropped = p
+    if DROPOUT:
+        keep = kept(row_words, cols, site, threshold)
+        dropped = tl.where(keep, p * keep_scale, 0.0)
+        dp = tl.where(keep, dp * keep_scale, 0.0)
+    return dropped, tl.where(attend[None, :], p * (dp - delta[:, None]), 0.0)
+
+
+@triton.jit
 def _backward_kv(Q, K, V, DO, STATS, DELTA, KEY_MASK, SITE_KEYS, DK, DV,
                  sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd,
                  sdb, sdh, sdl, sdd, sgb, sgh, sgl, sgd, smb, sml,
@@ -152,9 +169,8 @@ def _backward_kv(Q, K, V, DO, STATS, DELTA, KEY_MASK, SITE_KEYS, DK, DV,
     kT = _tile_t(K, skb, skh, skl, skd, b, h, cols, Lk, dims, D)
     vT = _tile_t(V, svb, svh, svl, svd, b, h, cols, Lk, dims, D)
     attend = _attend(KEY_MASK, b, smb, sml, cols, Lk, HAS_MASK)
-    if DROPOUT:
-        site = site_key(SITE_KEYS, b)
-        head_word = absorb(tl.zeros([BLOCK_M], tl.uint32), h.to(tl.uint32))
+    site = site_key(SITE_KEYS, b)
+    head_word = absorb(tl.zeros([BLOCK_M], tl.uint32), h.to(tl.uint32))
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for start in range(0, Lq, BLOCK_M):
@@ -162,17 +178,10 @@ def _backward_kv(Q, K, V, DO, STATS, DELTA, KEY_MASK, SITE_KEYS, DK, DV,
         q = _tile(Q, sqb, sqh, sql, sqd, b, h, rows, Lq, dims, D)
         do = _tile(DO, sdb, sdh, sdl, sdd, b, h, rows, Lq, dims, D)
         delta = tl.load(DELTA + bh.to(tl.int64) * Lq + rows, mask=rows < Lq, other=0.0)
-        s = _scores(q, kT, cols, Lk, attend, scale, HAS_MASK, PRECISION, WIDEN)
-        p = _probabilities(s, STATS, bh, tl.num_programs(0), rows, Lq)
-        dp = _dot(do, vT, PRECISION, WIDEN)
-        if DROPOUT:
-            keep = kept(absorb(head_word, rows.to(tl.uint32)), cols, site, threshold)
-            dropped = tl.where(keep, p * keep_scale, 0.0)
-            dp = tl.where(keep, dp * keep_scale, 0.0)
-        else:
-            dropped = p
+        dropped, ds = _tile_grads(q, kT, vT, do, delta, rows, cols, Lq, Lk, attend, STATS, bh,
+                                  absorb(head_word, rows.to(tl.uint32)), site, threshold,
+                                  keep_scale, scale, HAS_MASK, DROPOUT, PRECISION, WIDEN)
         dv += _dot(tl.trans(dropped.to(do.dtype)), do, PRECISION, WIDEN)
-        ds = tl.where(attend[None, :], p * (dp - delta[:, None]), 0.0)
         dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION, WIDEN)
     _put(DK, sgb, sgh, sgl, sgd, b, h, cols, Lk, dims, D, dk * scale)
     _put(DV, sgb, sgh, sgl, sgd, b, h, cols, Lk, dims, D, dv)
@@ -194,22 +203,18 @@ def _backward_q(Q, K, V, DO, STATS, DELTA, KEY_MASK, SITE_KEYS, DQ,
     q = _tile(Q, sqb, sqh, sql, sqd, b, h, rows, Lq, dims, D)
     do = _tile(DO, sdb, sdh, sdl, sdd, b, h, rows, Lq, dims, D)
     delta = tl.load(DELTA + bh.to(tl.int64) * Lq + rows, mask=rows < Lq, other=0.0)
-    if DROPOUT:
-        site = site_key(SITE_KEYS, b)
-        row_words = absorb(absorb(tl.zeros([BLOCK_M], tl.uint32), h.to(tl.uint32)),
-                           rows.to(tl.uint32))
+    site = site_key(SITE_KEYS, b)
+    row_words = absorb(absorb(tl.zeros([BLOCK_M], tl.uint32), h.to(tl.uint32)),
+                       rows.to(tl.uint32))
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(0, Lk, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         kT = _tile_t(K, skb, skh, skl, skd, b, h, cols, Lk, dims, D)
         vT = _tile_t(V, svb, svh, svl, svd, b, h, cols, Lk, dims, D)
         attend = _attend(KEY_MASK, b, smb, sml, cols, Lk, HAS_MASK)
-        s = _scores(q, kT, cols, Lk, attend, scale, HAS_MASK, PRECISION, WIDEN)
-        p = _probabilities(s, STATS, bh, tl.num_programs(0), rows, Lq)
-        dp = _dot(do, vT, PRECISION, WIDEN)
-        if DROPOUT:
-            dp = tl.where(kept(row_words, cols, site, threshold), dp * keep_scale, 0.0)
-        ds = tl.where(attend[None, :], p * (dp - delta[:, None]), 0.0)
+        _, ds = _tile_grads(q, kT, vT, do, delta, rows, cols, Lq, Lk, attend, STATS, bh,
+                            row_words, site, threshold, keep_scale, scale, HAS_MASK, DROPOUT,
+                            PRECISION, WIDEN)
         dq += _dot(ds.to(kT.dtype), tl.trans(kT), PRECISION, WIDEN)
     _put(DQ, sgb, sgh, sgl, sgd, b, h, rows, Lq, dims, D, dq * scale)
 
