@@ -98,8 +98,8 @@ MUTATIONS = {
     "kernel-draws-per-slot": (
         "the Triton kernels draw each sample's masks from its own key, not its slot in the batch",
         "hetseq/kernels/triton_hash.py",
-        "    return tl.load(SITE_KEYS + sample, mask=real, other=0).to(tl.uint32, bitcast=True)",
-        "    return (tl.load(SITE_KEYS + 0 * sample, mask=real, other=0) + sample).to(\n"
+        "    key = tl.load(KEYS + sample, mask=real, other=0).to(tl.uint32, bitcast=True)",
+        "    key = (tl.load(KEYS + 0 * sample, mask=real, other=0) + sample).to(\n"
         "        tl.uint32, bitcast=True)",
         ["tests/test_kernels.py::test_a_samples_attention_mask_is_its_own_wherever_it_sits",
          "tests/test_kernels.py::test_the_dropout_kernel_keeps_what_the_torch_path_keeps",

@@ -256,7 +256,7 @@ def dropout(x, p, site, training=True):
     if not active():
         return F.dropout(x, p, training=True)
     kernels.threshold(p)            # a bad p is refused before any draw counts
-    return kernels.dropout(x, _site_keys_of(x, site, "dropout"), p)
+    return kernels.dropout(x, _draw_of(x, site, "dropout"), p)
 
 
 def attention(q, k, v, key_mask, p, site):
@@ -270,13 +270,14 @@ def attention(q, k, v, key_mask, p, site):
     if p == 0.0 or not active():
         return kernels.sdpa(q, k, v, key_mask, p)
     kernels.threshold(p)
-    return kernels.attention(q, k, v, key_mask, _site_keys_of(q, site, "attention"), p)
+    return kernels.attention(q, k, v, key_mask, _draw_of(q, site, "attention"), p)
 
 
-def _site_keys_of(x, site, what):
+def _draw_of(x, site, what):
+    """The draw of ``site`` for a tensor ``x`` of the batch (kernels.Draw)."""
     draws = _draws(what)
     _check_batch(x.shape[0], draws, what)
-    return _site_keys(draws.keys.to(x.device), site, draws.next_call(site))
+    return kernels.Draw(draws.keys.to(x.device), _site_word(site), draws.next_call(site))
 
 
 def name_sites(model):

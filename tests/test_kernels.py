@@ -23,8 +23,9 @@ def kernel_path(monkeypatch):
 
 
 def site_keys(indices, site="layer.attention", call=0):
-    keys = randomness.sample_keys(3, 2, indices)
-    return randomness._site_keys(keys, site, call).to(DEVICE)
+    """The draw of ``site`` for samples ``indices`` (kernels.Draw)."""
+    keys = randomness.sample_keys(3, 2, indices).to(DEVICE)
+    return kernels.Draw(keys, randomness._site_word(site), call)
 
 
 def torch_path(fn, *args):
@@ -83,7 +84,7 @@ def kept(keys, q, k, key_mask=None, p=0.25):
 def test_the_attention_kernel_draws_the_masks_of_randomness_bit_for_bit():
     keys = site_keys([0, 7, 3])
     q, k, _ = qkv(3, 2, 32, 32)
-    expected = ops.keyed_bits(keys, [2, 32, 32]) >= kernels.threshold(0.25)
+    expected = ops.keyed_bits(keys.site_keys(), [2, 32, 32]) >= kernels.threshold(0.25)
     assert torch.equal(kept(keys, q, k), expected)
     assert 0.2 < 1 - expected.float().mean().item() < 0.3
 
@@ -178,7 +179,7 @@ from triton.compiler import ASTSource
 from hetseq.kernels import triton_attention, triton_dropout
 dtype = sys.argv[1]
 pointer = "*" + dtype
-types = {"STATS": "*fp32", "DELTA": "*fp32", "KEY_MASK": "*u8", "SITE_KEYS": "*i32",
+types = {"STATS": "*fp32", "DELTA": "*fp32", "KEY_MASK": "*u8", "KEYS": "*i32",
          "ROW_WORDS": "*i32", "scale": "fp32", "keep_scale": "fp32"}
 builds = [(triton_dropout._dropout, dict(BLOCK_R=2, BLOCK_C=1024), 4)]
 for (kernel, d), tiles in triton_attention.CONFIGS.items():

@@ -18,6 +18,7 @@ interpreter and needs ``TRITON_INTERPRET=1``: how the tests run the
 kernels without a GPU.
 """
 
+import dataclasses
 import os
 
 import torch
@@ -78,6 +79,20 @@ def path(device):
     return name
 
 
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """One draw of a site in a forward: the samples' keys (int32, on the
+    tensors' device), the site's word and how many times it drew before in
+    this forward. The per-sample site keys are made where they are used:
+    inside a Triton kernel (two hashes per program), or by ``site_keys``."""
+    keys: torch.Tensor
+    word: int
+    call: int
+
+    def site_keys(self):
+        return ops.site_keys(self.keys, self.word, self.call)
+
+
 def threshold(p):
     """The int32 an element's bits must reach to be kept with probability
     1 - p (to 2**-32); None when nothing is kept (p within 2**-33 of 1)."""
@@ -87,35 +102,35 @@ def threshold(p):
     return None if value >= 1 << 31 else value
 
 
-def dropout(x, site_keys, p):
-    """``x`` ([batch, ...]) with sample i's mask drawn from ``site_keys[i]``."""
+def dropout(x, draw, p):
+    """``x`` ([batch, ...]) with sample i's mask drawn for ``draw``'s keys[i]."""
     cut = threshold(p)
     if cut is None:
         return x * 0.0
     scale = 1.0 / (1.0 - p)
     if x.dim() >= 2 and x.dtype in DTYPES and path(x.device) == "triton":
-        return ops.keyed_dropout(x, site_keys, cut, scale)
-    return _torch_dropout(x, site_keys, cut, scale)
+        return ops.keyed_dropout(x, draw.keys, draw.word, draw.call, cut, scale)
+    return _torch_dropout(x, draw, cut, scale)
 
 
-def _torch_dropout(x, site_keys, cut, scale):
-    keep = ops.keyed_bits(site_keys, list(x.shape[1:])) >= cut
+def _torch_dropout(x, draw, cut, scale):
+    keep = ops.keyed_bits(draw.site_keys(), list(x.shape[1:])) >= cut
     # x * keep * scale in one kernel that saves only the boolean mask for
     # backward: the op torch's own dropout backward uses.
     return torch.ops.aten.native_dropout_backward(x, keep, scale)
 
 
-def attention(q, k, v, key_mask, site_keys, p):
+def attention(q, k, v, key_mask, draw, p):
     """softmax(q k^T / sqrt(d), masked keys out) with its probabilities'
-    dropout drawn per (sample, head, query, key) from ``site_keys``, times v.
+    dropout drawn per (sample, head, query, key) for ``draw``, times v.
     q, k, v: [batch, heads, L, d]; ``key_mask``: [batch, L] bool, True where
     a key may be attended (None: every key)."""
     _check_key_mask(key_mask, k)
     cut = threshold(p)
     if cut is not None and _fits_the_kernel(q, k, v) and path(q.device) == "triton":
-        return ops.keyed_attention(q, k, v, key_mask, site_keys, cut, 1.0 / (1.0 - p),
-                                   q.shape[-1] ** -0.5)[0]
-    return explicit_attention(q, k, v, key_mask, site_keys, p)
+        return ops.keyed_attention(q, k, v, key_mask, draw.keys, draw.word, draw.call, cut,
+                                   1.0 / (1.0 - p), q.shape[-1] ** -0.5)[0]
+    return explicit_attention(q, k, v, key_mask, draw, p)
 
 
 def _fits_the_kernel(q, k, v):
@@ -134,7 +149,7 @@ def _check_key_mask(key_mask, k):
                          f"{key_mask.dtype} {list(key_mask.shape)} (pass attention_mask.bool())")
 
 
-def explicit_attention(q, k, v, key_mask, site_keys, p):
+def explicit_attention(q, k, v, key_mask, draw, p):
     """The torch path: SDPA's arithmetic with the probabilities as a tensor.
     A masked key's score is the lowest finite value, not -inf: a sample with
     no real token gets even weights instead of NaN (softmax of a row of -inf)."""
@@ -145,7 +160,7 @@ def explicit_attention(q, k, v, key_mask, site_keys, p):
     cut = threshold(p)
     if cut is None:
         return (probs * 0.0) @ v
-    return _torch_dropout(probs, site_keys, cut, 1.0 / (1.0 - p)) @ v
+    return _torch_dropout(probs, draw, cut, 1.0 / (1.0 - p)) @ v
 
 
 def sdpa(q, k, v, key_mask, p=0.0):

@@ -4,9 +4,12 @@ without a graph break (each has a fake implementation for the shapes).
 
     hetseq::site_keys(keys, site_word, call)        the samples' keys for one draw of a site
     hetseq::keyed_bits(site_keys, shape)            int32 bits, [n, *shape] (the torch path)
-    hetseq::keyed_dropout(x, site_keys, threshold, scale)   Triton, one pass
-    hetseq::keyed_attention(q, k, v, key_mask, site_keys, threshold, keep_scale, scale)
+    hetseq::keyed_dropout(x, keys, word, call, threshold, scale)   Triton, one pass
+    hetseq::keyed_attention(q, k, v, key_mask, keys, word, call, threshold, keep_scale, scale)
                                                     Triton, flash-style: (out, stats)
+
+The Triton operators take the samples' keys and the site (its word, its
+call) and make each sample's site key inside the kernel.
 
 keyed_dropout's backward is keyed_dropout of the gradient (the same mask,
 drawn again); keyed_attention's is keyed_attention_backward, which draws
@@ -48,25 +51,27 @@ def _(site_keys, shape):
 # ---- elementwise dropout (Triton) ----
 
 @torch.library.custom_op("hetseq::keyed_dropout", mutates_args=())
-def keyed_dropout(x: Tensor, site_keys: Tensor, threshold: int, scale: float) -> Tensor:
+def keyed_dropout(x: Tensor, keys: Tensor, word: int, call: int, threshold: int,
+                  scale: float) -> Tensor:
     from hetseq.kernels import triton_dropout
-    return triton_dropout.dropout(x, site_keys, threshold, scale)
+    return triton_dropout.dropout(x, keys, word, call, threshold, scale)
 
 
 @keyed_dropout.register_fake
-def _(x, site_keys, threshold, scale):
+def _(x, keys, word, call, threshold, scale):
     return torch.empty_like(x.contiguous())      # as the kernel allocates it
 
 
 def _dropout_context(ctx, inputs, output):
-    _, site_keys, ctx.threshold, ctx.scale = inputs
-    ctx.save_for_backward(site_keys)
+    _, keys, ctx.word, ctx.call, ctx.threshold, ctx.scale = inputs
+    ctx.save_for_backward(keys)
 
 
 def _dropout_backward(ctx, grad):
     # y = x * kept * scale, so dx = grad * kept * scale: the same op on the gradient.
-    (site_keys,) = ctx.saved_tensors
-    return keyed_dropout(grad, site_keys, ctx.threshold, ctx.scale), None, None, None
+    (keys,) = ctx.saved_tensors
+    dx = keyed_dropout(grad, keys, ctx.word, ctx.call, ctx.threshold, ctx.scale)
+    return dx, None, None, None, None, None
 
 
 keyed_dropout.register_autograd(_dropout_backward, setup_context=_dropout_context)
@@ -75,11 +80,12 @@ keyed_dropout.register_autograd(_dropout_backward, setup_context=_dropout_contex
 # ---- attention (Triton) ----
 
 @torch.library.custom_op("hetseq::keyed_attention", mutates_args=())
-def keyed_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor],
-                    site_keys: Tensor, threshold: int, keep_scale: float,
+def keyed_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], keys: Tensor,
+                    word: int, call: int, threshold: int, keep_scale: float,
                     scale: float) -> tuple[Tensor, Tensor]:
     from hetseq.kernels import triton_attention
-    return triton_attention.forward(q, k, v, key_mask, site_keys, threshold, keep_scale, scale)
+    return triton_attention.forward(q, k, v, key_mask, (keys, word, call), threshold,
+                                    keep_scale, scale)
 
 
 def _heads_layout(x, length):
@@ -88,38 +94,38 @@ def _heads_layout(x, length):
 
 
 @keyed_attention.register_fake
-def _(q, k, v, key_mask, site_keys, threshold, keep_scale, scale):
+def _(q, k, v, key_mask, keys, word, call, threshold, keep_scale, scale):
     B, H, Lq, _ = q.shape
     return _heads_layout(q, Lq), q.new_empty(2, B * H, Lq, dtype=torch.float32)
 
 
 @torch.library.custom_op("hetseq::keyed_attention_backward", mutates_args=())
 def keyed_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                             stats: Tensor, key_mask: Optional[Tensor], site_keys: Tensor,
-                             threshold: int, keep_scale: float,
+                             stats: Tensor, key_mask: Optional[Tensor], keys: Tensor, word: int,
+                             call: int, threshold: int, keep_scale: float,
                              scale: float) -> tuple[Tensor, Tensor, Tensor]:
     from hetseq.kernels import triton_attention
-    return triton_attention.backward(grad, q, k, v, out, stats, key_mask, site_keys,
+    return triton_attention.backward(grad, q, k, v, out, stats, key_mask, (keys, word, call),
                                      threshold, keep_scale, scale)
 
 
 @keyed_attention_backward.register_fake
-def _(grad, q, k, v, out, stats, key_mask, site_keys, threshold, keep_scale, scale):
+def _(grad, q, k, v, out, stats, key_mask, keys, word, call, threshold, keep_scale, scale):
     return (_heads_layout(q, q.shape[2]), _heads_layout(k, k.shape[2]),
             _heads_layout(v, v.shape[2]))
 
 
 def _attention_context(ctx, inputs, output):
-    q, k, v, key_mask, site_keys, ctx.threshold, ctx.keep_scale, ctx.scale = inputs
+    q, k, v, key_mask, keys, ctx.word, ctx.call, ctx.threshold, ctx.keep_scale, ctx.scale = inputs
     ctx.mark_non_differentiable(output[1])          # the rows' max and sum
-    ctx.save_for_backward(q, k, v, *output, key_mask, site_keys)
+    ctx.save_for_backward(q, k, v, *output, key_mask, keys)
 
 
 def _attention_backward(ctx, grad, _grad_stats):
-    q, k, v, out, stats, key_mask, site_keys = ctx.saved_tensors
-    dq, dk, dv = keyed_attention_backward(grad, q, k, v, out, stats, key_mask, site_keys,
-                                          ctx.threshold, ctx.keep_scale, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, out, stats, key_mask, keys = ctx.saved_tensors
+    dq, dk, dv = keyed_attention_backward(grad, q, k, v, out, stats, key_mask, keys, ctx.word,
+                                          ctx.call, ctx.threshold, ctx.keep_scale, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 keyed_attention.register_autograd(_attention_backward, setup_context=_attention_context)

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hetseq.kernels import words
 from hetseq.kernels.triton_hash import FLOAT_MIN, absorb, kept, site_key
 
 
@@ -82,11 +83,11 @@ def _put(PTR, stride_b, stride_h, stride_l, stride_d, b, h, idx, L, dims, D, val
     tl.store(ptrs, value.to(PTR.dtype.element_ty), mask=(idx < L)[:, None] & (dims < D)[None, :])
 
 
-@triton.jit
-def _forward(Q, K, V, O, STATS, KEY_MASK, SITE_KEYS,
+@triton.jit(do_not_specialize=["word", "call"])
+def _forward(Q, K, V, O, STATS, KEY_MASK, KEYS,
              sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd,
              sob, soh, sol, sod, smb, sml,
-             heads, Lq, Lk, D, scale, threshold, keep_scale,
+             heads, Lq, Lk, D, scale, threshold, keep_scale, word, call,
              HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
              WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_D: tl.constexpr, LENGTH_CLASS: tl.constexpr):
@@ -97,7 +98,7 @@ def _forward(Q, K, V, O, STATS, KEY_MASK, SITE_KEYS,
     dims = tl.arange(0, BLOCK_D)
     q = _tile(Q, sqb, sqh, sql, sqd, b, h, rows, Lq, dims, D)
     if DROPOUT:
-        site = site_key(SITE_KEYS, b)
+        site = site_key(KEYS, b, word, call)
         row_words = absorb(absorb(tl.zeros([BLOCK_M], tl.uint32), h.to(tl.uint32)),
                            rows.to(tl.uint32))
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -153,11 +154,11 @@ def _tile_grads(q, kT, vT, do, delta, rows, cols, Lq, Lk, attend, STATS, bh, row
     return dropped, tl.where(attend[None, :], p * (dp - delta[:, None]), 0.0)
 
 
-@triton.jit
-def _backward_kv(Q, K, V, DO, STATS, DELTA, KEY_MASK, SITE_KEYS, DK, DV,
+@triton.jit(do_not_specialize=["word", "call"])
+def _backward_kv(Q, K, V, DO, STATS, DELTA, KEY_MASK, KEYS, DK, DV,
                  sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd,
                  sdb, sdh, sdl, sdd, sgb, sgh, sgl, sgd, smb, sml,
-                 heads, Lq, Lk, D, scale, threshold, keep_scale,
+                 heads, Lq, Lk, D, scale, threshold, keep_scale, word, call,
                  HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
                  WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr, LENGTH_CLASS: tl.constexpr):
@@ -169,7 +170,7 @@ def _backward_kv(Q, K, V, DO, STATS, DELTA, KEY_MASK, SITE_KEYS, DK, DV,
     kT = _tile_t(K, skb, skh, skl, skd, b, h, cols, Lk, dims, D)
     vT = _tile_t(V, svb, svh, svl, svd, b, h, cols, Lk, dims, D)
     attend = _attend(KEY_MASK, b, smb, sml, cols, Lk, HAS_MASK)
-    site = site_key(SITE_KEYS, b)
+    site = site_key(KEYS, b, word, call)
     head_word = absorb(tl.zeros([BLOCK_M], tl.uint32), h.to(tl.uint32))
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -187,11 +188,11 @@ def _backward_kv(Q, K, V, DO, STATS, DELTA, KEY_MASK, SITE_KEYS, DK, DV,
     _put(DV, sgb, sgh, sgl, sgd, b, h, cols, Lk, dims, D, dv)
 
 
-@triton.jit
-def _backward_q(Q, K, V, DO, STATS, DELTA, KEY_MASK, SITE_KEYS, DQ,
+@triton.jit(do_not_specialize=["word", "call"])
+def _backward_q(Q, K, V, DO, STATS, DELTA, KEY_MASK, KEYS, DQ,
                 sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd,
                 sdb, sdh, sdl, sdd, sgb, sgh, sgl, sgd, smb, sml,
-                heads, Lq, Lk, D, scale, threshold, keep_scale,
+                heads, Lq, Lk, D, scale, threshold, keep_scale, word, call,
                 HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
                 WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, LENGTH_CLASS: tl.constexpr):
@@ -203,7 +204,7 @@ def _backward_q(Q, K, V, DO, STATS, DELTA, KEY_MASK, SITE_KEYS, DQ,
     q = _tile(Q, sqb, sqh, sql, sqd, b, h, rows, Lq, dims, D)
     do = _tile(DO, sdb, sdh, sdl, sdd, b, h, rows, Lq, dims, D)
     delta = tl.load(DELTA + bh.to(tl.int64) * Lq + rows, mask=rows < Lq, other=0.0)
-    site = site_key(SITE_KEYS, b)
+    site = site_key(KEYS, b, word, call)
     row_words = absorb(absorb(tl.zeros([BLOCK_M], tl.uint32), h.to(tl.uint32)),
                        rows.to(tl.uint32))
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -271,6 +272,11 @@ def _like_heads(x, length=None):
     return torch.empty(B, length or L, H, D, dtype=x.dtype, device=x.device).transpose(1, 2)
 
 
+def _site(draw):
+    """The site's word and call as the kernels take them (int32)."""
+    return words.signed(draw[1]), words.signed(draw[2])
+
+
 def _strides(*tensors):
     return [s for t in tensors for s in t.stride()]
 
@@ -282,21 +288,21 @@ def _mask_args(key_mask, q):
     return key_mask, key_mask.stride(0), key_mask.stride(1)
 
 
-def forward(q, k, v, key_mask, site_keys, threshold, keep_scale, scale, dropout=True):
+def forward(q, k, v, key_mask, draw, threshold, keep_scale, scale, dropout=True):
     """(out [B, heads, Lq, d], stats [2, B * heads, Lq]: each row's max and sum)."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     out = _like_heads(q)
     stats = torch.empty(2, B * H, Lq, dtype=torch.float32, device=q.device)
     mask, smb, sml = _mask_args(key_mask, q)
-    args = (q, k, v, out, stats, mask, site_keys, *_strides(q, k, v, out), smb, sml,
-            H, Lq, Lk, D, scale, threshold, keep_scale)
+    args = (q, k, v, out, stats, mask, draw[0], *_strides(q, k, v, out), smb, sml,
+            H, Lq, Lk, D, scale, threshold, keep_scale, *_site(draw))
     _launch(_forward, "BLOCK_M", (Lq, B * H), args, D, max(Lq, Lk), q.device,
             HAS_MASK=key_mask is not None, DROPOUT=dropout, **_arithmetic(q))
     return out, stats
 
 
-def backward(grad, q, k, v, out, stats, key_mask, site_keys, threshold, keep_scale, scale,
+def backward(grad, q, k, v, out, stats, key_mask, draw, threshold, keep_scale, scale,
              dropout=True):
     """(dq, dk, dv) of ``forward``'s output, the masks drawn again."""
     B, H, Lq, D = q.shape
@@ -305,8 +311,8 @@ def backward(grad, q, k, v, out, stats, key_mask, site_keys, threshold, keep_sca
     dq, dk, dv = _like_heads(q), _like_heads(k), _like_heads(v)
     mask, smb, sml = _mask_args(key_mask, q)
     common = dict(HAS_MASK=key_mask is not None, DROPOUT=dropout, **_arithmetic(q))
-    inputs = (q, k, v, grad, stats, delta, mask, site_keys)
-    sizes = (H, Lq, Lk, D, scale, threshold, keep_scale)
+    inputs = (q, k, v, grad, stats, delta, mask, draw[0])
+    sizes = (H, Lq, Lk, D, scale, threshold, keep_scale, *_site(draw))
     _launch(_backward_kv, "BLOCK_N", (Lk, B * H),
             (*inputs, dk, dv, *_strides(q, k, v, grad, dk), smb, sml, *sizes),
             D, max(Lq, Lk), q.device, **common)

@@ -13,8 +13,8 @@ from hetseq.kernels.triton_hash import absorb, site_key
 
 
 
-@triton.jit
-def _dropout(X, Y, ROW_WORDS, SITE_KEYS, rows, total_rows, cols, threshold, scale,
+@triton.jit(do_not_specialize=["word", "call"])
+def _dropout(X, Y, ROW_WORDS, KEYS, word, call, rows, total_rows, cols, threshold, scale,
              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # A tile of the batch seen as [batch * rows, cols] (each sample's tensor
     # as [rows, cols]): BLOCK_R rows of BLOCK_C columns.
@@ -23,7 +23,7 @@ def _dropout(X, Y, ROW_WORDS, SITE_KEYS, rows, total_rows, cols, threshold, scal
     real = row < total_rows
     inside = real[:, None] & (col < cols)[None, :]
     row_word = tl.load(ROW_WORDS + row % rows, mask=real, other=0).to(tl.uint32, bitcast=True)
-    site = site_key(SITE_KEYS, row // rows, real)
+    site = site_key(KEYS, row // rows, word, call, real)
     offsets = row[:, None].to(tl.int64) * cols + col[None, :]
     x = tl.load(X + offsets, mask=inside, other=0.0)
     drawn = absorb(absorb(row_word[:, None], col[None, :].to(tl.uint32)), site[:, None])
@@ -31,10 +31,10 @@ def _dropout(X, Y, ROW_WORDS, SITE_KEYS, rows, total_rows, cols, threshold, scal
     tl.store(Y + offsets, (x.to(tl.float32) * keep * scale).to(x.dtype), mask=inside)
 
 
-def dropout(x, site_keys, threshold, scale):
+def dropout(x, keys, word, call, threshold, scale):
     """``x`` ([batch, ...], at least 2-D) with each element kept when its
-    bits (from its sample's site key) are >= ``threshold``, then multiplied
-    by ``scale``."""
+    bits (from its sample's key, the site's ``word`` and ``call``) are >=
+    ``threshold``, then multiplied by ``scale``."""
     x = x.contiguous()
     y = torch.empty_like(x)
     if x.numel() == 0:
@@ -49,6 +49,7 @@ def dropout(x, site_keys, threshold, scale):
     # one after another, so it takes tiles as large as numpy likes.
     block_r = max(1, (2048 if x.is_cuda else 1 << 16) // block_c)
     grid = (triton.cdiv(x.shape[0] * rows, block_r), triton.cdiv(cols, block_c))
-    _dropout[grid](x, y, row_words, site_keys.contiguous(), rows, x.shape[0] * rows, cols,
-                   threshold, scale, BLOCK_R=block_r, BLOCK_C=block_c)
+    _dropout[grid](x, y, row_words, keys.contiguous(), words.signed(word), words.signed(call),
+                   rows, x.shape[0] * rows, cols, threshold, scale, BLOCK_R=block_r,
+                   BLOCK_C=block_c)
     return y

@@ -30,9 +30,12 @@ def absorb(state, word):
 
 
 @triton.jit
-def site_key(SITE_KEYS, sample, real=True):
-    """The draw's key of the batch's ``sample``-th sample (its own, wherever it sits)."""
-    return tl.load(SITE_KEYS + sample, mask=real, other=0).to(tl.uint32, bitcast=True)
+def site_key(KEYS, sample, word, call, real=True):
+    """The site key of the batch's ``sample``-th sample (from its own key,
+    wherever it sits) for the ``call``-th draw of the site whose word is
+    ``word``: randomness._site_keys."""
+    key = tl.load(KEYS + sample, mask=real, other=0).to(tl.uint32, bitcast=True)
+    return absorb(absorb(key, word.to(tl.uint32, bitcast=True)), call.to(tl.uint32, bitcast=True))
 
 
 @triton.jit
