@@ -9,13 +9,12 @@ Two paths give the same bits for every element (words.py's hash):
     triton  the hash computed inside the kernel that uses it: elementwise
             dropout in one pass, attention flash-style (triton_attention.py),
             nothing L x L in memory, masks drawn again in backward. CUDA
-            devices, when Triton is installed (it ships with torch's CUDA
-            builds).
+            devices of sm_80 or newer, when Triton is installed (it ships
+            with torch's CUDA builds); fp16, bf16 and fp32.
 
 ``HETSEQ_KERNELS=torch|triton`` forces one (the default, ``auto``, is the
-above). ``triton`` on a CPU tensor runs Triton's
-interpreter and needs ``TRITON_INTERPRET=1``: how the tests run the
-kernels without a GPU.
+above). ``triton`` on a CPU tensor runs Triton's interpreter and needs
+``TRITON_INTERPRET=1``: how the tests run the kernels without a GPU.
 """
 
 import dataclasses
