@@ -21,6 +21,14 @@ MUTATIONS = {
         "weight=0.0 if sample is None else 1.0",
         "weight=1.0",
         ["tests/test_parity.py::test_three_uneven_ranks_with_accumulation_match_one_process"]),
+    "idle-rank-runs-forward": (
+        "a rank without samples computes nothing where its mode can take part in the "
+        "exchange without a forward (DDP, local steps)",
+        "hetseq/update/controller.py",
+        "        if samples == [None] and self._layout is not None and self.sharding.can_idle():",
+        "        if False:",
+        ["tests/test_parity.py::"
+         "test_a_rank_without_samples_computes_nothing_and_the_update_stays_exact"]),
     "sync-every-micro-batch": (
         "local accumulation (micro-batches, --update-freq) adds no communication",
         "hetseq/update/sharding.py",

@@ -64,6 +64,48 @@ THREE = {f"{mode} {opt} 20+8+4": job([20, 8, 4], "--update-freq", 2, *MODES[mode
                                      *OPTIMIZERS[opt]) for mode in MODES for opt in OPTIMIZERS}
 
 
+# Rank 1 takes no sample of any global batch: weights 1000:1 round its share of
+# 32 to nothing. Its first update runs a zero-weight batch (DDP builds its
+# buckets from one backward; the stats' keys come from it), later ones none
+# where the mode can take its part in the exchange without a forward.
+IDLE_MODES = {"zero0": [], "zero1": ["--zero", 1], "zero3": ["--zero", 3],
+              "local-steps": ["--local-steps", 2], "bf16 reduce": ["--reduce-dtype", "bfloat16"],
+              "powersgd": ["--grad-compression", "powersgd", "--powersgd-start", 2,
+                           "--powersgd-min-compression", 0, "--powersgd-rank", 8]}
+FORWARDS_AFTER_THE_FIRST = {"zero3": 6}        # FSDP's forwards communicate
+
+
+@pytest.fixture(scope="module")
+def idle_rank(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("idle")
+    jobs = [(mode, [[*COMMON, *extra, "--capacity", "manual", "--capacity-weight", weight,
+                     "--global-batch-size", 32, "--no-save",
+                     "--toy-log-forwards", folder / mode.replace(" ", "-")]
+                    for weight in (1000, 1)]) for mode, extra in IDLE_MODES.items()]
+    return folder, run_jobs(2, jobs, folder / "jobs")
+
+
+@pytest.mark.parametrize("mode", sorted(IDLE_MODES))
+def test_a_rank_without_samples_computes_nothing_and_the_update_stays_exact(idle_rank, mode):
+    """The rank's updates after its first run no forward or backward (under
+    FSDP one of no weight, as every forward communicates): its part of the
+    gradient exchange is zeros, sent as DDP's own collectives, and the
+    update is one process's, dropout included."""
+    folder, results = idle_rank
+    result = results[mode]
+    assert result.global_batch == 32
+    if mode == "bf16 reduce":       # gradients summed in bfloat16: close, not exact
+        assert max_diff(reference(), params(result.state)) < 1e-2
+    else:
+        assert max_diff(reference(), params(result.state)) < EXACT
+    forwards = (folder / f"{mode.replace(' ', '-')}.1").read_text().split("\n")[:-1]
+    assert forwards == ["1 0.0"] * (1 + FORWARDS_AFTER_THE_FIRST.get(mode, 0)), forwards
+    # The same collectives on both ranks, update by update.
+    ops = [{name: [(call.op, call.tensors) for call in calls]
+            for name, calls in result.updates(rank).items()} for rank in (0, 1)]
+    assert ops[0] == ops[1]
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     return run_jobs(2, list(TWO.items()), tmp_path_factory.mktemp("two"))

@@ -35,6 +35,10 @@ What the ranks exchange, and when, is the job's exchange mode's
 divisor is 1: rank r's gradient is scaled by 1/n_r, the gradient of ITS mean
 sample loss, and the ranks' changes are averaged, weighted by samples, once
 per round. The Controller calls its exchange without knowing which it is.
+
+A rank without samples in an update contributes g_r = 0 and n_r = 0: the sums
+are unchanged. Where its mode allows (DDP, local steps) it computes nothing
+and sends zeros through the same collectives (``_idle``).
 """
 
 import logging
@@ -158,6 +162,7 @@ class Controller:
         self.num_updates = 0
         self.lr = self.lr_scheduler.step_update(1)
         self._steps = 0               # train_step calls (a StepResult's norm: until the next)
+        self._layout = None           # (stats keys, announced) of the last update with samples
         self.failed_updates = 0       # non-finite updates in a row
         self.wrapped.train()
 
@@ -195,7 +200,9 @@ class Controller:
 
     def train_step(self, samples, dummy, checksum=0.0, signal=0.0, boundary=True):
         """One update from this rank's micro-batches ``samples`` (None: no data
-        this step; ``dummy`` is run with zero weight so collectives still match).
+        this step). A rank with none does no forward or backward when its
+        mode lets it take part in the exchange without (``_idle``); else
+        ``dummy`` is run with zero weight so collectives still match.
         ``checksum``: this rank's for the agreement check (0: none this update);
         ``signal``: 1.0 when the members change after this update (--elastic).
         Returns the exchange mode's StepResult, or None when it has none yet
@@ -207,6 +214,12 @@ class Controller:
         self.exchange.begin(self)
         self.optimizer.zero_grad(set_to_none=True)
         stats = self.exchange.stats(checksum, signal)
+        if not self.lockstep:   # a padding batch matters only where every forward communicates
+            samples = [sample for sample in samples if sample is not None] or [None]
+        if samples == [None] and self._layout is not None and self.sharding.can_idle():
+            self._idle(stats)
+            clock.stamp()
+            return self.exchange.finish(stats, clock.seconds(), self, boundary)
         loss_scale = self.scaler.scale if self.scaler else 1.0
         for i, sample in enumerate(samples):
             last = i == len(samples) - 1
@@ -221,7 +234,19 @@ class Controller:
                                 "logs) instead of loss.backward()")
             if not backward.announced:
                 stats.add(loss, n, logs, backward.weight)
+        # What an idle update must send: the stats' keys, and whether they
+        # travel before the gradients (announced) or after.
+        self._layout = (sorted(stats.totals), backward.announced)
         return self.exchange.finish(stats, clock.seconds(), self, boundary)
+
+    def _idle(self, stats):
+        """An update without samples on this rank, after one with (DDP has
+        built its buckets; the stats' keys are known): zeros in the stats,
+        sent where the other ranks send theirs (before the gradients when
+        announced), and the mode's part of the gradient exchange, no forward."""
+        keys, announced = self._layout
+        stats.add_zeros(keys)
+        self.sharding.idle(self.wrapped, stats.start if announced else lambda: None)
 
     def _keyed(self, batch):
         """(the sample on this rank's device, its samples' keys there, or None

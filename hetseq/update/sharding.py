@@ -95,6 +95,19 @@ class Sharding:
         """Context for a micro-batch: gradients communicated only on the last."""
         return contextlib.nullcontext()
 
+    def can_idle(self):
+        """Whether a rank without samples can take its part in the gradient
+        exchange without a forward (``idle``); else it runs a zero-weight
+        batch, as every rank of a mode whose forwards communicate must."""
+        return True
+
+    def idle(self, wrapped, backward_begins):
+        """This rank has no samples in the update: its part of the gradient
+        exchange, its own gradient zero, calling ``backward_begins()`` where
+        the others' backward would begin (their stats go then). Alone, or
+        with no gradient collective, there is nothing else to take part in."""
+        backward_begins()
+
     def local_grads(self, params):
         return [p.grad for p in params if p.grad is not None]
 
@@ -162,6 +175,30 @@ def _ddp(model, ctx, cfg, comm_hook):
     return ddp
 
 
+def _ddp_with_zeros(ddp, backward_begins):
+    """DDP's collectives of one update, from a rank that computed nothing:
+    what DDP's own join hook does for a rank whose data ran out (the forward's
+    bucket rebuild and buffers, then every bucket's all-reduce, in DDP's
+    order, through its comm hook), with zeros, keeping the sums: they are
+    this rank's gradients, G/W as every rank's. DDP must have run one
+    backward on this rank first (its buckets are rebuilt from it)."""
+    ddp.reducer._rebuild_buckets()
+    ddp._check_and_sync_module_buffers()
+    backward_begins()
+    buckets = ddp.reducer._get_zeros_like_grad_buckets()
+    pending = [ddp.reducer._run_comm_hook(bucket) for bucket in buckets]
+    for bucket, future in zip(buckets, pending):
+        summed = future.wait()
+        summed = summed[0] if isinstance(summed, list) else summed
+        buffer = bucket.buffer()
+        if summed.data_ptr() != buffer.data_ptr():
+            buffer.copy_(summed)
+        for param, grad in zip(bucket.parameters(), bucket.gradients()):
+            param.grad = grad.view_as(param)
+    if ddp.find_unused_parameters:
+        ddp._match_unused_params_allreduce()
+
+
 @SHARDING.register("0")
 class Replicas(Sharding):
     def describe(self):
@@ -175,6 +212,11 @@ class Replicas(Sharding):
         if not self.ctx.distributed or last:
             return contextlib.nullcontext()
         return wrapped.no_sync()   # must wrap the forward too (PLATFORM_NOTES)
+
+    def idle(self, wrapped, backward_begins):
+        if not self.ctx.distributed:
+            return backward_begins()
+        _ddp_with_zeros(wrapped, backward_begins)
 
 
 @SHARDING.register("1")
@@ -258,6 +300,11 @@ class FullyShard(Sharding):
     def sync(self, wrapped, last):
         wrapped.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
+
+    def can_idle(self):
+        # Every forward all-gathers and every backward reduce-scatters, unit
+        # by unit: the rank runs a zero-weight batch to take part.
+        return not self.ctx.distributed
 
     def local_grads(self, params):
         return [p.grad.to_local() for p in params if p.grad is not None]

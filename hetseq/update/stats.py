@@ -131,6 +131,12 @@ class StatsExchange:
                 continue
             totals[key] = totals.get(key, 0.0) + weight * _readable(value)
 
+    def add_zeros(self, keys):
+        """Zero for each of ``keys``: a rank without samples sends the vector
+        of the same layout as the others."""
+        for key in keys:
+            self.totals.setdefault(key, 0.0)
+
     def own_samples(self):
         """This rank's samples in these stats (before any sum)."""
         return self.totals.get("sample_size", 0.0)

@@ -53,7 +53,7 @@ class ToyTask(Task):
                                 "toy_nan_bias_grad_after", "toy_drift_rank", "toy_drift",
                                 "toy_fail_after", "toy_dump_params", "toy_sample_ms",
                                 "toy_slow_state_ms", "toy_hold_until", "toy_hold_from",
-                                "toy_slow_while"})
+                                "toy_slow_while", "toy_log_forwards"})
     @classmethod
     def add_args(cls, parser):
         parser.add_argument("--toy-size", type=int, default=100, help="samples in the train split")
@@ -106,6 +106,9 @@ class ToyTask(Task):
                                  "(as on data only this node holds)")
         parser.add_argument("--toy-log-indices", metavar="PATH",
                             help="append the indices each rank trains to PATH.<rank>")
+        parser.add_argument("--toy-log-forwards", metavar="PATH",
+                            help="append a line per training forward (its samples and weight, "
+                                 "padding included) to PATH.<rank>")
         parser.add_argument("--toy-dump-params", metavar="PATH",
                             help="each training forward writes this rank's parameters to "
                                  "PATH.<rank> (the last write: before the last update)")
@@ -171,6 +174,9 @@ class ToyTask(Task):
             time.sleep(self.args.toy_slow_ms / 1000 * len(sample["x"]))   # a slower device
         if self.args.toy_fail_after and self.calls > self.args.toy_fail_after:
             raise UserError(f"toy: this node's data ends at call {self.calls}")
+        if self.args.toy_log_forwards:
+            with open(f"{self.args.toy_log_forwards}.{rank}", "a") as log:
+                log.write(f"{len(sample['x'])} {getattr(backward, 'weight', 1)}\n")
         if self.args.toy_log_indices and getattr(backward, "weight", 1):   # not padding
             with open(f"{self.args.toy_log_indices}.{rank}", "a") as log:
                 log.write(" ".join(map(str, sample["index"].tolist())) + "\n")
