@@ -11,7 +11,7 @@ MUTATIONS = {
         ["tests/test_parity.py::test_two_uneven_ranks_match_one_process"]),
     "scale-rounded-to-float32": (
         "the scale is applied in the gradients' precision (W/N = 3/36 is no binary fraction)",
-        "hetseq/update/controller.py",
+        "hetseq/update/gradients.py",
         "wide = [g for g in grads if g.dtype == torch.float64]",
         "wide = []",
         ["tests/test_parity.py::test_three_uneven_ranks_with_accumulation_match_one_process"]),
@@ -54,9 +54,9 @@ MUTATIONS = {
         "hetseq/update/controller.py",
         "        norm, finite = self._sharded_norm_and_scale(grads, scale, clip)\n",
         "        if clip == 0:\n"
-        "            finite = not self.sharding.reduce(_scale_and_check(grads, scale, "
+        "            finite = not self.sharding.reduce(scale_and_check(grads, scale, "
         "self.ctx.device)).item()\n"
-        "            norm = lambda: math.sqrt(self.sharding.reduce(_squares(grads, "
+        "            norm = lambda: math.sqrt(self.sharding.reduce(squares(grads, "
         "self.ctx.device)).item())\n"
         "        else:\n"
         "            norm, finite = self._sharded_norm_and_scale(grads, scale, clip)\n",
@@ -505,7 +505,7 @@ MUTATIONS = {
     "optimizer-mismatch-not-detected": (
         "a checkpoint of another optimizer is refused before training, in one line",
         "hetseq/update/controller.py",
-        "            _check_same_optimizer(own, *self._optimizer_kind)\n",
+        "            check_same_optimizer(own, *self._optimizer_kind)\n",
         "",
         ["tests/test_bad_inputs.py::test_bad_input_gives_one_clear_message"]),
     "compile-compiles-nothing": (

@@ -176,7 +176,7 @@ def _full_state_both_ways(rank, world, init, out):
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict)
     from hetseq.distributed import DistContext
-    from hetseq.update.sharding import _full, _full_state
+    from hetseq.update.full_state import full_options as _full, gather as _full_state
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=GROUP_TIMEOUT)
@@ -212,7 +212,7 @@ def _same(a, b):
 
 
 def test_the_full_state_gathered_over_gloo_equals_torchs_own_gather(tmp_path):
-    """Over gloo HetSeq gathers a --zero 3 state itself (sharding._full_state:
+    """Over gloo HetSeq gathers a --zero 3 state itself (full_state.gather:
     torch's gather crashed with a GPU and a CPU rank); on uneven shards it
     must give exactly what torch's gives, on rank 0 only."""
     queue = rank_queue()

@@ -111,6 +111,45 @@ class SGD(OptimizerFactory):
                                weight_decay=cfg.weight_decay, fused=fused_for(params))
 
 
+def keep_own_kernels(optimizer, kernels):
+    """A loaded state brings the saver's kernel settings (a GPU rank's
+    fused=True, a CPU rank's None): this rank keeps ``kernels``, the fused
+    and foreach settings built for its own parameters, and a fused
+    optimizer its step counts on their device, as float32 (torch moves them
+    only when the saver was fused; ZeRO's loader puts them on the host)."""
+    for inner in (optimizer, getattr(optimizer, "optim", None)):
+        for group in getattr(inner, "param_groups", ()):
+            for setting in ("fused", "foreach"):
+                if setting in group:
+                    group[setting] = kernels.get(setting)
+            if not group.get("fused"):
+                continue
+            for param in group["params"]:
+                state = inner.state.get(param, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(param.device, torch.float32)
+
+
+# Settings torch fills in itself when an older state lacks them (__setstate__).
+_OPTIONAL_SETTINGS = {"foreach", "maximize", "capturable", "differentiable", "fused",
+                      "decoupled_weight_decay"}
+
+
+def check_same_optimizer(saved, name, settings):
+    """A state saved by another kind of optimizer loads without complaint and
+    fails at the first step (Adam's state has no Adadelta 'rho'): refuse it
+    here, before any rank trains, when the saved settings lack one this
+    optimizer needs."""
+    groups = (saved or {}).get("param_groups") or []
+    missing = sorted(settings - _OPTIONAL_SETTINGS - set(groups[0])) if groups else []
+    if missing:
+        raise UserError(
+            f"the checkpoint's optimizer state was saved by another optimizer than --optimizer "
+            f"{name} (it has no {', '.join(repr(m) for m in missing)}): add --reset-optimizer to "
+            "keep the model and start the optimizer afresh, pass --restore-file for another "
+            "checkpoint, or a new --save-dir to start over")
+
+
 def add_optimization_args(parser):
     """Flags of every registered optimizer and LR scheduler, so --help lists them all."""
     group = parser.add_argument_group("Optimizer")
@@ -141,4 +180,5 @@ def build_lr_scheduler(cfg, optimizer, max_update=0):
 
 
 __all__ = ["OPTIMIZERS", "SCHEDULERS", "OptimizerFactory", "LRScheduler", "register_optimizer",
-           "register_lr_scheduler", "add_optimization_args", "build_optimizer", "build_lr_scheduler"]
+           "register_lr_scheduler", "add_optimization_args", "build_optimizer", "build_lr_scheduler",
+           "fused_for", "keep_own_kernels", "check_same_optimizer"]

@@ -48,9 +48,11 @@ import torch
 
 from hetseq import randomness
 from hetseq.errors import TrainingFailed, UserError
-from hetseq.optim import OPTIMIZERS, build_lr_scheduler, build_optimizer
+from hetseq.optim import (OPTIMIZERS, build_lr_scheduler, build_optimizer,
+                          check_same_optimizer, keep_own_kernels)
 from hetseq.run.checkpoint import Component
 from hetseq.update import exchange, precision, sharding
+from hetseq.update.gradients import multiply, read_later, scale_and_check, squares
 from hetseq.update.stats import Backward
 from hetseq.update.timing import ComputeClock
 
@@ -74,47 +76,6 @@ def move_to(sample, device):
     if isinstance(sample, (list, tuple)):
         return type(sample)(move_to(value, device) for value in sample)
     return sample
-
-
-def _scale_and_check(grads, scale, device):
-    """Multiply every gradient by ``scale``; returns a 1-element tensor, nonzero
-    if any was NaN or inf. One fused pass: the kernel GradScaler unscales with.
-    It takes the factor as a float32 tensor, which is exact for gradients of
-    float32 and narrower (their products are float32 roundings anyway); a
-    float64 gradient would be scaled 6e-8 off whenever W/N is no binary
-    fraction (3/36), so those are scaled in float64 first and only checked."""
-    found = torch.zeros(1, device=grads[0].device if grads else device)
-    wide = [g for g in grads if g.dtype == torch.float64]
-    narrow = [g for g in grads if g.dtype != torch.float64]
-    if wide:
-        torch._foreach_mul_(wide, scale)
-    for group, factor in ((narrow, scale), (wide, 1.0)):
-        if group:
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                group, found, torch.full((1,), factor, device=found.device))
-    return found
-
-
-def _multiply(grads, factor):
-    """``grads`` times a device scalar, in each gradient's dtype (the fast
-    foreach kernel needs the scalar's dtype to match; rounded to it, the
-    factor multiplies as a host float of float32 opmath would)."""
-    for dtype in {g.dtype for g in grads}:
-        group = [g for g in grads if g.dtype == dtype]
-        torch._foreach_mul_(group, factor.to(dtype))
-
-
-def _read_later(value):
-    """A device value the host reads only when asked (a log line's norm)."""
-    return lambda: float(value)
-
-
-def _squares(grads, device):
-    """Sum of the squares of ``grads`` (a float64 tensor of one element)."""
-    total = torch.zeros(1, dtype=torch.float64, device=device)
-    if grads:
-        total += torch.stack(torch._foreach_norm(grads)).double().square().sum().to(total)
-    return total
 
 
 class Controller:
@@ -290,10 +251,10 @@ class Controller:
             norm = torch.nn.utils.get_total_norm(grads).double() * scale if grads else \
                 torch.zeros((), dtype=torch.float64, device=self.ctx.device)
             found = norm.isfinite().logical_not().float().reshape(1)
-            _multiply(grads, (clip / (norm + 1e-6)).clamp(max=1.0) * scale)
-            shown = _read_later(norm)
+            multiply(grads, (clip / (norm + 1e-6)).clamp(max=1.0) * scale)
+            shown = read_later(norm)
         else:
-            found = _scale_and_check(grads, scale, self.ctx.device)
+            found = scale_and_check(grads, scale, self.ctx.device)
             shown = self._local_norm(self._steps)
         # Once every parameter has its state (or the optimizer keeps none): a
         # fused SGD skipping its first step keeps an uninitialised momentum buffer.
@@ -327,10 +288,10 @@ class Controller:
         """(norm, finite) of a gradient whose shards are spread over the ranks:
         one all-reduce of [sum of squares, overflow flag], whatever --clip-norm.
         Without clipping the gradients are scaled (and checked) first."""
-        squares = _squares(grads, self.ctx.device)
+        sum_sq = squares(grads, self.ctx.device)
         found = torch.zeros(1, device=self.ctx.device) if clip > 0 else \
-            _scale_and_check(grads, scale, self.ctx.device)
-        summed = self.sharding.reduce(torch.cat([squares, found.to(squares)])).tolist()
+            scale_and_check(grads, scale, self.ctx.device)
+        summed = self.sharding.reduce(torch.cat([sum_sq, found.to(sum_sq)])).tolist()
         norm = math.sqrt(summed[0]) * scale
         return norm, math.isfinite(norm) and not summed[1]
 
@@ -354,24 +315,6 @@ class Controller:
                 f"{self.failed_updates} updates in a row had a non-finite loss or gradient "
                 f"(--max-nan-updates {self.cfg.max_nan_updates}); lower --lr, set --clip-norm, "
                 "or check the data for broken samples")
-
-    def _keep_own_kernels(self):
-        """A loaded state brings the saver's kernel settings (a GPU rank's
-        fused=True, a CPU rank's None): this rank keeps the ones built for
-        its own parameters, and a fused optimizer its step counts on their
-        device, as float32 (torch moves them only when the saver was fused;
-        ZeRO's loader puts them on the host)."""
-        for optimizer in (self.optimizer, getattr(self.optimizer, "optim", None)):
-            for group in getattr(optimizer, "param_groups", ()):
-                for setting in ("fused", "foreach"):
-                    if setting in group:
-                        group[setting] = self._kernels.get(setting)
-                if not group.get("fused"):
-                    continue
-                for param in group["params"]:
-                    state = optimizer.state.get(param, {})
-                    if torch.is_tensor(state.get("step")):
-                        state["step"] = state["step"].to(param.device, torch.float32)
 
     # ---- measuring and validating ----
 
@@ -439,9 +382,9 @@ class Controller:
         self.sharding.load_model_state(self.model, state[MODEL])
         if OPTIMIZER in state:
             own = self.exchange.resumed_optimizer(state, state[OPTIMIZER])
-            _check_same_optimizer(own, *self._optimizer_kind)
+            check_same_optimizer(own, *self._optimizer_kind)
             self.sharding.load_optimizer_state(self.model, self.optimizer, own)
-            self._keep_own_kernels()
+            keep_own_kernels(self.optimizer, self._kernels)
         self.exchange.load_state_dict(self.model, state)
         if self.scaler is not None and LOSS_SCALER in state:
             self.scaler.load_state_dict(state[LOSS_SCALER])
@@ -449,23 +392,3 @@ class Controller:
             self.lr_scheduler.load_state_dict(state[LR_SCHEDULER])
         self.num_updates = state[UPDATES]
         self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
-
-
-# Settings torch fills in itself when an older state lacks them (__setstate__).
-_OPTIONAL_SETTINGS = {"foreach", "maximize", "capturable", "differentiable", "fused",
-                      "decoupled_weight_decay"}
-
-
-def _check_same_optimizer(saved, name, settings):
-    """A state saved by another kind of optimizer loads without complaint and
-    fails at the first step (Adam's state has no Adadelta 'rho'): refuse it
-    here, before any rank trains, when the saved settings lack one this
-    optimizer needs."""
-    groups = (saved or {}).get("param_groups") or []
-    missing = sorted(settings - _OPTIONAL_SETTINGS - set(groups[0])) if groups else []
-    if missing:
-        raise UserError(
-            f"the checkpoint's optimizer state was saved by another optimizer than --optimizer "
-            f"{name} (it has no {', '.join(repr(m) for m in missing)}): add --reset-optimizer to "
-            "keep the model and start the optimizer afresh, pass --restore-file for another "
-            "checkpoint, or a new --save-dir to start over")
