@@ -7,6 +7,10 @@
 2. Mixes of speeds: 2, 3 and 4 ranks (``--mixes``), each rank sleeping
    factor x ``--sleep-ms`` per sample on a tiny model, so that more ranks than
    cores fit and the mix is exact.
+3. Adding a machine (bench/adding_a_machine.py): a fast rank and a second
+   one 2000x slower, 10x slower, 10x slower behind 10 Mbit/s, or as fast, on
+   namespace hosts: --capacity auto against the better of the fast rank
+   alone and both ranks in the exchange.
 
 The ideal is the sum of the ranks' standalone rates (each rank alone, no
 communication, all measured at the same time so they share the cores as in
@@ -287,6 +291,11 @@ def main():
                         "backward (1: ranks slow only at loading data)")
     p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
     p.add_argument("--skip-cnn", action="store_true")
+    p.add_argument("--sections", default="cnn,mixes,adding",
+                   help="which to run, of cnn, mixes, adding (a machine: bench/"
+                        "adding_a_machine.py, on namespace hosts; needs root)")
+    p.add_argument("--adding-rows", help="rows of 'adding a machine' to run, separated by "
+                   "';' (default: all)")
     p.add_argument("--out")
     p.add_argument("--plot", help="PNG of the 3-rank mix (per-rank rates and shares), and "
                    "<name>_slowdown.png of the CNN run that slows mid-way")
@@ -295,14 +304,15 @@ def main():
     GLOBAL_BATCH = opts.global_batch
     report = {"global_batch": GLOBAL_BATCH, "warm_up_updates": WARM, "updates": opts.updates,
               "forward_share": round(opts.forward_share, 3)}
-    if not opts.skip_cnn:
+    sections = opts.sections.split(",")
+    if not opts.skip_cnn and "cnn" in sections:
         report["cnn_2_ranks"], cnn = cnn_pair(opts.updates)
         if opts.plot:
             plot({"auto, rank 1 2x slower from update 30":
                   cnn["drift"]}, opts.plot.replace(".png", "_slowdown.png"),
                  "2 ranks (CNN): rebalancing after a slowdown")
     report["mixes"] = []
-    for text in filter(None, opts.mixes.split(";")):
+    for text in filter(None, opts.mixes.split(";") if "mixes" in sections else []):
         factors = [float(f) for f in text.split(",")]
         result, series = mix(factors, opts.sleep_ms, opts.updates, opts.forward_share)
         report["mixes"].append(result)
@@ -310,6 +320,11 @@ def main():
             plot({f"--capacity {mode}": series[mode] for mode in ("equal", "auto")},
                  opts.plot, f"{len(factors)} ranks, per-sample times "
                  f"{' : '.join(f'{f:g}' for f in factors)}")
+    if "adding" in sections:
+        from adding_a_machine import adding_a_machine
+        report["adding_a_machine"] = adding_a_machine(
+            opts.updates, opts.global_batch,
+            opts.adding_rows.split(";") if opts.adding_rows else None)
     emit(report, opts.out)
 
 

@@ -25,10 +25,29 @@ MUTATIONS = {
         "a rank without samples computes nothing where its mode can take part in the "
         "exchange without a forward (DDP, local steps)",
         "hetseq/update/controller.py",
-        "        if samples == [None] and self._layout is not None and self.sharding.can_idle():",
+        "        if samples == [None] and self._wrapper_ran and self.sharding.can_idle():",
         "        if False:",
         ["tests/test_parity.py::"
          "test_a_rank_without_samples_computes_nothing_and_the_update_stays_exact"]),
+    "sitting-rank-computes": (
+        "a rank that sits out runs no forward and joins no gradient exchange",
+        "hetseq/update/controller.py",
+        "        if self.members.sitting:\n            stats.add_zeros",
+        "        if False:\n            stats.add_zeros",
+        ["tests/test_sitting.py::test_a_rank_with_weight_zero_sits_out_and_the_update_stays_exact"]),
+    "members-divisor-stays-the-world": (
+        "without the ranks that sit out, W is the members' count",
+        "hetseq/update/controller.py",
+        "self.exchange.divisor = len(self.members.active)",
+        "self.exchange.divisor = self.ctx.world_size",
+        ["tests/test_sitting.py::test_a_rank_with_weight_zero_sits_out_and_the_update_stays_exact"]),
+    "returning-rank-keeps-its-state": (
+        "a rank that comes back takes rank 0's whole state (optimizer included)",
+        "hetseq/update/controller.py",
+        "            if self.ctx.rank in returning:\n                self.load_state_dict(state)",
+        "            pass",
+        ["tests/test_sitting.py::"
+         "test_a_slow_rank_sits_out_then_comes_back_and_the_job_matches_one_process"]),
     "sync-every-micro-batch": (
         "local accumulation (micro-batches, --update-freq) adds no communication",
         "hetseq/update/sharding.py",
@@ -51,7 +70,7 @@ MUTATIONS = {
     "norm-only-when-shown": (
         "a node's own flags never change the collectives (the sharded norm always rides "
         "with the overflow flag)",
-        "hetseq/update/controller.py",
+        "hetseq/update/step.py",
         "        norm, finite = self._sharded_norm_and_scale(grads, scale, clip)\n",
         "        if clip == 0:\n"
         "            finite = not self.sharding.reduce(scale_and_check(grads, scale, "
@@ -77,7 +96,7 @@ MUTATIONS = {
         ["tests/test_precision.py::test_fp16_loss_scaling_is_exact"]),
     "overflow-flag-not-summed": (
         "an overflow in any shard skips the update on every rank",
-        "hetseq/update/controller.py",
+        "hetseq/update/step.py",
         "return norm, math.isfinite(norm) and not summed[1]",
         "return norm, not found.item()",
         ["tests/test_checkpoint.py::test_overflow_in_one_shard_skips_on_every_rank"]),
@@ -193,7 +212,7 @@ MUTATIONS = {
     "no-agreement-check": (
         "ranks that drift apart are brought back, ranks that diverge stop the run",
         "hetseq/update/agreement.py",
-        "        if disagreeing(checksums):\n",
+        "        if disagreeing(checksums) and not self.members.sitting:\n",
         "        if False:\n",
         ["tests/test_agreement.py"]),
     "stateless-optimizer-state": (
@@ -756,7 +775,7 @@ MUTATIONS = {
     'uneven-ranks-split-equally': (
         "--capacity auto under --local-steps: uneven ranks finish each round together",
         'hetseq/plan/capacity.py',
-        "    return Plan(fastest_split(global_batch, weights), list(caps)",
-        "    return Plan(fastest_split(global_batch, [1.0] * len(weights)), list(caps)",
+        "    for rank, share in zip(members, fastest_split(total, [rates[i] for i in members])):",
+        "    for rank, share in zip(members, fastest_split(total, [1.0 for i in members])):",
         ['tests/test_local_steps.py::test_uneven_ranks_finish_each_round_together']),
 }

@@ -382,7 +382,7 @@ def test_sizes_announced_by_peers_are_bounded_before_anything_is_allocated(monke
     ctx = types.SimpleNamespace(distributed=True, backend="gloo", device=torch.device("cpu"),
                                 world_size=2, rank=0, is_main=True)
 
-    def gather(out, mine):
+    def gather(out, mine, group=None):
         out[0].copy_(mine)
         out[1].fill_(announced)
     monkeypatch.setattr(collectives.dist, "all_gather", gather)

@@ -376,7 +376,8 @@ def test_a_snapshot_takes_the_data_position_of_the_update_it_went_back_to():
     from hetseq.run.loop import Run
     run = types.SimpleNamespace(
         _completed=collections.deque([(2, "after 2"), (4, "after 4")], maxlen=2),
-        _drawn="after 5", controller=types.SimpleNamespace(num_updates=None),
+        _drawn="after 5", controller=types.SimpleNamespace(
+            num_updates=None, members=types.SimpleNamespace(sitting=False)),
         checkpointer=types.SimpleNamespace(local_state=lambda state: state))
     run.controller.state_dict = lambda local: {"num_updates": run.controller.num_updates}
     for updates, position in ((2, "after 2"), (4, "after 4"), (5, "after 5")):

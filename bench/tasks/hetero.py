@@ -47,6 +47,19 @@ class SlicedImages(Dataset):
         return self.images[index], self.labels[index]
 
 
+class Padded(nn.Module):
+    """``model`` with ``mb`` MB of parameters more, in the graph at weight 0:
+    their gradient is zero but travels in every exchange."""
+
+    def __init__(self, model, mb):
+        super().__init__()
+        self.model = model
+        self.pad = nn.Parameter(torch.zeros(int(mb * 2**20) // 4))
+
+    def forward(self, x):
+        return self.model(x) + 0 * self.pad[0]
+
+
 class _SleepInBackward(torch.autograd.Function):
     """Identity whose backward sleeps; applied to the model's output, so the
     sleep comes before every parameter's gradient."""
@@ -77,6 +90,10 @@ class HeteroBenchTask(Task):
         parser.add_argument("--bench-forward-share", type=float, default=1 / 3,
                             help="share of the sleep before the forward; the rest is "
                                  "in the backward (1: a device slow only at loading data)")
+        parser.add_argument("--bench-extra-mb", type=float, default=0.0,
+                            help="with --bench-factors: this many MB of extra parameters "
+                                 "(zero gradient, summed like any other: an exchange of "
+                                 "a bigger model)")
         parser.add_argument("--bench-factors", metavar="F0,F1,...",
                             help="per rank: sleep F x --bench-ms-per-sample per sample on a "
                                  "tiny model (so that more ranks than cores fit)")
@@ -89,7 +106,8 @@ class HeteroBenchTask(Task):
     def build_model(self):
         if self.args.bench_factors:
             torch.manual_seed(0)
-            return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+            model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+            return Padded(model, self.args.bench_extra_mb) if self.args.bench_extra_mb else model
         return make_cnn()
 
     def _sleep_per_sample(self, rank):

@@ -33,7 +33,7 @@ def _decode(tensor):
                       weights_only=True)
 
 
-def _device(ctx):
+def wire_device(ctx):
     # NCCL moves only CUDA tensors; gloo works on CPU tensors.
     return ctx.device if ctx.backend == "nccl" else torch.device("cpu")
 
@@ -48,25 +48,28 @@ def _checked(size, rank):
     return size
 
 
-def _padded(obj, ctx):
+def _padded(obj, ctx, group=None):
     """(this rank's obj as bytes padded to the longest rank's, every rank's length)."""
-    device = _device(ctx)
+    device = wire_device(ctx)
     data = _encode(obj).to(device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(ctx.world_size)]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
+    world = ctx.world_size if group is None else dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device),
+                    group=group)
     sizes = [_checked(size, rank) for rank, size in enumerate(sizes)]
     padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
     padded[:data.numel()] = data
     return padded, sizes
 
 
-def all_gather_object(obj, ctx):
-    """[rank 0's obj, rank 1's obj, ...] on every rank."""
+def all_gather_object(obj, ctx, group=None):
+    """[rank 0's obj, rank 1's obj, ...] on every rank (of ``group``, in its
+    order, when given)."""
     if not ctx.distributed:
         return [obj]
-    padded, sizes = _padded(obj, ctx)
+    padded, sizes = _padded(obj, ctx, group)
     out = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(out, padded)
+    dist.all_gather(out, padded, group=group)
     return [_decode(chunk[:size]) for chunk, size in zip(out, sizes)]
 
 
@@ -88,7 +91,7 @@ def broadcast_from(source, make, ctx):
     UserError raised by ``make`` reaches every rank, or the others would wait."""
     if not ctx.distributed:
         return make()
-    device = _device(ctx)
+    device = wire_device(ctx)
     data = None
     if ctx.rank == source:
         try:

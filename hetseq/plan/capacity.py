@@ -29,6 +29,8 @@ class Plan:
     batch_sizes: list        # b_i per rank; sums to the global batch
     micro_caps: list         # largest micro-batch per rank (0: no cap)
     rates: list              # samples/s per rank the plan was made from (0: unknown)
+    # Ranks out of the gradient exchange (links.py; never rank 0): no samples
+    sitting: list = dataclasses.field(default_factory=list)
 
     @property
     def global_batch(self):
@@ -52,17 +54,33 @@ class Plan:
         return cls(**state)
 
 
-def proportional(global_batch, weights, caps, rates=None):
-    """The plan with b_i proportional to ``weights`` (summing exactly to B)."""
+def proportional(global_batch, weights, caps, rates=None, can_sit=False, fixed=False):
+    """The plan with b_i proportional to ``weights`` (summing exactly to B).
+    ``fixed``: the user's weights, where 0 (``--capacity 1,0``) keeps a rank
+    out of the samples, and out of the exchange when ``can_sit`` (the --zero
+    mode and exchange allow); a measured speed of 0 is a failure."""
     for rank, weight in enumerate(weights):
-        if not math.isfinite(weight) or weight <= 0:
+        if not math.isfinite(weight) or weight < 0 or (weight == 0 and (rank == 0 or not fixed)):
             raise UserError(f"rank {rank} has capacity {weight}: every rank needs a positive, "
-                            "finite speed or weight; a rank that measured 0 samples/s failed "
-                            "its warm-up (check its device) or should leave the job")
-    if global_batch < len(weights):
-        raise UserError(f"global batch {global_batch} is smaller than the {len(weights)} ranks; "
+                            "finite speed or weight (a weight of 0 leaves a rank other than 0 "
+                            "without samples); a rank that measured 0 samples/s failed its "
+                            "warm-up (check its device) or should leave the job")
+    members = [rank for rank, weight in enumerate(weights) if weight > 0]
+    if global_batch < len(members):
+        raise UserError(f"global batch {global_batch} is smaller than the {len(members)} ranks; "
                         "raise --global-batch-size or --max-sentences")
-    return Plan(fastest_split(global_batch, weights), list(caps), list(rates or [0.0] * len(caps)))
+    sitting = [rank for rank in range(len(weights)) if rank not in members] if can_sit else []
+    return Plan(split_among(global_batch, weights, members), list(caps),
+                list(rates or [0.0] * len(caps)), sitting)
+
+
+def split_among(total, rates, members):
+    """Every rank's share of ``total``: the fastest split among ``members``
+    at their ``rates``, nothing for the others."""
+    shares = [0] * len(rates)
+    for rank, share in zip(members, fastest_split(total, [rates[i] for i in members])):
+        shares[rank] = share
+    return shares
 
 
 def fastest_split(total, rates):
@@ -97,6 +115,10 @@ def describe(plan, devices):
     for rank, device in enumerate(devices):
         rate = f"{plan.rates[rank]:.1f}/s" if plan.rates[rank] else "n/a"
         cap = plan.micro_caps[rank] or "none"
+        if rank in plan.sitting:
+            lines.append(f"  rank {rank} {device}: rate {rate}, sits out (no samples, not in "
+                         "the gradient exchange)")
+            continue
         lines.append(f"  rank {rank} {device}: rate {rate}, memory cap {cap}, batch "
                      f"{plan.batch_sizes[rank]} in {plan.micro_batches(rank)} micro-batch(es)")
     return "\n".join(lines)
@@ -232,12 +254,17 @@ RATE_PROBES = 3      # timed forward+backward passes for a rank's speed (their m
 # until two in a row agree within SETTLED, up to the second number.
 WARMUPS = (2, 8)
 SETTLED = 0.1
+# A device far slower than the others (a CPU beside GPUs) would take minutes per probe at
+# its even share: SIZING single samples first, then probes of about PROBE_SECONDS.
+SIZING, PROBE_SECONDS = 2, 2.0
 
 
 def steady_rate(run, size, lockstep):
     """Samples/s of ``run(size)`` (which returns its seconds) once warm.
     ``lockstep``: every rank must call as often (FSDP's forwards
     communicate), so the warm-up is the fixed minimum."""
+    sample = [run(1) for _ in range(SIZING)][-1]
+    size = max(1, min(size, int(PROBE_SECONDS / max(sample, 1e-9))))
     times = [run(size) for _ in range(WARMUPS[0])]
     while not lockstep and len(times) < WARMUPS[1] and \
             abs(times[-1] - times[-2]) > SETTLED * min(times[-2:]):
@@ -345,11 +372,15 @@ def _measure(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size
 
 def make_plan(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size=1,
               elastic=False):
-    """Every rank's share of the global batch, agreed by all ranks. ``cfg``:
-    the job's CapacityConfig; ``shares``: this node's ShareConfig.
+    """Every rank's share of the global batch, agreed by all ranks: (plan,
+    every rank's device, the links measured (links.py; None alone)).
+    ``cfg``: the job's CapacityConfig; ``shares``: this node's ShareConfig.
     ``elastic``: the members change while B stays (--elastic), so each node's
-    --max-sentences is its weight and the most it takes per forward."""
+    --max-sentences is its weight and the most it takes per forward. With
+    ``auto`` the plan counts the exchange too: a rank that would slow the
+    job sits out where the --zero mode and exchange allow."""
     from hetseq.distributed import all_gather_object
+    from hetseq.plan import links as exchange_links
     rate, cap = 0.0, shares.micro_batch_cap
     if elastic and cfg.capacity == "manual" and shares.max_sentences:
         cap = min(cap, shares.max_sentences) if cap else shares.max_sentences
@@ -358,6 +389,12 @@ def make_plan(cfg, shares, ctx, controller, dataset, collate_fn, local_world_siz
     peers = all_gather_object({"max_sentences": shares.max_sentences,
                                "weight": shares.capacity_weight, "rate": rate, "cap": cap,
                                "device": device_name(ctx.device)}, ctx)
-    plan = proportional(_global_batch(cfg, peers, elastic), _weights(cfg, peers),
-                        [peer["cap"] for peer in peers], [peer["rate"] for peer in peers])
-    return plan, [peer["device"] for peer in peers]
+    batch, caps = _global_batch(cfg, peers, elastic), [peer["cap"] for peer in peers]
+    rates = [peer["rate"] for peer in peers]
+    plan = proportional(batch, _weights(cfg, peers), caps, rates, controller.can_sit_out(),
+                        fixed=cfg.capacity != "auto")
+    links = exchange_links.measure(ctx, controller.gradient_bytes())
+    if cfg.capacity == "auto":
+        plan = exchange_links.best_plan(batch, rates, caps, links, controller.can_sit_out(),
+                                        controller.updates_per_exchange()).plan
+    return plan, [peer["device"] for peer in peers], links

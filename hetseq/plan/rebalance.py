@@ -27,6 +27,13 @@ samples of the previous update, so each rank's rate r_i = n_i / t_i.
   compute) must have dropped by half the predicted gain, or the old plan
   comes back (see ``_judge_trial``).
 
+The plan counts the exchange (plan/links.py): a predicted update is the
+slowest member's share plus the exchange among the members, and the best
+plan may leave a rank out of the exchange (it sits out) or bring one back.
+A rank that sits out measures nothing: its level is the last one known (the
+plan's rate for it). Under a plan the user fixed (``advisory``) nothing
+changes; the run is told once when it would be faster without a rank.
+
 The global batch never changes: any split gives the same update.
 """
 
@@ -34,7 +41,8 @@ import logging
 import math
 import statistics
 
-from hetseq.plan.capacity import Plan, describe, proportional
+from hetseq.plan import links as exchange_links
+from hetseq.plan.capacity import Plan, describe
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +50,16 @@ _GAUSSIAN_MAD = 0.954     # median |x - y| / sigma for x, y independent N(0, sig
 
 
 class Rebalancer:
-    def __init__(self, plan, window=6, history=30, z=3.0, min_gain=0.02, hold=200,
-                 patience=2):
+    """``links``: the exchange's costs (links.py; None: not counted);
+    ``can_sit``: ranks may sit out; ``per_update``: updates one exchange
+    serves (--local-steps H); ``advisory``: the plan is the user's, only
+    advice comes back (once)."""
+
+    def __init__(self, plan, links=None, can_sit=False, per_update=1, advisory=False,
+                 window=6, history=30, z=3.0, min_gain=0.02, hold=200, patience=2):
         self.plan = plan
+        self.links, self.can_sit, self.per_update = links, can_sit, per_update
+        self.advisory, self.advised = advisory, False
         self.window, self.history, self.z, self.min_gain = window, history, z, min_gain
         self.patience = patience         # decisions in a row that must agree
         self.ahead = 0                   # decisions in a row so far
@@ -64,13 +79,22 @@ class Rebalancer:
         updates are interference (another process, the collectives' threads
         on a busy CPU) and come in bursts; a burst shorter than half the window
         leaves the level alone, a lasting change moves it."""
-        return [statistics.median(sorted(s[-self.window:])[-(self.window // 2):])
-                for s in self.series]     # window 6: the 2nd fastest; moves once 5 agree
+        return self._known([statistics.median(sorted(s[-self.window:])[-(self.window // 2):])
+                            if s else 0.0 for s in self.series])   # window 6: the 2nd fastest
+
+    def _known(self, levels):
+        """``levels`` with a sitting rank's replaced by the last one known."""
+        return [self.plan.rates[rank] if rank in self.plan.sitting else level
+                for rank, level in enumerate(levels)]
+
+    def _members(self):
+        return [rank for rank in range(len(self.series)) if rank not in self.plan.sitting]
 
     def noise(self, levels):
-        """Relative standard error of each rank's level."""
-        return [_standard_error(rates, min(len(rates), self.window)) / level
-                for rates, level in zip(self.series, levels)]
+        """Relative standard error of each member's level (0 for the others)."""
+        return [_standard_error(self.series[rank], min(len(self.series[rank]), self.window)) /
+                levels[rank] if rank in self._members() else 0.0
+                for rank in range(len(levels))]
 
     def _gain_noise(self):
         """Twice the 90th percentile of the gains predicted before the last
@@ -93,10 +117,13 @@ class Rebalancer:
             self.update_times = (self.update_times + [max(rank_times)])[-self.window:]
         self.since_change += 1
         self.blocked = (max(0, self.blocked[0] - 1), self.blocked[1])
-        if any(len(s) < 2 for s in self.series):
+        members = [self.series[rank] for rank in self._members()]
+        if any(len(s) < 2 for s in members) or self.advised:
             return None
         levels, new, gain = self._predict()
-        if self.since_change < self.window or any(len(s) < self.window for s in self.series):
+        if new is None:      # a rate not known (a rank the user left without samples)
+            return None
+        if self.since_change < self.window or any(len(s) < self.window for s in members):
             self.gains = (self.gains + [gain])[-self.history:]
             return None
         if self.trial is not None:
@@ -109,9 +136,20 @@ class Rebalancer:
         return (levels, *self._best(levels))
 
     def _best(self, levels):
-        """(the best plan for ``levels``, its predicted gain over the current one)."""
-        new = proportional(self.plan.global_batch, levels, self.plan.micro_caps, levels)
-        return new, _update_time(self.plan, levels) / _update_time(new, levels) - 1
+        """(the best plan for ``levels``, its predicted gain over the current
+        one); (None, 0) while a rate is not known."""
+        if min(levels) <= 0:
+            return None, 0.0
+        new = exchange_links.best_plan(self.plan.global_batch, levels, self.plan.micro_caps,
+                                       self.links, self.can_sit or self.advisory,
+                                       self.per_update).plan
+        return new, self._seconds(self.plan, levels) / self._seconds(new, levels) - 1
+
+    def _seconds(self, plan, rates):
+        """Predicted seconds of an update under ``plan``: compute and exchange."""
+        members = [rank for rank in range(len(rates)) if rank not in plan.sitting]
+        return sum(exchange_links.update_seconds(plan.batch_sizes, rates, members, self.links,
+                                                 self.per_update))
 
     def _blocking(self):
         return self.blocked[1] if self.blocked[0] else 0.0
@@ -130,6 +168,8 @@ class Rebalancer:
         spans = [[s[-k:] for s in self.series], [s[-k:-k // 2] for s in self.series],
                  [s[-k // 2:] for s in self.series]]
         views = [self._view(span) for span in spans]
+        if any(view[1] is None for view in views):
+            return None
         if any(_direction(self.plan, view[1]) != _direction(self.plan, views[0][1])
                or view[2] <= view[3] for view in views[1:]):
             return None
@@ -140,9 +180,12 @@ class Rebalancer:
 
     def _view(self, series):
         """(levels, best plan, gain, threshold) from the medians of ``series``."""
-        levels = [statistics.median(s) for s in series]
+        members = self._members()
+        levels = self._known([statistics.median(s) if s and rank in members else 0.0
+                              for rank, s in enumerate(series)])
         new, gain = self._best(levels)
-        error = max(_standard_error(s, len(s)) / level for s, level in zip(series, levels))
+        error = max(_standard_error(series[rank], len(series[rank])) / levels[rank]
+                    for rank in members)
         return levels, new, gain, max(self.min_gain, self.z * error, self._blocking())
 
     def _consider(self, levels, new, gain):
@@ -159,13 +202,17 @@ class Rebalancer:
             return None
         levels, new, gain, threshold, why = chosen
         sure = self.ahead >= self.patience or gain > 2 * threshold
-        if not sure or new.batch_sizes == self.plan.batch_sizes:
+        same = (new.batch_sizes, new.sitting) == (self.plan.batch_sizes, self.plan.sitting)
+        if not sure or same:
             return None
         self.ahead = 0
-        self.trial = (self.plan, statistics.median(self.update_times), gain)
         self.reason = (f"rates {'/'.join(f'{r:.1f}' for r in levels)} samples/s, "
                        f"predicted {100 * gain:.1f}% faster (threshold {100 * threshold:.1f}%: "
                        f"{why})")
+        if self.advisory:      # the user's plan stays; advice about leaving a rank out, once
+            self.advised = bool(set(new.sitting) - set(self.plan.sitting))
+            return new if self.advised else None
+        self.trial = (self.plan, statistics.median(self.update_times), gain)
         return self.adopt(new)
 
     def _judge_trial(self):
@@ -206,21 +253,20 @@ def _direction(plan, new):
     return [(b > a) - (b < a) for a, b in zip(plan.batch_sizes, new.batch_sizes)]
 
 
-def _update_time(plan, rates):
-    """Predicted compute seconds of an update: the slowest rank's share."""
-    return max(b / r for b, r in zip(plan.batch_sizes, rates))
-
-
 class Balance:
     """The plan in force: every rank's share of each global batch, applied to
-    this rank's training iterator. With ``rebalancer`` (``--capacity auto``)
-    it is re-planned while training from the per-rank compute times each
-    update brings. A checkpoint component: the split is saved, and resumed
-    when the global batch and the world are the same."""
+    this rank's training iterator, and who takes part in the exchange
+    (``members``: called with the members after every update, the
+    Controller's set_members). With ``rebalancer`` it is re-planned (or,
+    advisory, advised on) while training from the per-rank compute times
+    each update brings. A checkpoint component: the split is saved, and
+    resumed when the global batch and the world are the same."""
 
-    def __init__(self, plan, devices, iterator, ctx, lockstep, rebalancer=None):
+    def __init__(self, plan, devices, iterator, ctx, lockstep, rebalancer=None,
+                 members=lambda active: None):
         self.plan, self.devices, self.iterator = plan, devices, iterator
         self.ctx, self.lockstep, self.rebalancer = ctx, lockstep, rebalancer
+        self.members = members
 
     def micro_batches(self, shares):
         """Micro-batches every rank runs per step when forwards communicate
@@ -228,10 +274,29 @@ class Balance:
         return self.plan.most_micro_batches(shares) if self.lockstep else 1
 
     def observe(self, update, rank_times, rank_samples):
-        """After update ``update``: the rebalancer's view of the rates."""
+        """After update ``update``: the rebalancer's view of the rates, then
+        the plan's members take (or leave) their places in the exchange: a
+        plan's first update, its sitting ranks still run one (so that the
+        stats' layout is known on every rank)."""
         new = self.rebalancer and self.rebalancer.observe(rank_times, rank_samples)
-        if new:
+        if new and self.rebalancer.advisory:
+            self._advise(new)
+        elif new:
             self.set_plan(new, self.rebalancer.reason, update)
+            if self.rebalancer.links is not None:    # the links again, under the new plan
+                self.rebalancer.links = exchange_links.measure(
+                    self.ctx, self.rebalancer.links.gradient_bytes)
+        self.members([rank for rank in range(len(self.plan.batch_sizes))
+                      if rank not in self.plan.sitting])
+
+    def _advise(self, better):
+        if self.ctx.is_main:
+            how = "--capacity auto lets such a rank sit out" if self.rebalancer.can_sit else \
+                "leave it out of the job: this --zero mode and exchange keep every rank in it"
+            logger.warning("the job would be faster without rank(s) %s (%s); the plan is the "
+                           "one you fixed (--capacity manual or weights), so it stays: %s",
+                           ", ".join(str(r) for r in better.sitting if r not in self.plan.sitting),
+                           self.rebalancer.reason, how)
 
     def set_plan(self, plan, reason, update):
         old, self.plan = self.plan, plan
@@ -242,6 +307,12 @@ class Balance:
             logger.info("capacity plan changed at update %d: batches %s -> %s; %s", update,
                         "/".join(map(str, old.batch_sizes)), "/".join(map(str, plan.batch_sizes)),
                         reason)
+            if plan.sitting != old.sitting:
+                links = self.rebalancer.links if self.rebalancer is not None else None
+                per_update = self.rebalancer.per_update if self.rebalancer is not None else 1
+                for line in exchange_links.why_sitting(plan, links, self.devices, per_update) \
+                        or ["every rank takes part in the exchange again"]:
+                    logger.info("%s", line)
             logger.debug("capacity plan:\n%s", describe(plan, self.devices))
 
     def state_dict(self):

@@ -20,6 +20,7 @@ from hetseq.distributed import broadcast_from_main
 from hetseq.errors import HetSeqError, UserError
 from hetseq.optim.lr_scheduler import planned_updates
 from hetseq.plan import capacity, rebalance
+from hetseq.plan import links as exchange_links
 from hetseq.reporting.report import Reporter
 from hetseq.run import checkpoint
 from hetseq.run.checkpoint import Component
@@ -74,7 +75,8 @@ class Run:
         self.validation = Validation(self.task, self.controller, self.splits, ctx,
                                      node.shares.max_sentences_valid, self.balance)
         self.report = Reporter(node.log, node.save, ctx, self.task)
-        self.agreement = Agreement(job.agreement, ctx, self.controller.replicated_state)
+        self.agreement = Agreement(job.agreement, ctx, self.controller.replicated_state,
+                                   self.controller.members)
         components = {CONTROLLER.name: self.controller, TRAIN_ITERATOR.name: self.train_data,
                       PLAN.name: self.balance, METERS.name: self.report.meters}
         # What a resume leaves out: the --reset-* flags' keys; an elastic
@@ -102,23 +104,28 @@ class Run:
 
     def _plan_training(self):
         """Every rank's share of the global batch (measured with --capacity
-        auto), and this rank's iterator over the training split."""
+        auto, which also counts the exchange: plan/links.py), and this
+        rank's iterator over the training split."""
         job, ctx, controller = self.job, self.ctx, self.controller
         dataset = self.splits.load(job.training.train_subset)
-        plan, devices = capacity.make_plan(job.capacity, self.node.shares, ctx, controller,
-                                           dataset, self.task.collater(dataset),
-                                           ctx.local_world_size, elastic=job.elastic.elastic)
+        plan, devices, links = capacity.make_plan(
+            job.capacity, self.node.shares, ctx, controller, dataset,
+            self.task.collater(dataset), ctx.local_world_size, elastic=job.elastic.elastic)
+        per_update = controller.updates_per_exchange()
         if ctx.is_main:
             logger.info("capacity plan (%s), global batch %d, %s, %s:\n%s", job.capacity.capacity,
                         plan.global_batch, controller.describe_sharding(),
                         precision.describe(job.precision), capacity.describe(plan, devices))
-        rebalancer = rebalance.Rebalancer(plan) if job.capacity.capacity == "auto" and \
-            not job.capacity.no_rebalance else None
+            _log_exchange(plan, devices, links, per_update)
+        auto = job.capacity.capacity == "auto"
+        rebalancer = None if job.capacity.no_rebalance else rebalance.Rebalancer(
+            plan, links, controller.can_sit_out(), per_update, advisory=not auto)
         lockstep = controller.lockstep
         data = self.splits.iterator(dataset, plan.batch_sizes, shuffle=True,
                                     micro_cap=plan.micro_caps[ctx.rank],
                                     min_micro_batches=plan.most_micro_batches() if lockstep else 1)
-        return data, rebalance.Balance(plan, devices, data, ctx, lockstep, rebalancer)
+        return data, rebalance.Balance(plan, devices, data, ctx, lockstep, rebalancer,
+                                       controller.set_members)
 
     def _plan_schedule(self):
         """Give the LR schedule the run's length when the flags leave it open."""
@@ -234,7 +241,11 @@ class Run:
         optimizer steps only after the update's collectives, so the model is
         either at the last completed update or one further, when this rank
         finished an update the others did not (under --local-steps an
-        update is a round: one cut short is undone, Controller.state_dict)."""
+        update is a round: one cut short is undone, Controller.state_dict).
+        None on a rank that sits out: its model is that of the update it
+        left (update/members.py), never a source."""
+        if self.controller.members.sitting:
+            return None
         state = self.controller.state_dict(local=True)
         # Not one of them: an update this rank completed and the others did
         # not (it holds one more); the position after the batch it drew.
@@ -287,6 +298,20 @@ class Run:
         model = self.task.build_model()
         model.load_state_dict(state)
         self.task.export_hf(model, self.job.checkpoint.export_hf)
+
+
+def _log_exchange(plan, devices, links, per_update):
+    """What the exchange costs on the measured links, and who sits it out."""
+    if links is None:
+        return
+    members = [rank for rank in range(len(devices)) if rank not in plan.sitting]
+    seconds = links.seconds(members)
+    logger.info("links to rank 0: %s; one gradient exchange (%.1f MB) among the %d members: "
+                "%.3f s%s", links.describe(), links.gradient_bytes / 1e6, len(members), seconds,
+                f", {seconds / per_update:.4f} s per update over a round of {per_update}"
+                if per_update > 1 else "")
+    for line in exchange_links.why_sitting(plan, links, devices, per_update):
+        logger.info("%s", line)
 
 
 def _due(every, updates):

@@ -4,6 +4,8 @@ Every rank evaluates its slice of each global batch; the summed stats travel
 in one all-reduce per split (stats.py), so a metric equals what one process
 computes on the whole split. Batches per rank are this node's
 --max-sentences-valid when every node gives one, else the training split.
+A rank that sits out (update/members.py) holds an old model: it takes no
+samples and sends zeros.
 """
 
 import logging
@@ -22,16 +24,21 @@ class Validation:
     def __init__(self, task, controller, splits, ctx, batch_size, balance):
         self.task, self.controller, self.splits, self.ctx = task, controller, splits, ctx
         self.batch_size, self.balance = batch_size, balance
-        self.iterators = {}     # split -> its iterator, built on first use
+        self.iterators = {}     # (split, ranks sitting out) -> its iterator, built on first use
+        self.layouts = {}       # split -> its stats' keys (StatsExchange.layout)
 
     def run(self, split):
         """The task's metrics on ``split`` (a collective: every rank calls it)."""
         data = self._iterator(split)
         controller = self.controller
         # Start with the task's keys at zero (a rank may get no samples at all)
-        # so every rank all-reduces a vector of the same layout.
+        # so every rank all-reduces a vector of the same layout: learnt from
+        # one forward at the split's first validation.
         stats = StatsExchange(self.ctx)
-        controller.valid_step(data.dummy_batch(), stats)
+        if split not in self.layouts:
+            controller.valid_step(data.dummy_batch(), stats)
+            self.layouts[split] = stats.layout()
+        stats.add_zeros(self.layouts[split])
         stats.clear()
         for step in data.next_epoch_itr():
             for sample in step:
@@ -43,12 +50,14 @@ class Validation:
         return self.task.reduce_metrics(totals)
 
     def _iterator(self, split):
-        if split not in self.iterators:
-            plan = self.balance.plan
+        plan = self.balance.plan
+        key = (split, tuple(plan.sitting))
+        if key not in self.iterators:
             sizes = all_gather_object(self.batch_size, self.ctx)
-            shares = plan.batch_sizes if None in sizes else sizes
-            self.iterators[split] = self.splits.iterator(
+            shares = plan.batch_sizes if None in sizes else \
+                [0 if rank in plan.sitting else size for rank, size in enumerate(sizes)]
+            self.iterators[key] = self.splits.iterator(
                 self.splits.load(split), shares, shuffle=False,
                 micro_cap=plan.micro_caps[self.ctx.rank],
                 min_micro_batches=self.balance.micro_batches(shares))
-        return self.iterators[split]
+        return self.iterators[key]

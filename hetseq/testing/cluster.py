@@ -150,10 +150,16 @@ class VirtualCluster:
     def set_rate(self, rate):
         """A token bucket of ``rate`` on both ends of every host's link."""
         self.rate = rate
-        for index, ns in enumerate(self.namespaces):
-            for where, dev in ((ns, "eth0"), (self.switch, f"p{index}")):
-                _sh("ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev", dev, "root",
-                    "tbf", "rate", rate, "burst", str(_burst(rate)), "latency", "100ms")
+        for index in range(self.size):
+            self.set_host_rate(index, rate)
+
+    def set_host_rate(self, index, rate):
+        """A token bucket of ``rate`` on both ends of host ``index``'s link
+        (a machine behind a slower line than the others)."""
+        ns = self.namespaces[index]
+        for where, dev in ((ns, "eth0"), (self.switch, f"p{index}")):
+            _sh("ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev", dev, "root",
+                "tbf", "rate", rate, "burst", str(_burst(rate)), "latency", "100ms")
 
     def cut(self, index):
         """Unplug host ``index`` from the switch (its processes keep running)."""

@@ -82,6 +82,14 @@ def sections(log, prefix=""):
     return out
 
 
+def seen_from_both_ends(log):
+    """``log`` with sends and receives both named "send/recv": one message
+    is a send on one rank and a receive on the other, so two ranks that
+    exchange the same messages have equal logs."""
+    return [dataclasses.replace(call, op="send/recv") if call.op in ("send", "recv") else call
+            for call in log]
+
+
 def _tensors(value):
     if torch.is_tensor(value):
         return [value]

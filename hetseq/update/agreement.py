@@ -58,10 +58,13 @@ def checksum(tensors):
 
 class Agreement:
     """``cfg``: the job's AgreementConfig; ``replicated()``: the tensors
-    every rank holds a copy of (``Sharding.replicated_state``)."""
+    every rank holds a copy of (``Sharding.replicated_state``); ``members``:
+    the ranks in the exchange (update/members.py). A rank that sits out
+    holds the state of the update it left: it sends no checksum and takes
+    no part in a resync (it receives rank 0's whole state when it comes back)."""
 
-    def __init__(self, cfg, ctx, replicated):
-        self.cfg, self.ctx, self.replicated = cfg, ctx, replicated
+    def __init__(self, cfg, ctx, replicated, members):
+        self.cfg, self.ctx, self.replicated, self.members = cfg, ctx, replicated, members
         self.pending = 0.0     # this rank's checksum for the next update's stats (0: none)
         self._last = 0         # the update of the last call
 
@@ -71,28 +74,32 @@ class Agreement:
         a multiple of the interval was reached since the last call (updates
         come in rounds of several under --local-steps)."""
         every, last, self._last = self.cfg.divergence_check_interval, self._last, num_updates
-        self.pending = checksum(self.replicated()) if every and (
+        self.pending = checksum(self.replicated()) if every and not self.members.sitting and (
             now or num_updates // every > last // every) else 0.0
 
     def check(self, checksums, update):
         """``checksums``: every rank's, as the stats of update ``update``
         brought them; a collective when any differs (every rank gets them)."""
-        if disagreeing(checksums):
-            resync(self.replicated(), self.ctx, self.cfg.divergence_tolerance, update)
+        if disagreeing(checksums) and not self.members.sitting:
+            resync(self.replicated(), self.ctx, self.cfg.divergence_tolerance, update,
+                   self.members.group)
 
 
 def disagreeing(checksums):
-    """Ranks whose checksum differs from rank 0's (none when nothing was sent)."""
+    """Ranks whose checksum differs from rank 0's (none when nothing was
+    sent; a rank that sent none, sitting out, is not asked)."""
     reference = checksums[0]
-    return [] if reference == 0.0 else [r for r, c in enumerate(checksums) if c != reference]
+    return [] if reference == 0.0 else [r for r, c in enumerate(checksums)
+                                        if c and c != reference]
 
 
 @torch.no_grad()
-def resync(tensors, ctx, tolerance, update):
-    """Give every rank rank 0's ``tensors`` when all ranks are within
-    ``tolerance`` of them (relative); otherwise stop the run (TrainingFailed).
-    A collective: every rank calls it in the same update."""
-    _check_layout(tensors, ctx, update)
+def resync(tensors, ctx, tolerance, update, group=None):
+    """Give every rank (of ``group``: the members) rank 0's ``tensors`` when
+    all are within ``tolerance`` of them (relative); otherwise stop the run
+    (TrainingFailed). A collective: every rank of the group calls it in the
+    same update."""
+    _check_layout(tensors, ctx, update, group)
     start = time.perf_counter()
     own = reference = 0.0
     for bucket in _buckets(tensors):
@@ -101,7 +108,7 @@ def resync(tensors, ctx, tolerance, update):
         # (Adam's step counts), a CPU rank all of it.
         mine = torch.cat([t.reshape(-1).to(ctx.device) for t in bucket])
         received = mine.clone()
-        dist.broadcast(received, src=0)
+        dist.broadcast(received, src=0, group=group)
         own += float(torch.linalg.vector_norm(mine - received, dtype=torch.float64)) ** 2
         reference += float(torch.linalg.vector_norm(received, dtype=torch.float64)) ** 2
         offset = 0
@@ -110,7 +117,7 @@ def resync(tensors, ctx, tolerance, update):
             offset += tensor.numel()
     distances = torch.zeros(ctx.world_size, dtype=torch.float64, device=ctx.device)
     distances[ctx.rank] = own ** 0.5 / max(reference ** 0.5, 1e-30)
-    dist.all_reduce(distances)
+    dist.all_reduce(distances, group=group)
     far = {r: d for r, d in enumerate(distances.tolist()) if d > tolerance}
     if far:
         raise TrainingFailed(
@@ -144,13 +151,14 @@ def _buckets(tensors, limit=2 ** 24):
         yield bucket
 
 
-def _check_layout(tensors, ctx, update):
+def _check_layout(tensors, ctx, update, group=None):
     """The same tensors in the same shapes on every rank, or a broadcast would
     hang or mix them up."""
-    layouts = all_gather_object([tuple(t.shape) for t in tensors], ctx)
-    odd = [r for r, layout in enumerate(layouts) if layout != layouts[0]]
+    layouts = all_gather_object([tuple(t.shape) for t in tensors], ctx, group)
+    ranks = range(ctx.world_size) if group is None else dist.get_process_group_ranks(group)
+    odd = [(r, layout) for r, layout in zip(ranks, layouts) if layout != layouts[0]]
     if odd:
         raise TrainingFailed(
-            f"ranks {odd} hold a different model or optimizer state than rank 0 before update "
-            f"{update} ({len(layouts[odd[0]])} tensors against {len(layouts[0])}); every rank "
-            "must build the same model with the same flags")
+            f"ranks {[r for r, _ in odd]} hold a different model or optimizer state than "
+            f"rank 0 before update {update} ({len(odd[0][1])} tensors against "
+            f"{len(layouts[0])}); every rank must build the same model with the same flags")

@@ -38,11 +38,13 @@ per round. The Controller calls its exchange without knowing which it is.
 
 A rank without samples in an update contributes g_r = 0 and n_r = 0: the sums
 are unchanged. Where its mode allows (DDP, local steps) it computes nothing
-and sends zeros through the same collectives (``_idle``).
+and sends zeros through the same collectives (``_idle``). A rank the plan
+leaves out of the exchange (members.py) sends nothing: DDP then sums over
+the members' group, W is their count and N theirs, and the formula holds.
 """
 
+import gc
 import logging
-import math
 
 import torch
 
@@ -51,9 +53,11 @@ from hetseq.errors import TrainingFailed, UserError
 from hetseq.optim import (OPTIMIZERS, build_lr_scheduler, build_optimizer,
                           check_same_optimizer, keep_own_kernels)
 from hetseq.run.checkpoint import Component
+from hetseq.distributed.collectives import broadcast_from_main
 from hetseq.update import exchange, precision, sharding
-from hetseq.update.gradients import multiply, read_later, scale_and_check, squares
+from hetseq.update.members import Members
 from hetseq.update.stats import Backward
+from hetseq.update.step import Stepper
 from hetseq.update.timing import ComputeClock
 
 logger = logging.getLogger(__name__)
@@ -113,6 +117,8 @@ class Controller:
         self._kernels = {k: built.defaults.get(k) for k in ("fused", "foreach")}
         self.exchange.attach(self.params)
         self._state_slots = OPTIMIZERS.get(job.optimizer.optimizer).state_slots(job.optimizer)
+        self.stepper = Stepper(ctx, self.sharding, self.params, self.optimizer, self._fused,
+                               self._state_slots, lambda: self._steps)
         self._offloaded = job.sharding.cpu_offload and ctx.device.type != "cpu"
         self.lr_scheduler = build_lr_scheduler(job.schedule, self.optimizer,
                                                job.training.max_update)
@@ -124,6 +130,8 @@ class Controller:
         self.lr = self.lr_scheduler.step_update(1)
         self._steps = 0               # train_step calls (a StepResult's norm: until the next)
         self._layout = None           # (stats keys, announced) of the last update with samples
+        self._wrapper_ran = False     # the wrapper (DDP) has run a backward since it was built
+        self.members = Members(ctx)   # the ranks in the gradient exchange (members.py)
         self.failed_updates = 0       # non-finite updates in a row
         self.wrapped.train()
 
@@ -143,6 +151,41 @@ class Controller:
     def replicated_state(self):
         """The tensors every rank holds a copy of (agreement.py keeps them equal)."""
         return self.exchange.replicated(self.sharding, self.params, self.optimizer)
+
+    def gradient_bytes(self):
+        """Bytes of the gradient one exchange sums (plan/links.py)."""
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+    def can_sit_out(self):
+        """Whether a rank may leave the gradient exchange (members.py): the
+        --zero mode keeps the whole state on every rank and the exchange
+        sums in the members' group."""
+        return self.ctx.distributed and self.sharding.sits_out and self.exchange.sits_out
+
+    def updates_per_exchange(self):
+        """Updates one gradient exchange serves (--local-steps: a round's)."""
+        return getattr(self.exchange.cfg, "local_steps", 0) or 1
+
+    def set_members(self, active):
+        """The ranks in the gradient exchange from the next update (the plan's;
+        every rank calls this after the same update). A rank that comes
+        back first receives rank 0's whole state: it made no step since it
+        left. The wrapper is built again over the members' group."""
+        returning = self.members.change(active)
+        if returning is None:
+            return
+        if returning:
+            state = broadcast_from_main(self.state_dict, self.ctx)
+            if self.ctx.rank in returning:
+                self.load_state_dict(state)
+        # The old DDP's hooks leave the parameters before a new one adds its own.
+        self.wrapped = self.model
+        gc.collect()
+        self.sharding.group = self.members.group
+        if not self.members.sitting:
+            self.wrapped = self.sharding.wrap(self.model)
+        self.exchange.divisor = len(self.members.active)
+        self._wrapper_ran = False
 
     def describe_sharding(self):
         """How the model and its state are spread over the ranks, in words."""
@@ -175,9 +218,12 @@ class Controller:
         self.exchange.begin(self)
         self.optimizer.zero_grad(set_to_none=True)
         stats = self.exchange.stats(checksum, signal)
+        if self.members.sitting:
+            stats.add_zeros(self._layout[0])
+            return self.exchange.sit(stats, self)
         if not self.lockstep:   # a padding batch matters only where every forward communicates
             samples = [sample for sample in samples if sample is not None] or [None]
-        if samples == [None] and self._layout is not None and self.sharding.can_idle():
+        if samples == [None] and self._wrapper_ran and self.sharding.can_idle():
             self._idle(stats)
             clock.stamp()
             return self.exchange.finish(stats, clock.seconds(), self, boundary)
@@ -197,7 +243,8 @@ class Controller:
                 stats.add(loss, n, logs, backward.weight)
         # What an idle update must send: the stats' keys, and whether they
         # travel before the gradients (announced) or after.
-        self._layout = (sorted(stats.totals), backward.announced)
+        self._layout = (stats.layout(), backward.announced)
+        self._wrapper_ran = True
         return self.exchange.finish(stats, clock.seconds(), self, boundary)
 
     def _idle(self, stats):
@@ -226,12 +273,10 @@ class Controller:
             return False, None
         grads = self.sharding.local_grads(self.params)
         scale = self.exchange.divisor / (sample_size * (self.scaler.scale if self.scaler else 1.0))
-        if self.sharding.shards_grads:
-            finite, norm = self._sharded_step(grads, scale, self.cfg.clip_norm)
-        else:
-            finite, norm = self._step(grads, scale, self.cfg.clip_norm)
+        finite, norm = self.stepper(grads, scale, self.cfg.clip_norm, self._steps)
         if self.scaler is not None:
             self.scaler.update(overflow=not finite)
+        self.members.tell(finite, self.num_updates + finite)   # before a skip may stop the run
         if not finite:
             if self.scaler is None:
                 self._skip_update()
@@ -240,69 +285,28 @@ class Controller:
         self.count_update()
         return True, norm
 
-    def _step(self, grads, scale, clip):
-        """Scale (and clip) a whole gradient on its device and step unless it
-        is non-finite: (finite, its norm or a function measuring it). The
-        host reads one flag per update, after the step is queued when the
-        optimizer is fused (it skips on the device, as under GradScaler),
-        before it otherwise."""
-        if clip > 0:
-            # ||scale * g|| = scale * ||g||; the factor in float64, as the host would.
-            norm = torch.nn.utils.get_total_norm(grads).double() * scale if grads else \
-                torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-            found = norm.isfinite().logical_not().float().reshape(1)
-            multiply(grads, (clip / (norm + 1e-6)).clamp(max=1.0) * scale)
-            shown = read_later(norm)
-        else:
-            found = scale_and_check(grads, scale, self.ctx.device)
-            shown = self._local_norm(self._steps)
-        # Once every parameter has its state (or the optimizer keeps none): a
-        # fused SGD skipping its first step keeps an uninitialised momentum buffer.
-        stateful = self._state_slots and len(self.optimizer.state) < len(self.params)
-        if self._fused and not stateful:
-            self.optimizer.found_inf = found.reshape(())
-            self.optimizer.step()
-            return not found.item(), shown
-        if found.item():
-            return False, shown
-        self.optimizer.step()
-        return True, shown
-
-    def _sharded_step(self, grads, scale, clip):
-        """_step for a gradient whose shards are spread over the ranks (the
-        norm and flag come from one all-reduce, read before the step)."""
-        norm, finite = self._sharded_norm_and_scale(grads, scale, clip)
-        if clip > 0 and finite:   # the scaling and the clipping factor in one pass
-            torch._foreach_mul_(grads, scale * min(1.0, clip / (norm + 1e-6)))
-        if finite:
-            self.optimizer.step()
-        return finite, norm
+    def follow(self, sample_size):
+        """A rank that sits out: the update as rank 0 made it (apply_update's
+        decisions, from its message): the count, the LR, skips in a row."""
+        if sample_size <= 0:
+            return False
+        made, updates = self.members.hear()
+        if made:
+            self.failed_updates = 0
+            self.count_update()
+        elif self.scaler is None:
+            self._skip_update()
+        if updates != self.num_updates:
+            raise TrainingFailed(f"rank {self.ctx.rank} counts {self.num_updates} updates, rank 0 "
+                                 f"{updates}: a rank sitting out lost track of the job; "
+                                 "restart it from the last checkpoint")
+        return made
 
     def count_update(self):
         """One more update done (also one that made no step but counts: an
         inner step of --local-steps without samples); the next one's rate."""
         self.num_updates += 1
         self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
-
-    def _sharded_norm_and_scale(self, grads, scale, clip):
-        """(norm, finite) of a gradient whose shards are spread over the ranks:
-        one all-reduce of [sum of squares, overflow flag], whatever --clip-norm.
-        Without clipping the gradients are scaled (and checked) first."""
-        sum_sq = squares(grads, self.ctx.device)
-        found = torch.zeros(1, device=self.ctx.device) if clip > 0 else \
-            scale_and_check(grads, scale, self.ctx.device)
-        summed = self.sharding.reduce(torch.cat([sum_sq, found.to(sum_sq)])).tolist()
-        norm = math.sqrt(summed[0]) * scale
-        return norm, math.isfinite(norm) and not summed[1]
-
-    def _local_norm(self, step):
-        """The norm of this rank's full (scaled) gradient, measured when asked."""
-        def measure():
-            if step != self._steps:
-                return None
-            grads = self.sharding.local_grads(self.params)
-            return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-        return measure
 
     def _skip_update(self):
         """A NaN/inf loss or gradient: every rank sees the same all-reduced

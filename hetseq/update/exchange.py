@@ -44,6 +44,9 @@ from hetseq.update.stats import RankReport, StatsExchange, StepResult
 class Exchange:
     """Synchronous updates: the gradient collectives run inside the --zero
     mode's backward, the stats in their own all-reduce (stats.py)."""
+    # A rank may sit out (update/members.py): its gradient collectives run
+    # in the members' group, and nothing else of the mode spans the world.
+    sits_out = True
 
     def __init__(self, cfg, precision_cfg, ctx, rewindable=False):
         self.cfg, self.precision, self.ctx = cfg, precision_cfg, ctx
@@ -97,6 +100,14 @@ class Exchange:
         updated, norm = controller.apply_update(totals["sample_size"])
         return StepResult(totals, ranks, controller.lr, updated, norm)
 
+    def sit(self, stats, controller):
+        """The update of a rank that sits out: its zeros in the stats, the
+        update as rank 0 made it (``Controller.follow``)."""
+        totals, ranks = stats.result()
+        self._last = (0.0, 0.0)
+        updated = controller.follow(totals["sample_size"])
+        return StepResult(totals, ranks, controller.lr, updated, None)
+
     # ---- agreement and checkpoints ----
 
     def replicated(self, mode, params, optimizer):
@@ -134,6 +145,7 @@ class PowerSGD(Exchange):
     """Synchronous, with DDP's all-reduce compressed. Its error memory lives
     in DDP's hook and starts empty in each process: a resumed or restarted
     run begins with --powersgd-start plain updates again."""
+    sits_out = False     # the hook's state sums over the world
 
     def comm_hook(self):
         from hetseq.distributed.compress import powersgd_hook

@@ -147,6 +147,8 @@ class LocalReplicas(Sharding):
 class LocalSteps(Exchange):
     """The rounds of one rank: what it did in the round so far, the outer
     optimizer and the exchange. ``cfg``: the job's ExchangeConfig."""
+    sits_out = False     # the outer exchange spans the world (a rank without
+                         # samples still sends its zero change: controller._idle)
 
     def __init__(self, cfg, precision_cfg, ctx, rewindable=False):
         super().__init__(cfg, precision_cfg, ctx, rewindable)

@@ -74,11 +74,14 @@ class Sharding:
     shards_grads = False   # True: each rank holds only a shard of each gradient
     lockstep = False       # True: every forward communicates, so every rank must
                            # run the same number of micro-batches per update
+    sits_out = False       # True: a rank may leave the gradient exchange (update/members.py):
+                           # every rank holds the whole state, the members' group sums
 
     def __init__(self, cfg, precision, ctx, comm_hook=None):
         # ShardingConfig, PrecisionConfig; ``comm_hook``: (state, hook) for
         # DDP's gradient all-reduce, from the exchange mode (exchange.py)
         self.cfg, self.precision, self.ctx, self.comm_hook = cfg, precision, ctx, comm_hook
+        self.group = None      # the members' process group (None: the world's)
 
     def describe(self):
         return f"--zero {self.registered_name}"
@@ -166,12 +169,15 @@ def model_state_bytes(params, optimizer, slots):
     return total
 
 
-def _ddp(model, ctx, cfg, comm_hook):
+def _ddp(model, ctx, cfg, comm_hook, group=None):
     ddp = DistributedDataParallel(
         model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
-        bucket_cap_mb=cfg.bucket_cap_mb, find_unused_parameters=cfg.find_unused_parameters)
+        bucket_cap_mb=cfg.bucket_cap_mb, find_unused_parameters=cfg.find_unused_parameters,
+        process_group=group)
     if comm_hook is not None:
-        ddp.register_comm_hook(*comm_hook)
+        state, hook = comm_hook
+        # A hook without state of its own sums over the group it is given.
+        ddp.register_comm_hook(group if state is None else state, hook)
     return ddp
 
 
@@ -201,11 +207,13 @@ def _ddp_with_zeros(ddp, backward_begins):
 
 @SHARDING.register("0")
 class Replicas(Sharding):
+    sits_out = True
+
     def describe(self):
         return "--zero 0 (replicas, DDP)"
 
     def wrap(self, model):
-        return _ddp(model, self.ctx, self.cfg, self.comm_hook) \
+        return _ddp(model, self.ctx, self.cfg, self.comm_hook, self.group) \
             if self.ctx.distributed else model
 
     def sync(self, wrapped, last):
@@ -223,6 +231,7 @@ class Replicas(Sharding):
 class ShardedOptimizer(Replicas):
     """DDP for the gradients; each rank keeps and updates the optimizer state of
     its own parameters, then broadcasts them (ZeroRedundancyOptimizer)."""
+    sits_out = False       # every rank's shard of the optimizer state is needed
 
     def describe(self):
         return "--zero 1 (optimizer state sharded, DDP + ZeroRedundancyOptimizer)"

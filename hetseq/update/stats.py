@@ -131,11 +131,19 @@ class StatsExchange:
                 continue
             totals[key] = totals.get(key, 0.0) + weight * _readable(value)
 
-    def add_zeros(self, keys):
-        """Zero for each of ``keys``: a rank without samples sends the vector
-        of the same layout as the others."""
-        for key in keys:
+    def layout(self):
+        """What the vector and the gathered rows hold: their keys."""
+        return sorted(self.totals), sorted(self.gathered)
+
+    def add_zeros(self, layout):
+        """Zero for each key of ``layout`` (``layout()`` of stats of the same
+        kind): a rank without samples sends the vector of the same layout as
+        the others, and gathers no rows."""
+        totals, gathered = layout
+        for key in totals:
             self.totals.setdefault(key, 0.0)
+        for key in gathered:
+            self.gathered.setdefault(key, [])
 
     def own_samples(self):
         """This rank's samples in these stats (before any sum)."""

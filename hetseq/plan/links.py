@@ -1,0 +1,196 @@
+"""What the gradient exchange costs on the job's real links, and which ranks
+pay for their place in it.
+
+A rank adds its samples/s to the job, and its link to the exchange of every
+update. A CPU rank beside a GPU, or a fast machine behind a slow link, can
+add less than it costs: the job is then faster without it. So the plan
+counts both.
+
+Measuring (``measure``, a collective, at start and when the plan changes):
+rank 0 sends a buffer to each other rank in turn and times it coming back,
+at two sizes, and fits one direction's seconds = a_i + bytes * b_i (latency
+and seconds per byte of rank i's link). Point to point: no process group is
+made, and the ranks not being timed go on. Sizes are capped
+(``PROBE_BYTES``), so a slow link costs seconds, not the minutes a whole
+BERT gradient would take; the line extrapolates. Rank 0's figures go to
+every rank, so every rank makes the same choice.
+
+Predicting: the exchange of the ranks S (rank 0 among them) is a ring
+all-reduce of the gradient, G bytes: 2(n-1) steps, each a message of G/n,
+paced by the slowest link (n = |S|):
+
+    X(S) = max_{i in S, i != 0} [ 2 (n-1) a_i + 2 (n-1)/n G b_i ],   X({0}) = 0
+
+An update of S takes T(S) = max_{i in S} s_i / r_i + X(S) / H, with s the
+fastest whole-sample split of B among S at rates r (capacity.fastest_split)
+and H the updates one exchange serves (1; --local-steps: H). ``best_plan``
+picks the S of least T. Rank 0 always takes part: it writes checkpoints and
+tells a rank that sits out how each update went.
+"""
+
+import dataclasses
+import itertools
+import logging
+import statistics
+import time
+
+from hetseq.plan.capacity import Plan, split_among
+
+logger = logging.getLogger(__name__)
+
+PROBE_BYTES = 1 << 20      # the larger of the two sizes timed (the gradient's, when smaller)
+SMALLER = 16               # the smaller size: PROBE_BYTES / SMALLER
+REPEATS = 3                # timed all-reduces per size (their median)
+EXHAUSTIVE = 12            # up to this many ranks every subset is tried; above, nested ones
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """Each rank's link to rank 0, one direction: (latency seconds, seconds
+    per byte); rank 0's own entry is (0, 0). ``gradient_bytes``: what one
+    exchange sums."""
+    fits: tuple
+    gradient_bytes: int
+
+    def seconds(self, members):
+        """Predicted seconds of one exchange among ``members`` (X above)."""
+        n = len(members)
+        if n < 2:
+            return 0.0
+        return max(2 * (n - 1) * self.fits[i][0] + 2 * (n - 1) / n * self.gradient_bytes *
+                   self.fits[i][1] for i in members if i != 0)
+
+    def describe(self):
+        return ", ".join(f"rank {rank} {1000 * a:.2f} ms + {_rate(b)}"
+                         for rank, (a, b) in enumerate(self.fits) if rank)
+
+
+def _rate(per_byte):
+    return "no measurable cost per byte" if per_byte <= 0 else \
+        f"{8 / per_byte / 1e6:.1f} Mbit/s"
+
+
+def measure(ctx, gradient_bytes):
+    """Every rank's link to rank 0 (a collective: every rank calls it, in
+    the same update). None when there is nothing to measure (one rank)."""
+    import torch
+
+    from hetseq.distributed.collectives import broadcast_from_main, wire_device
+    if not ctx.distributed:
+        return None
+    big = max(4096, min(gradient_bytes, PROBE_BYTES)) // 4 * 4
+    small = max(4, big // SMALLER // 4 * 4)
+    device = wire_device(ctx)
+    buffers = {size: torch.zeros(size // 4, device=device) for size in (small, big)}
+    fits = [(0.0, 0.0)]
+    for rank in range(1, ctx.world_size):
+        if ctx.rank not in (0, rank):
+            continue
+        peer = rank if ctx.is_main else 0
+        _bounce(buffers[big], peer, ctx.is_main)        # both arrive; the path is warm
+        times = {size: statistics.median(_bounce(buffer, peer, ctx.is_main)
+                                         for _ in range(REPEATS))
+                 for size, buffer in buffers.items()}
+        # A round trip carries the bytes each way: twice one direction's cost.
+        per_byte = max(0.0, (times[big] - times[small]) / (big - small)) / 2
+        fits.append((max(0.0, times[small] / 2 - per_byte * small), per_byte))
+    fits = broadcast_from_main(lambda: fits, ctx)
+    return Links(tuple(tuple(fit) for fit in fits), int(gradient_bytes))
+
+
+def _bounce(buffer, peer, first):
+    """Seconds of ``buffer`` sent to ``peer`` and back (``first``: this rank
+    sends first); point to point, so no group is made and no other rank waits."""
+    import torch
+    import torch.distributed as dist
+    start = time.perf_counter()
+    if first:
+        dist.send(buffer, peer)
+        dist.recv(buffer, peer)
+    else:
+        dist.recv(buffer, peer)
+        dist.send(buffer, peer)
+    if buffer.device.type == "cuda":
+        torch.cuda.synchronize(buffer.device)
+    return time.perf_counter() - start
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """A plan and what it was chosen on: the predicted seconds of an update
+    (compute and exchange) for its members and for every rank."""
+    plan: Plan
+    compute: float
+    exchange: float
+    everyone: tuple        # (compute, exchange) with every rank taking part
+
+
+def update_seconds(shares, rates, members, links, per_update=1):
+    """(compute, exchange) seconds of an update: the slowest member's share
+    and the exchange among the members, per update served."""
+    compute = max(shares[i] / rates[i] for i in members)
+    exchange = links.seconds(members) / per_update if links is not None else 0.0
+    return compute, exchange
+
+
+def best_plan(global_batch, rates, caps, links, can_sit, per_update=1):
+    """The Choice of least predicted update time: every subset of ranks that
+    holds rank 0 when ``can_sit`` (the --zero mode and exchange let a rank
+    sit out), else every rank with its fastest split."""
+    world = len(rates)
+    if not can_sit or links is None or world < 2:
+        plan = _split(global_batch, rates, caps, range(world))
+        seconds = update_seconds(plan.batch_sizes, rates, range(world), links, per_update)
+        return Choice(plan, *seconds, seconds)
+    best = None
+    for members in _candidates(rates):
+        plan = _split(global_batch, rates, caps, members)
+        # A member left without samples only slows the exchange.
+        members = [i for i in members if plan.batch_sizes[i] or i == 0]
+        plan = dataclasses.replace(plan, sitting=[i for i in range(world) if i not in members])
+        seconds = update_seconds(plan.batch_sizes, rates, members, links, per_update)
+        if best is None or sum(seconds) < sum(best[1]) * (1 - 1e-9):
+            best = (plan, seconds)
+    everyone = update_seconds(_split(global_batch, rates, caps, range(world)).batch_sizes,
+                              rates, range(world), links, per_update)
+    return Choice(best[0], *best[1], everyone)
+
+
+def _split(global_batch, rates, caps, members):
+    return Plan(split_among(global_batch, rates, members), list(caps), list(rates))
+
+
+def _candidates(rates):
+    """Sets of ranks holding rank 0: all of them for a small world; above
+    EXHAUSTIVE ranks, rank 0 with the k fastest others, for every k."""
+    others = range(1, len(rates))
+    if len(rates) <= EXHAUSTIVE:
+        for k in range(len(rates)):
+            for chosen in itertools.combinations(others, k):
+                yield (0, *chosen)
+        return
+    ordered = sorted(others, key=lambda i: -rates[i])
+    for k in range(len(rates)):
+        yield (0, *sorted(ordered[:k]))
+
+
+def why_sitting(plan, links, devices, per_update=1):
+    """One line per rank that sits out, with the figures it was chosen on:
+    what its samples/s would save of the update, what its exchange costs."""
+    rates = plan.rates
+    members = [i for i in range(len(rates)) if i not in plan.sitting]
+    if not all(rate > 0 for rate in rates):     # a fixed plan: the user's weight of 0
+        return [f"rank {rank} {devices[rank]} sits out: its --capacity weight is 0"
+                for rank in plan.sitting]
+    now = update_seconds(plan.batch_sizes, rates, members, links, per_update)[0]
+    lines = []
+    for rank in plan.sitting:
+        joined = sorted([*members, rank])
+        with_it = _split(plan.global_batch, rates, plan.micro_caps, joined)
+        compute, exchange = update_seconds(with_it.batch_sizes, rates, joined, links, per_update)
+        served = f" ({exchange * per_update:.3f} s per exchange of {per_update} updates)" \
+            if per_update > 1 else ""
+        lines.append(f"rank {rank} {devices[rank]} sits out: {rates[rank]:.1f} samples/s would "
+                     f"save {max(0.0, now - compute):.3f} s of {now:.3f} s of compute per "
+                     f"update; the exchange with it costs {exchange:.3f} s{served}")
+    return lines

@@ -1,0 +1,87 @@
+"""The step of an update: the gradient, already summed, scaled to the
+mean-loss gradient (the Controller computes the factor: controller.py's
+math), clipped, checked for non-finite values and handed to the optimizer;
+for a whole gradient on its device, or one whose shards are spread over
+the ranks (--zero 2/3)."""
+
+import math
+
+import torch
+
+from hetseq.update.gradients import multiply, read_later, scale_and_check, squares
+
+
+class Stepper:
+    """``fused``: the optimizer skips a non-finite step on the device itself;
+    ``state_slots``: tensors of state it keeps per parameter; ``steps()``:
+    the Controller's train_step count (a norm measured later must be of the
+    gradient it was made for)."""
+
+    def __init__(self, ctx, sharding, params, optimizer, fused, state_slots, steps):
+        self.ctx, self.sharding, self.params, self.optimizer = ctx, sharding, params, optimizer
+        self._fused, self._state_slots, self._steps = fused, state_slots, steps
+
+    def __call__(self, grads, scale, clip, step):
+        """(finite, the norm or a function measuring it) of the update made
+        from ``grads`` times ``scale``, clipped to ``clip`` (0: not)."""
+        if self.sharding.shards_grads:
+            return self._sharded_step(grads, scale, clip)
+        return self._step(grads, scale, clip, step)
+
+    def _step(self, grads, scale, clip, step):
+        """Scale (and clip) a whole gradient on its device and step unless it
+        is non-finite: (finite, its norm or a function measuring it). The
+        host reads one flag per update, after the step is queued when the
+        optimizer is fused (it skips on the device, as under GradScaler),
+        before it otherwise."""
+        if clip > 0:
+            # ||scale * g|| = scale * ||g||; the factor in float64, as the host would.
+            norm = torch.nn.utils.get_total_norm(grads).double() * scale if grads else \
+                torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+            found = norm.isfinite().logical_not().float().reshape(1)
+            multiply(grads, (clip / (norm + 1e-6)).clamp(max=1.0) * scale)
+            shown = read_later(norm)
+        else:
+            found = scale_and_check(grads, scale, self.ctx.device)
+            shown = self._local_norm(step)
+        # Once every parameter has its state (or the optimizer keeps none): a
+        # fused SGD skipping its first step keeps an uninitialised momentum buffer.
+        stateful = self._state_slots and len(self.optimizer.state) < len(self.params)
+        if self._fused and not stateful:
+            self.optimizer.found_inf = found.reshape(())
+            self.optimizer.step()
+            return not found.item(), shown
+        if found.item():
+            return False, shown
+        self.optimizer.step()
+        return True, shown
+
+    def _sharded_step(self, grads, scale, clip):
+        """_step for a gradient whose shards are spread over the ranks (the
+        norm and flag come from one all-reduce, read before the step)."""
+        norm, finite = self._sharded_norm_and_scale(grads, scale, clip)
+        if clip > 0 and finite:   # the scaling and the clipping factor in one pass
+            torch._foreach_mul_(grads, scale * min(1.0, clip / (norm + 1e-6)))
+        if finite:
+            self.optimizer.step()
+        return finite, norm
+
+    def _sharded_norm_and_scale(self, grads, scale, clip):
+        """(norm, finite) of a gradient whose shards are spread over the ranks:
+        one all-reduce of [sum of squares, overflow flag], whatever --clip-norm.
+        Without clipping the gradients are scaled (and checked) first."""
+        sum_sq = squares(grads, self.ctx.device)
+        found = torch.zeros(1, device=self.ctx.device) if clip > 0 else \
+            scale_and_check(grads, scale, self.ctx.device)
+        summed = self.sharding.reduce(torch.cat([sum_sq, found.to(sum_sq)])).tolist()
+        norm = math.sqrt(summed[0]) * scale
+        return norm, math.isfinite(norm) and not summed[1]
+
+    def _local_norm(self, step):
+        """The norm of this rank's full (scaled) gradient, measured when asked."""
+        def measure():
+            if step != self._steps():
+                return None
+            grads = self.sharding.local_grads(self.params)
+            return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        return measure

@@ -1,0 +1,154 @@
+"""A rank that cannot pay for its place sits out (plan/links.py,
+update/members.py): no samples, no gradient exchange; the update stays one
+process's, and the rank comes back when a re-plan finds it pays."""
+
+import re
+
+import pytest
+
+from hetseq.plan.capacity import Plan, fastest_split
+from hetseq.plan.links import Links, best_plan, why_sitting
+from hetseq.plan.rebalance import Rebalancer
+from hetseq.testing.jobs import run_jobs
+
+from conftest import EXACT, TOY, assert_ok, final_params, max_diff, run_job
+from test_parity import COMMON, params, reference
+
+MS, GBIT, MBIT10 = 1e-3, 8 / 1e9, 8 / 1e7      # a millisecond; seconds per byte at 1 Gbit/s, 10 Mbit/s
+
+
+def links(*fits, gradient=1_000_000):
+    """Links of ranks 1.. to rank 0: (latency, seconds per byte) each."""
+    return Links(((0.0, 0.0), *fits), gradient)
+
+
+def test_the_exchange_is_a_ring_paced_by_the_slowest_link():
+    three = links((1 * MS, GBIT), (2 * MS, 10 * GBIT), gradient=3_000_000)
+    # n = 3: 2 (n-1) / n = 4/3 of the gradient through each link, 4 messages.
+    assert three.seconds([0, 1, 2]) == pytest.approx(4 * 2 * MS + 4 / 3 * 3e6 * 10 * GBIT)
+    assert three.seconds([0, 1]) == pytest.approx(2 * 1 * MS + 3e6 * GBIT)
+    assert three.seconds([0]) == 0.0
+
+
+@pytest.mark.parametrize("rates, link, sitting", [
+    ([2000.0, 1.0], (MS, GBIT / 10), [1]),          # 2000x slower: its 1/2001 is not worth 1 ms
+    ([1000.0, 100.0], (0.1 * MS, GBIT / 10), []),   # 10x slower, a fast link: 9% more samples/s
+    ([1000.0, 100.0], (MS, MBIT10), [1]),           # the same behind 10 Mbit/s: 0.8 s per update
+    ([1000.0, 1000.0], (MS, GBIT), []),             # two equal ranks both train
+])
+def test_the_plan_leaves_out_a_rank_that_costs_more_than_it_adds(rates, link, sitting):
+    choice = best_plan(128, rates, [0, 0], links(link), can_sit=True)
+    assert choice.plan.sitting == sitting
+    assert choice.plan.batch_sizes == ([128, 0] if sitting else fastest_split(128, rates))
+    assert choice.compute + choice.exchange <= sum(choice.everyone) + 1e-12
+
+
+def test_local_steps_amortise_a_slow_link_and_a_mode_that_cannot_sit_keeps_everyone():
+    slow = links((MS, MBIT10))
+    assert best_plan(128, [1000.0, 100.0], [0, 0], slow, True, per_update=32).plan.sitting == [1]
+    # One exchange per 128 updates: 6 ms of each, less than its 11 ms of compute saved.
+    amortised = best_plan(128, [1000.0, 100.0], [0, 0], slow, True, per_update=128)
+    assert amortised.plan.sitting == [] and amortised.plan.batch_sizes == [117, 11]
+    kept = best_plan(128, [2000.0, 1.0], [0, 0], slow, can_sit=False)
+    assert kept.plan.sitting == [] and kept.plan.batch_sizes == [128, 0]
+
+
+def test_the_log_line_gives_the_figures_of_the_decision():
+    choice = best_plan(128, [1000.0, 100.0], [0, 0], links((MS, MBIT10)), True)
+    line, = why_sitting(choice.plan, links((MS, MBIT10)), ["cuda", "cpu (hostB)"])
+    # Alone 0.128 s; with it 117/11: 0.117 s; the exchange of 1 MB at 10 Mbit/s 0.802 s.
+    assert line == ("rank 1 cpu (hostB) sits out: 100.0 samples/s would save 0.011 s of "
+                    "0.128 s of compute per update; the exchange with it costs 0.802 s"), line
+
+
+def test_a_rank_comes_back_when_the_members_slow_down():
+    """The rank that sits out measures nothing: its level stays the last
+    known. When rank 0 slows 4000x, the re-plan brings it back."""
+    fast = links((MS, GBIT / 10))
+    plan = best_plan(128, [2000.0, 1.0], [0, 0], fast, True).plan
+    balancer = Rebalancer(plan, fast, can_sit=True)
+    for _ in range(20):
+        assert balancer.observe([128 / 2000, 0.0], [128, 0]) is None
+    new = None
+    for _ in range(10):
+        new = new or balancer.observe([128 / 0.5, 0.0], [128, 0])
+    assert new is not None and new.sitting == [] and new.batch_sizes == [43, 85], new
+    assert "predicted" in balancer.reason
+
+
+# ---- jobs: the update of a rank that sits out is one process's ----
+
+SIT_MODES = {"zero0": [], "bf16 reduce": ["--reduce-dtype", "bfloat16"]}
+
+
+@pytest.fixture(scope="module")
+def weight_zero(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sitting")
+    jobs = [(mode, [[*COMMON, *extra, "--capacity", "1,0", "--global-batch-size", 32,
+                     "--no-save", "--divergence-check-interval", 2,
+                     "--toy-log-forwards", folder / mode.replace(" ", "-")]] * 2)
+            for mode, extra in SIT_MODES.items()]
+    return folder, run_jobs(2, jobs, folder / "jobs")
+
+
+@pytest.mark.parametrize("mode", sorted(SIT_MODES))
+def test_a_rank_with_weight_zero_sits_out_and_the_update_stays_exact(weight_zero, mode):
+    """--capacity 1,0: rank 1 runs one zero-weight batch in the first update
+    (the stats' layout), then no forward and no gradient collective: each
+    update it sends its zeros in the stats and hears the outcome from rank 0."""
+    folder, results = weight_zero
+    result = results[mode]
+    close = 1e-2 if mode == "bf16 reduce" else EXACT
+    assert max_diff(reference(), params(result.state)) < close
+    forwards = (folder / f"{mode.replace(' ', '-')}.1").read_text().split("\n")[:-1]
+    assert forwards == ["1 0.0"], forwards
+    sitting = result.updates(1)
+    for update in range(2, 8):
+        ops = [call.op for call in sitting[f"update {update}"]]
+        assert ops == ["allreduce", "recv"], (update, ops)
+    members = [call.op for call in result.updates(0)["update 5"]]
+    assert "send" in members, members
+
+
+# ---- a whole job: sits out at start, comes back when rank 0 slows ----
+
+# Momentum: a rank that comes back must take rank 0's optimizer state too
+# (DDP's start-up broadcast gives it the parameters only), or the agreement
+# check finds it drifting away.
+FLAGS = [*TOY, "--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9", "--lr-scheduler",
+         "fixed", "--clip-norm",
+         "0", "--toy-size", "100", "--max-update", 24, "--validate-interval-updates", 6,
+         "--divergence-check-interval", 3]
+
+
+def test_a_slow_rank_sits_out_then_comes_back_and_the_job_matches_one_process(tmp_path):
+    """Rank 1 at 200 ms a sample beside rank 0 at 1 ms: of a global batch of
+    16 its whole-sample share is none, and the plan leaves it out of the
+    exchange (validations and agreement checks go on without it). After 16
+    of its calls rank 0 slows to 31 ms a sample: with rank 1 taking 2 samples
+    an update takes 0.43 s instead of 0.5 s, and the re-plan brings it back
+    with rank 0's state. The job's result is one process's."""
+    out = tmp_path / "job"
+    results = run_job([*FLAGS, "--capacity", "auto", "--global-batch-size", 16,
+                       "--save-dir", out, "--toy-sample-ms", 1],
+                      [["--toy-slow-rank", 0, "--toy-slow-after", 16, "--toy-slow-ms", 30],
+                       ["--toy-slow-rank", 1, "--toy-slow-ms", 199]], timeout=240)
+    assert_ok(results)
+    log = results[0][1]
+    assert re.search(r"rank 1 cpu \(\S+\) sits out: [\d.]+ samples/s would save", log), log[-3000:]
+    assert "every rank takes part in the exchange again" in log, log[-3000:]
+    ref = reference_of(FLAGS, "--max-sentences", 16)
+    assert max_diff(ref, final_params(out)) < EXACT
+
+
+def reference_of(*argv):
+    from conftest import alone
+    flat = [a for part in argv for a in (part if isinstance(part, list) else [part])]
+    return alone(*flat)["model"]
+
+
+def test_the_sitting_plan_survives_a_checkpoint():
+    plan = Plan([32, 0], [0, 0], [100.0, 1.0], [1])
+    assert Plan.from_state_dict(plan.state_dict()) == plan
+    old = {"batch_sizes": [32, 0], "micro_caps": [0, 0], "rates": [1.0, 1.0]}
+    assert Plan.from_state_dict(old).sitting == []        # saved before plans had it
