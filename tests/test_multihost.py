@@ -2,6 +2,7 @@
 hostname (which it resolves to 127.0.1.1, as Debian does), on a rate-limited
 switch. No interface flag or variable is given unless a test says so."""
 
+import re
 import time
 
 from conftest import (TOY, UPDATE_LINE, Watched, assert_ok, final_params, finish, max_diff,
@@ -92,3 +93,26 @@ def test_peer_address_that_others_cannot_reach_is_named(hosts):
         assert code == 2, out[-3000:]
         assert f"cannot reach rank 1 at {dead}:" in out and "side0" in out, out[-3000:]
     assert time.monotonic() - start_time < 40   # the probe's 10 s, not the 60 s timeout
+
+
+def test_a_rank_behind_a_slow_link_sits_out_and_a_fast_one_trains(hosts, tmp_path):
+    """Two hosts as fast as each other; the plan measures host B's link.
+    Behind 10 Mbit/s the exchange of the 0.4 MB gradient costs about 0.3 s,
+    ten times what host B's half of the batch saves: rank 1 sits out (a
+    member still) and the update is one process's. On 1 Gbit/s it trains."""
+    wide = ["--toy-width", 4096, "--lr", 0.01, "--max-update", 6, "--toy-sample-ms", 2,
+            "--capacity", "auto", "--global-batch-size", 32]
+    logs = {}
+    for rate in ("10mbit", "1gbit"):
+        hosts.set_host_rate(1, rate)
+        out = tmp_path / rate
+        results = finish(start(hosts, [(0, 1, 16), (1, 1, 16)], f"tcp://hostA:{next_port()}",
+                               *COMMON, *wide, "--save-dir", out))
+        assert_ok(results)
+        logs[rate] = results[0][1]
+        assert max_diff(reference(*wide), final_params(out)) < EXACT
+    assert re.search(r"rank 1 cpu \(hostB\) sits out: [\d.]+ samples/s would save [\d.]+ s",
+                     logs["10mbit"]), logs["10mbit"][-3000:]
+    assert "sits out" not in logs["1gbit"], logs["1gbit"][-3000:]
+    assert re.search(r"rank 1 cpu \(hostB\): rate [\d.]+/s, memory cap \S+, batch 1[0-9] in",
+                     logs["1gbit"]), logs["1gbit"][-3000:]

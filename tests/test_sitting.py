@@ -7,7 +7,7 @@ import re
 import pytest
 
 from hetseq.plan.capacity import Plan, fastest_split
-from hetseq.plan.links import Links, best_plan, why_sitting
+from hetseq.plan.links import Links, best_plan, who_pays, why_sitting
 from hetseq.plan.rebalance import Rebalancer
 from hetseq.testing.jobs import run_jobs
 
@@ -51,6 +51,19 @@ def test_local_steps_amortise_a_slow_link_and_a_mode_that_cannot_sit_keeps_every
     assert amortised.plan.sitting == [] and amortised.plan.batch_sizes == [117, 11]
     kept = best_plan(128, [2000.0, 1.0], [0, 0], slow, can_sit=False)
     assert kept.plan.sitting == [] and kept.plan.batch_sizes == [128, 0]
+
+
+def test_with_local_steps_the_log_says_which_rank_pays_through_the_outer_exchange():
+    """--local-steps keeps every rank in the (outer) exchange: the log says
+    whether each pays for its place, once per round of H updates."""
+    slow = links((MS, MBIT10))
+    pays, = who_pays(128, [1000.0, 100.0], [0, 0], slow, ["cuda", "cpu"], per_update=128)
+    assert pays.startswith("rank 1 cpu pays for its place: 100.0 samples/s would save 0.011 s"), \
+        pays
+    assert "(0.802 s per exchange of 128 updates)" in pays, pays
+    costs, = who_pays(128, [1000.0, 100.0], [0, 0], slow, ["cuda", "cpu"], per_update=32)
+    assert costs.startswith("rank 1 cpu does not pay for its place") and \
+        costs.endswith("leave it out of the job or raise --local-steps"), costs
 
 
 def test_the_log_line_gives_the_figures_of_the_decision():
@@ -152,3 +165,24 @@ def test_the_sitting_plan_survives_a_checkpoint():
     assert Plan.from_state_dict(plan.state_dict()) == plan
     old = {"batch_sizes": [32, 0], "micro_caps": [0, 0], "rates": [1.0, 1.0]}
     assert Plan.from_state_dict(old).sitting == []        # saved before plans had it
+
+
+def test_a_node_that_sits_out_stays_a_member_of_an_elastic_job(tmp_path):
+    """--elastic: the node whose rank sits out keeps its heartbeats and its
+    place: one generation from start to end, and the update is one
+    process's. (Both nodes slow whichever of them is rank 1.)"""
+    from conftest import alone, free_port
+    from test_elastic import finish_ok, node
+    url = f"tcp://127.0.0.1:{free_port()}"
+    # The slow rank's speed probe takes about 10 s: longer than the 10 s
+    # the elastic tests give a collective.
+    slow = ["--capacity", "auto", "--max-update", 20, "--toy-sample-ms", 1,
+            "--toy-slow-rank", 1, "--toy-slow-ms", 199, "--distributed-timeout", 60]
+    nodes = [node(None, None, url, tmp_path / name, *slow) for name in "ab"]
+    outputs = finish_ok(*nodes)
+    leader = 0 if "this node is rank 0" in outputs[0] else 1
+    log = outputs[leader]
+    assert re.search(r"rank 1 cpu \(\S+\) sits out", log), log[-3000:]
+    assert re.findall(r"generation (\d+): \d+ nodes", log) == ["1"], log[-3000:]
+    expected = alone(*COMMON, "--max-update", 20, "--max-sentences", 48)
+    assert max_diff(expected["model"], final_params(tmp_path / "ab"[leader])) < EXACT

@@ -31,7 +31,6 @@ tells a rank that sits out how each update went.
 import dataclasses
 import itertools
 import logging
-import statistics
 import time
 
 from hetseq.plan.capacity import Plan, split_among
@@ -40,7 +39,9 @@ logger = logging.getLogger(__name__)
 
 PROBE_BYTES = 1 << 20      # the larger of the two sizes timed (the gradient's, when smaller)
 SMALLER = 16               # the smaller size: PROBE_BYTES / SMALLER
-REPEATS = 3                # timed all-reduces per size (their median)
+# Round trips timed per size; the fastest counts: a busy host only ever adds
+# to a link's time (scheduling, another process), never takes from it.
+REPEATS = 5
 EXHAUSTIVE = 12            # up to this many ranks every subset is tried; above, nested ones
 
 
@@ -88,8 +89,7 @@ def measure(ctx, gradient_bytes):
             continue
         peer = rank if ctx.is_main else 0
         _bounce(buffers[big], peer, ctx.is_main)        # both arrive; the path is warm
-        times = {size: statistics.median(_bounce(buffer, peer, ctx.is_main)
-                                         for _ in range(REPEATS))
+        times = {size: min(_bounce(buffer, peer, ctx.is_main) for _ in range(REPEATS))
                  for size, buffer in buffers.items()}
         # A round trip carries the bytes each way: twice one direction's cost.
         per_byte = max(0.0, (times[big] - times[small]) / (big - small)) / 2
@@ -177,20 +177,46 @@ def _candidates(rates):
 def why_sitting(plan, links, devices, per_update=1):
     """One line per rank that sits out, with the figures it was chosen on:
     what its samples/s would save of the update, what its exchange costs."""
-    rates = plan.rates
-    members = [i for i in range(len(rates)) if i not in plan.sitting]
-    if not all(rate > 0 for rate in rates):     # a fixed plan: the user's weight of 0
+    if not all(rate > 0 for rate in plan.rates):     # a fixed plan: the user's weight of 0
         return [f"rank {rank} {devices[rank]} sits out: its --capacity weight is 0"
                 for rank in plan.sitting]
-    now = update_seconds(plan.batch_sizes, rates, members, links, per_update)[0]
+    return [f"rank {rank} {devices[rank]} sits out: " + _worth(plan, rank, links, per_update)
+            for rank in plan.sitting]
+
+
+def who_pays(global_batch, rates, caps, links, devices, per_update):
+    """Where no rank can sit out (--zero 1-3, PowerSGD, --local-steps): one
+    line per rank but 0, saying whether it pays for its place in the
+    exchange (with --local-steps, once per round)."""
+    if links is None or not all(rate > 0 for rate in rates):
+        return []
+    best = best_plan(global_batch, rates, caps, links, True, per_update).plan
     lines = []
-    for rank in plan.sitting:
-        joined = sorted([*members, rank])
-        with_it = _split(plan.global_batch, rates, plan.micro_caps, joined)
-        compute, exchange = update_seconds(with_it.batch_sizes, rates, joined, links, per_update)
-        served = f" ({exchange * per_update:.3f} s per exchange of {per_update} updates)" \
-            if per_update > 1 else ""
-        lines.append(f"rank {rank} {devices[rank]} sits out: {rates[rank]:.1f} samples/s would "
-                     f"save {max(0.0, now - compute):.3f} s of {now:.3f} s of compute per "
-                     f"update; the exchange with it costs {exchange:.3f} s{served}")
+    for rank in range(1, len(rates)):
+        if rank in best.sitting:
+            lines.append(f"rank {rank} {devices[rank]} does not pay for its place: "
+                         + _worth(best, rank, links, per_update) + "; this mode keeps every "
+                         "rank in the exchange: leave it out of the job"
+                         + (" or raise --local-steps" if per_update > 1 else ""))
+        else:
+            others = [i for i in range(len(rates)) if i != rank]
+            others = dataclasses.replace(_split(global_batch, rates, caps, others),
+                                         sitting=[rank])
+            lines.append(f"rank {rank} {devices[rank]} pays for its place: "
+                         + _worth(others, rank, links, per_update))
     return lines
+
+
+def _worth(plan, rank, links, per_update):
+    """What ``rank`` adds to ``plan`` (where it sits out): compute saved, exchange cost."""
+    rates = plan.rates
+    members = [i for i in range(len(rates)) if i not in plan.sitting]
+    now = update_seconds(plan.batch_sizes, rates, members, links, per_update)[0]
+    joined = sorted([*members, rank])
+    with_it = _split(plan.global_batch, rates, plan.micro_caps, joined)
+    compute, exchange = update_seconds(with_it.batch_sizes, rates, joined, links, per_update)
+    served = f" ({exchange * per_update:.3f} s per exchange of {per_update} updates)" \
+        if per_update > 1 else ""
+    return (f"{rates[rank]:.1f} samples/s would save {max(0.0, now - compute):.3f} s of "
+            f"{now:.3f} s of compute per update; the exchange with it costs "
+            f"{exchange:.3f} s{served}")

@@ -116,7 +116,7 @@ class Run:
             logger.info("capacity plan (%s), global batch %d, %s, %s:\n%s", job.capacity.capacity,
                         plan.global_batch, controller.describe_sharding(),
                         precision.describe(job.precision), capacity.describe(plan, devices))
-            _log_exchange(plan, devices, links, per_update)
+            _log_exchange(plan, devices, links, per_update, controller.can_sit_out())
         auto = job.capacity.capacity == "auto"
         rebalancer = None if job.capacity.no_rebalance else rebalance.Rebalancer(
             plan, links, controller.can_sit_out(), per_update, advisory=not auto)
@@ -300,8 +300,9 @@ class Run:
         self.task.export_hf(model, self.job.checkpoint.export_hf)
 
 
-def _log_exchange(plan, devices, links, per_update):
-    """What the exchange costs on the measured links, and who sits it out."""
+def _log_exchange(plan, devices, links, per_update, can_sit):
+    """What the exchange costs on the measured links, who sits it out, or
+    (where no rank can) whether each rank pays for its place."""
     if links is None:
         return
     members = [rank for rank in range(len(devices)) if rank not in plan.sitting]
@@ -310,7 +311,10 @@ def _log_exchange(plan, devices, links, per_update):
                 "%.3f s%s", links.describe(), links.gradient_bytes / 1e6, len(members), seconds,
                 f", {seconds / per_update:.4f} s per update over a round of {per_update}"
                 if per_update > 1 else "")
-    for line in exchange_links.why_sitting(plan, links, devices, per_update):
+    lines = exchange_links.why_sitting(plan, links, devices, per_update) if can_sit else \
+        exchange_links.who_pays(plan.global_batch, plan.rates, plan.micro_caps, links, devices,
+                                per_update)
+    for line in lines:
         logger.info("%s", line)
 
 
