@@ -46,7 +46,8 @@ from hetseq import cli  # noqa: E402
 from hetseq.distributed import DistContext  # noqa: E402
 from hetseq.randomness import KeyedBatch, sample_keys  # noqa: E402
 from hetseq.tasks import TASKS  # noqa: E402
-from hetseq.update.controller import Controller, move_to  # noqa: E402
+from hetseq.data.iterators import move_to  # noqa: E402
+from hetseq.update.controller import Controller  # noqa: E402
 
 MODELS = {"bert-base": BertBase, "bert": Bert}
 

@@ -386,7 +386,7 @@ def test_sizes_announced_by_peers_are_bounded_before_anything_is_allocated(monke
         out[0].copy_(mine)
         out[1].fill_(announced)
     monkeypatch.setattr(collectives.dist, "all_gather", gather)
-    monkeypatch.setattr(collectives.dist, "broadcast", lambda tensor, src: tensor.fill_(announced))
+    monkeypatch.setattr(collectives.dist, "broadcast", lambda tensor, src, group=None: tensor.fill_(announced))
     for announced in (collectives.MAX_OBJECT_BYTES + 1, -1):
         refused(lambda: collectives.all_gather_object({"x": 1}, ctx), announced)
         refused(lambda: collectives.broadcast_from(1, dict, ctx), announced)

@@ -186,3 +186,40 @@ def test_a_node_that_sits_out_stays_a_member_of_an_elastic_job(tmp_path):
     assert re.findall(r"generation (\d+): \d+ nodes", log) == ["1"], log[-3000:]
     expected = alone(*COMMON, "--max-update", 20, "--max-sentences", 48)
     assert max_diff(expected["model"], final_params(tmp_path / "ab"[leader])) < EXACT
+
+
+def test_a_saved_plan_sits_ranks_out_only_where_this_run_can():
+    """Resuming a plan with a rank sitting out under a mode where none can
+    (--zero 1-3, PowerSGD, --local-steps): it takes part without samples
+    (else it would wait for rank 0 while rank 0 waits for it in the
+    mode's collectives). A plan saying rank 0 sits out is not adopted."""
+    import types
+    from hetseq.plan.rebalance import Balance
+    saved = Plan([32, 0], [0, 0], [100.0, 1.0], [1]).state_dict()
+    for can_sit, sitting in ((True, [1]), (False, [])):
+        shares = []
+        iterator = types.SimpleNamespace(set_shares=lambda s, m: shares.append(s))
+        ctx = types.SimpleNamespace(is_main=False)
+        balance = Balance(Plan([16, 16], [0, 0], [100.0, 100.0]), ["a", "b"], iterator, ctx,
+                          False, can_sit=can_sit)
+        balance.load_state_dict(saved)
+        assert (balance.plan.batch_sizes, balance.plan.sitting) == ([32, 0], sitting)
+    wrong = Balance(Plan([16, 16], [0, 0], [1.0, 1.0]), ["a", "b"], iterator,
+                    types.SimpleNamespace(is_main=False, rank=0), False, can_sit=True)
+    wrong.iterator = types.SimpleNamespace(epoch=1, samples_in_epoch=0)
+    wrong.load_state_dict(Plan([0, 32], [0, 0], [1.0, 1.0], [0]).state_dict())
+    assert wrong.plan.batch_sizes == [16, 16] and wrong.plan.sitting == []
+
+
+@pytest.mark.parametrize("message", [[1.0, float("nan"), 0.0], [2.0, 3.0, 0.0],
+                                     [1.0, 1e300, 0.0], [1.0, 3.0, 0.5]])
+def test_an_outcome_from_rank_0_is_checked_before_it_is_used(monkeypatch, message):
+    import types
+    import torch
+    from hetseq.errors import PeerLost
+    from hetseq.update import members
+    ctx = types.SimpleNamespace(world_size=2, rank=1, backend="gloo", device=torch.device("cpu"))
+    monkeypatch.setattr(members.dist, "recv", lambda tensor, src: tensor.copy_(
+        torch.tensor(message, dtype=torch.float64)))
+    with pytest.raises(PeerLost, match="as an update's outcome"):
+        members.Members(ctx).hear()

@@ -235,3 +235,14 @@ class GlobalBatchIterator:
         if self.samples_in_epoch is None:
             self.samples_in_epoch = min(self.batches.dataset_size,
                                         state["iterations_in_epoch"] * self.batches.global_batch_size)
+
+
+def move_to(sample, device):
+    """Move every tensor in a (nested) dict/list/tuple to ``device``."""
+    if torch.is_tensor(sample):
+        return sample.to(device, non_blocking=True)
+    if isinstance(sample, dict):
+        return {key: move_to(value, device) for key, value in sample.items()}
+    if isinstance(sample, (list, tuple)):
+        return type(sample)(move_to(value, device) for value in sample)
+    return sample

@@ -85,10 +85,11 @@ def gather_to_main(obj, ctx):
     return [_decode(chunk[:size]) for chunk, size in zip(out, sizes)]
 
 
-def broadcast_from(source, make, ctx):
-    """``make()`` on rank ``source``, its result sent to every rank (small
-    objects, or one-off states such as a checkpoint being resumed). A
-    UserError raised by ``make`` reaches every rank, or the others would wait."""
+def broadcast_from(source, make, ctx, group=None):
+    """``make()`` on rank ``source``, its result sent to every rank (of
+    ``group``, when given: the source among them) (small objects, or one-off
+    states such as a checkpoint being resumed). A UserError raised by
+    ``make`` reaches every rank, or the others would wait."""
     if not ctx.distributed:
         return make()
     device = wire_device(ctx)
@@ -99,11 +100,11 @@ def broadcast_from(source, make, ctx):
         except UserError as err:
             data = _encode(("error", str(err)))
     size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=source)
+    dist.broadcast(size, src=source, group=group)
     size = _checked(size, source)   # on every rank, the source too: all stop, or none
     data = data.to(device) if data is not None else \
         torch.empty(size, dtype=torch.uint8, device=device)
-    dist.broadcast(data, src=source)
+    dist.broadcast(data, src=source, group=group)
     status, value = _decode(data)
     if status == "error":
         raise UserError(value)

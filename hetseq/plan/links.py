@@ -138,9 +138,10 @@ def best_plan(global_batch, rates, caps, links, can_sit, per_update=1):
     holds rank 0 when ``can_sit`` (the --zero mode and exchange let a rank
     sit out), else every rank with its fastest split."""
     world = len(rates)
+    known = [rank for rank in range(world) if rates[rank] > 0]   # a fixed plan's weight 0: out
     if not can_sit or links is None or world < 2:
-        plan = _split(global_batch, rates, caps, range(world))
-        seconds = update_seconds(plan.batch_sizes, rates, range(world), links, per_update)
+        plan = _split(global_batch, rates, caps, known)
+        seconds = update_seconds(plan.batch_sizes, rates, known, links, per_update)
         return Choice(plan, *seconds, seconds)
     best = None
     for members in _candidates(rates):
@@ -151,8 +152,8 @@ def best_plan(global_batch, rates, caps, links, can_sit, per_update=1):
         seconds = update_seconds(plan.batch_sizes, rates, members, links, per_update)
         if best is None or sum(seconds) < sum(best[1]) * (1 - 1e-9):
             best = (plan, seconds)
-    everyone = update_seconds(_split(global_batch, rates, caps, range(world)).batch_sizes,
-                              rates, range(world), links, per_update)
+    everyone = update_seconds(_split(global_batch, rates, caps, known).batch_sizes,
+                              rates, known, links, per_update)
     return Choice(best[0], *best[1], everyone)
 
 
@@ -163,14 +164,14 @@ def _split(global_batch, rates, caps, members):
 def _candidates(rates):
     """Sets of ranks holding rank 0: all of them for a small world; above
     EXHAUSTIVE ranks, rank 0 with the k fastest others, for every k."""
-    others = range(1, len(rates))
+    others = [rank for rank in range(1, len(rates)) if rates[rank] > 0]
     if len(rates) <= EXHAUSTIVE:
-        for k in range(len(rates)):
+        for k in range(len(others) + 1):
             for chosen in itertools.combinations(others, k):
                 yield (0, *chosen)
         return
     ordered = sorted(others, key=lambda i: -rates[i])
-    for k in range(len(rates)):
+    for k in range(len(ordered) + 1):
         yield (0, *sorted(ordered[:k]))
 
 

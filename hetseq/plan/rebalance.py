@@ -37,6 +37,7 @@ changes; the run is told once when it would be faster without a rank.
 The global batch never changes: any split gives the same update.
 """
 
+import dataclasses
 import logging
 import math
 import statistics
@@ -83,8 +84,9 @@ class Rebalancer:
                             if s else 0.0 for s in self.series])   # window 6: the 2nd fastest
 
     def _known(self, levels):
-        """``levels`` with a sitting rank's replaced by the last one known."""
-        return [self.plan.rates[rank] if rank in self.plan.sitting else level
+        """``levels`` with a sitting rank's (or one never measured: no samples
+        yet) replaced by the last one known, the plan's (0: unknown)."""
+        return [self.plan.rates[rank] if rank in self.plan.sitting or not level else level
                 for rank, level in enumerate(levels)]
 
     def _members(self):
@@ -93,7 +95,7 @@ class Rebalancer:
     def noise(self, levels):
         """Relative standard error of each member's level (0 for the others)."""
         return [_standard_error(self.series[rank], min(len(self.series[rank]), self.window)) /
-                levels[rank] if rank in self._members() else 0.0
+                levels[rank] if rank in self._members() and self.series[rank] else 0.0
                 for rank in range(len(levels))]
 
     def _gain_noise(self):
@@ -117,7 +119,7 @@ class Rebalancer:
             self.update_times = (self.update_times + [max(rank_times)])[-self.window:]
         self.since_change += 1
         self.blocked = (max(0, self.blocked[0] - 1), self.blocked[1])
-        members = [self.series[rank] for rank in self._members()]
+        members = [self.series[rank] for rank in self._members() if self.plan.batch_sizes[rank]]
         if any(len(s) < 2 for s in members) or self.advised:
             return None
         levels, new, gain = self._predict()
@@ -138,7 +140,7 @@ class Rebalancer:
     def _best(self, levels):
         """(the best plan for ``levels``, its predicted gain over the current
         one); (None, 0) while a rate is not known."""
-        if min(levels) <= 0:
+        if levels[0] <= 0:
             return None, 0.0
         new = exchange_links.best_plan(self.plan.global_batch, levels, self.plan.micro_caps,
                                        self.links, self.can_sit or self.advisory,
@@ -185,7 +187,7 @@ class Rebalancer:
                               for rank, s in enumerate(series)])
         new, gain = self._best(levels)
         error = max(_standard_error(series[rank], len(series[rank])) / levels[rank]
-                    for rank in members)
+                    for rank in members if series[rank])
         return levels, new, gain, max(self.min_gain, self.z * error, self._blocking())
 
     def _consider(self, levels, new, gain):
@@ -210,7 +212,8 @@ class Rebalancer:
                        f"predicted {100 * gain:.1f}% faster (threshold {100 * threshold:.1f}%: "
                        f"{why})")
         if self.advisory:      # the user's plan stays; advice about leaving a rank out, once
-            self.advised = bool(set(new.sitting) - set(self.plan.sitting))
+            unknown = {rank for rank, level in enumerate(levels) if level <= 0}
+            self.advised = bool(set(new.sitting) - set(self.plan.sitting) - unknown)
             return new if self.advised else None
         self.trial = (self.plan, statistics.median(self.update_times), gain)
         return self.adopt(new)
@@ -263,10 +266,10 @@ class Balance:
     resumed when the global batch and the world are the same."""
 
     def __init__(self, plan, devices, iterator, ctx, lockstep, rebalancer=None,
-                 members=lambda active: None):
+                 members=lambda active: None, can_sit=False):
         self.plan, self.devices, self.iterator = plan, devices, iterator
         self.ctx, self.lockstep, self.rebalancer = ctx, lockstep, rebalancer
-        self.members = members
+        self.members, self.can_sit = members, can_sit
 
     def micro_batches(self, shares):
         """Micro-batches every rank runs per step when forwards communicate
@@ -324,9 +327,15 @@ class Balance:
         saved, plan = Plan.from_state_dict(state), self.plan
         same_batch = saved.global_batch == plan.global_batch
         same_world = len(saved.batch_sizes) == len(plan.batch_sizes)
-        if not (same_batch and same_world):
+        # Ranks sat out: only where this run's mode lets them (else they take
+        # part without samples), and never rank 0 or a rank with samples.
+        if not self.can_sit:
+            saved = dataclasses.replace(saved, sitting=[])
+        sound = all(rank and not saved.batch_sizes[rank] for rank in saved.sitting) \
+            if same_world else True
+        if not (same_batch and same_world and sound):
             self._log_resume(saved)
-        elif saved.batch_sizes != plan.batch_sizes:
+        elif (saved.batch_sizes, saved.sitting) != (plan.batch_sizes, plan.sitting):
             self.set_plan(saved, "the split saved in the checkpoint", 0)
 
     def _log_resume(self, saved):

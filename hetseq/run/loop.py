@@ -100,6 +100,7 @@ class Run:
             [(self.controller.num_updates, self.train_data.state_dict())], maxlen=2)
         self._drawn = None
         self._validated = None       # (update, metric) of the last validation
+        self._left = None            # sitting out (--elastic): the state of the update it left
         self._reconfigure = False
 
     def _plan_training(self):
@@ -125,7 +126,7 @@ class Run:
                                     micro_cap=plan.micro_caps[ctx.rank],
                                     min_micro_batches=plan.most_micro_batches() if lockstep else 1)
         return data, rebalance.Balance(plan, devices, data, ctx, lockstep, rebalancer,
-                                       controller.set_members)
+                                       controller.set_members, controller.can_sit_out())
 
     def _plan_schedule(self):
         """Give the LR schedule the run's length when the flags leave it open."""
@@ -242,10 +243,13 @@ class Run:
         either at the last completed update or one further, when this rank
         finished an update the others did not (under --local-steps an
         update is a round: one cut short is undone, Controller.state_dict).
-        None on a rank that sits out: its model is that of the update it
-        left (update/members.py), never a source."""
-        if self.controller.members.sitting:
-            return None
+        A rank that sits out offers the state of the last update it took
+        part in (its model has not moved since: update/members.py): behind
+        the members', never ahead."""
+        return self._left if self.controller.members.sitting else self._now()
+
+    def _now(self):
+        """The state of the last update this rank completed (``snapshot``)."""
         state = self.controller.state_dict(local=True)
         # Not one of them: an update this rank completed and the others did
         # not (it holds one more); the position after the batch it drew.
@@ -262,6 +266,9 @@ class Run:
         self.agreement.due(update)
         plan = self.balance.plan      # the split this update ran with
         self.balance.observe(update, result.ranks.seconds, result.ranks.samples)
+        if self.membership is not None:   # an elastic member leaving the exchange: its offer
+            sitting = self.controller.members.sitting
+            self._left = (self._left or self._now()) if sitting else None
         self.report.update(result, update, wall_time, plan.batch_sizes, steps)
 
     def validate(self, epoch):

@@ -49,11 +49,12 @@ import logging
 import torch
 
 from hetseq import randomness
+from hetseq.data.iterators import move_to
 from hetseq.errors import TrainingFailed, UserError
 from hetseq.optim import (OPTIMIZERS, build_lr_scheduler, build_optimizer,
                           check_same_optimizer, keep_own_kernels)
 from hetseq.run.checkpoint import Component
-from hetseq.distributed.collectives import broadcast_from_main
+from hetseq.distributed.collectives import broadcast_from
 from hetseq.update import exchange, precision, sharding
 from hetseq.update.members import Members
 from hetseq.update.stats import Backward
@@ -69,17 +70,6 @@ OPTIMIZER = CONTROLLER.key("optimizer", reset="optimizer")
 LR_SCHEDULER = CONTROLLER.key("lr_scheduler", reset="lr-scheduler")
 UPDATES = CONTROLLER.key("num_updates")
 LOSS_SCALER = CONTROLLER.key("loss_scaler", reset="optimizer")
-
-
-def move_to(sample, device):
-    """Move every tensor in a (nested) dict/list/tuple to ``device``."""
-    if torch.is_tensor(sample):
-        return sample.to(device, non_blocking=True)
-    if isinstance(sample, dict):
-        return {key: move_to(value, device) for key, value in sample.items()}
-    if isinstance(sample, (list, tuple)):
-        return type(sample)(move_to(value, device) for value in sample)
-    return sample
 
 
 class Controller:
@@ -175,9 +165,11 @@ class Controller:
         if returning is None:
             return
         if returning:
-            state = broadcast_from_main(self.state_dict, self.ctx)
-            if self.ctx.rank in returning:
-                self.load_state_dict(state)
+            carriers = self.members.group_of((0, *returning))
+            if self.ctx.rank in (0, *returning):
+                state = broadcast_from(0, self.state_dict, self.ctx, carriers)
+                if self.ctx.rank in returning:
+                    self.load_state_dict(state)
         # The old DDP's hooks leave the parameters before a new one adds its own.
         self.wrapped = self.model
         gc.collect()
@@ -274,8 +266,12 @@ class Controller:
         grads = self.sharding.local_grads(self.params)
         scale = self.exchange.divisor / (sample_size * (self.scaler.scale if self.scaler else 1.0))
         finite, norm = self.stepper(grads, scale, self.cfg.clip_norm, self._steps)
-        if self.scaler is not None:
-            self.scaler.update(overflow=not finite)
+        try:
+            if self.scaler is not None:
+                self.scaler.update(overflow=not finite)
+        except TrainingFailed:
+            self.members.tell(False, self.num_updates, stops=True)
+            raise
         self.members.tell(finite, self.num_updates + finite)   # before a skip may stop the run
         if not finite:
             if self.scaler is None:
@@ -290,7 +286,10 @@ class Controller:
         decisions, from its message): the count, the LR, skips in a row."""
         if sample_size <= 0:
             return False
-        made, updates = self.members.hear()
+        made, updates, stops = self.members.hear()
+        if stops:
+            raise TrainingFailed(f"rank 0 stopped the run at update {self.num_updates + 1} "
+                                 "(its log says why); this rank sat out of the exchange")
         if made:
             self.failed_updates = 0
             self.count_update()

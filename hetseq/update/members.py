@@ -10,11 +10,14 @@ Such a rank, for as long as it sits out:
   generation (heartbeats, no change of members);
 - runs no forward or backward, joins no gradient collective and makes no
   step: its model and optimizer stay as they were when it left;
-- hears from rank 0, after each update, whether the update was made and
-  the count it reached (two numbers, sent without waiting for them), so its
-  update count, LR schedule and stop decisions stay every rank's;
+- hears from rank 0, after each update, whether the update was made, the
+  count it reached and whether the run stops there (three numbers, sent
+  without waiting for them), so its update count, LR schedule and stop
+  decisions stay every rank's;
 - receives, when it comes back, rank 0's whole Controller state (one
-  broadcast, before its first update back).
+  broadcast in a group of rank 0 and the ranks coming back, before its
+  first update back; bounded as every object ranks exchange, 8 GiB:
+  collectives.MAX_OBJECT_BYTES).
 
 The members' gradients are summed in a process group of their own (one per
 set of members, made by every rank in the same order: new_group's rule), so
@@ -56,33 +59,37 @@ class Members:
             return None
         returning = [rank for rank in active if rank not in self.active]
         self.active = active
-        if len(active) == self.ctx.world_size:
-            self.group = None
-        else:
-            if active not in self._groups:
-                self._groups[active] = dist.new_group(list(active))
-            self.group = self._groups[active]
+        self.group = None if len(active) == self.ctx.world_size else self.group_of(active)
         return returning
 
-    def tell(self, made, updates):
-        """Rank 0, after an update: whether it was made and the count reached,
-        to every rank that sits out (nothing on a member other than rank 0)."""
+    def group_of(self, ranks):
+        """A process group of ``ranks`` (every rank calls this, in one order)."""
+        ranks = tuple(sorted(ranks))
+        if ranks not in self._groups:
+            self._groups[ranks] = dist.new_group(list(ranks))
+        return self._groups[ranks]
+
+    def tell(self, made, updates, stops=False):
+        """Rank 0, after an update: whether it was made, the count reached and
+        whether the run stops there, to every rank that sits out (nothing on
+        a member other than rank 0)."""
         if not self.ctx.is_main or len(self.active) == self.ctx.world_size:
             return
         for work in self._sent:      # the last update's, long received
             work.wait()
-        message = torch.tensor([float(made), float(updates)], dtype=torch.float64,
-                               device=wire_device(self.ctx))
+        message = torch.tensor([float(made), float(updates), float(stops)],
+                               dtype=torch.float64, device=wire_device(self.ctx))
         self._sent = [dist.isend(message, dst=rank) for rank in range(self.ctx.world_size)
                       if rank not in self.active]
 
     def hear(self):
-        """A rank that sits out: (made, updates) of the update, from rank 0."""
-        message = torch.zeros(2, dtype=torch.float64, device=wire_device(self.ctx))
+        """A rank that sits out: (made, updates, stops) of the update, from rank 0."""
+        message = torch.zeros(3, dtype=torch.float64, device=wire_device(self.ctx))
         dist.recv(message, src=0)
-        made, updates = message.tolist()
-        if made not in (0.0, 1.0) or updates != int(updates) or updates < 0:
+        made, updates, stops = message.tolist()
+        if made not in (0.0, 1.0) or stops not in (0.0, 1.0) or not 0 <= updates < 2 ** 53 \
+                or updates != int(updates):
             raise PeerLost(f"rank 0 sent {message.tolist()} as an update's outcome, expected "
-                           "[0 or 1, a count]: a rank of another version, or corrupted "
+                           "[0 or 1, a count, 0 or 1]: a rank of another version, or corrupted "
                            "traffic; restart the job with the same HetSeq everywhere")
-        return bool(made), int(updates)
+        return bool(made), int(updates), bool(stops)
