@@ -74,6 +74,16 @@ def test_the_log_line_gives_the_figures_of_the_decision():
                     "0.128 s of compute per update; the exchange with it costs 0.802 s"), line
 
 
+def test_a_fixed_plan_with_a_rank_never_measured_is_judged_without_it():
+    """Weights 2000:1 give rank 1 no sample: its rate is never measured (0).
+    The advisory rebalancer predicts with the ranks it knows (no division
+    by that 0) and does not advise leaving out a rank it knows nothing of."""
+    plan = Plan([128, 0], [0, 0], [0.0, 0.0])
+    advisor = Rebalancer(plan, links((MS, GBIT)), can_sit=True, advisory=True)
+    for _ in range(40):
+        assert advisor.observe([128 / 2000, 0.0], [128, 0]) is None
+
+
 def test_a_rank_comes_back_when_the_members_slow_down():
     """The rank that sits out measures nothing: its level stays the last
     known. When rank 0 slows 4000x, the re-plan brings it back."""

@@ -128,7 +128,7 @@ class Choice:
 def update_seconds(shares, rates, members, links, per_update=1):
     """(compute, exchange) seconds of an update: the slowest member's share
     and the exchange among the members, per update served."""
-    compute = max(shares[i] / rates[i] for i in members)
+    compute = max((shares[i] / rates[i] for i in members if shares[i]), default=0.0)
     exchange = links.seconds(members) / per_update if links is not None else 0.0
     return compute, exchange
 
