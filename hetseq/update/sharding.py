@@ -213,16 +213,18 @@ class Replicas(Sharding):
         return "--zero 0 (replicas, DDP)"
 
     def wrap(self, model):
+        # Rank 0 alone in the exchange (the others sit out): nothing to sum.
+        alone = self.group is not None and dist.get_world_size(self.group) == 1
         return _ddp(model, self.ctx, self.cfg, self.comm_hook, self.group) \
-            if self.ctx.distributed else model
+            if self.ctx.distributed and not alone else model
 
     def sync(self, wrapped, last):
-        if not self.ctx.distributed or last:
+        if last or not isinstance(wrapped, DistributedDataParallel):
             return contextlib.nullcontext()
         return wrapped.no_sync()   # must wrap the forward too (PLATFORM_NOTES)
 
     def idle(self, wrapped, backward_begins):
-        if not self.ctx.distributed:
+        if not isinstance(wrapped, DistributedDataParallel):
             return backward_begins()
         _ddp_with_zeros(wrapped, backward_begins)
 
