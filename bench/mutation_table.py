@@ -44,8 +44,8 @@ MUTATIONS = {
     "returning-rank-keeps-its-state": (
         "a rank that comes back takes rank 0's whole state (optimizer included)",
         "hetseq/update/controller.py",
-        "            if self.ctx.rank in returning:\n                self.load_state_dict(state)",
-        "            pass",
+        "                if self.ctx.rank in returning:\n                    self.load_state_dict(state)",
+        "                pass",
         ["tests/test_sitting.py::"
          "test_a_slow_rank_sits_out_then_comes_back_and_the_job_matches_one_process"]),
     "sync-every-micro-batch": (

@@ -143,7 +143,7 @@ def test_rebalancer_undoes_a_change_that_did_not_pay_off():
     for _ in range(6):
         back = balancer.observe([0.30, 0.30], [43, 21])
     assert back.batch_sizes == [32, 32] and balancer.failures == 1
-    assert "undoing the last change: updates took 300.0 ms of compute after it, 200.0 ms " \
+    assert "undoing the last change: updates took 300.0 ms after it, 200.0 ms " \
            "before" in balancer.reason
     assert all(balancer.observe([0.10, 0.20], [32, 32]) is None for _ in range(50))
 

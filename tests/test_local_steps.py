@@ -380,6 +380,7 @@ def test_a_snapshot_takes_the_data_position_of_the_update_it_went_back_to():
             num_updates=None, members=types.SimpleNamespace(sitting=False)),
         checkpointer=types.SimpleNamespace(local_state=lambda state: state))
     run.controller.state_dict = lambda local: {"num_updates": run.controller.num_updates}
+    run._now = lambda: Run._now(run)
     for updates, position in ((2, "after 2"), (4, "after 4"), (5, "after 5")):
         run.controller.num_updates = updates
         assert Run.snapshot(run)["train_iterator"] == position

@@ -84,6 +84,24 @@ def test_a_fixed_plan_with_a_rank_never_measured_is_judged_without_it():
         assert advisor.observe([128 / 2000, 0.0], [128, 0]) is None
 
 
+def test_an_overhead_the_links_do_not_show_is_measured_and_the_rank_sits_out():
+    """The links' model says the exchange costs 1 ms, but updates with rank
+    1 take 40 ms beyond the slowest compute: measured, the job is faster
+    without it (0.234 + 0.04 s against 0.256 s), so it sits out, and the
+    overhead measured with it is kept: it does not come straight back."""
+    cheap = links((0.5 * MS, 0.0))
+    plan = best_plan(128, [500.0, 50.0], [0, 0], cheap, True).plan
+    assert plan.batch_sizes == [117, 11] and plan.sitting == []
+    balancer = Rebalancer(plan, cheap, can_sit=True)
+    new = None
+    for _ in range(20):
+        new = new or balancer.observe([117 / 500, 11 / 50], [117, 11], [117 / 500 + 0.04, 0])
+    assert new is not None and new.sitting == [1], new
+    assert "ms a step measured beyond the exchange" in balancer.reason
+    for _ in range(60):
+        assert balancer.observe([128 / 500, 0.0], [128, 0], [128 / 500 + 0.008, 0]) is None
+
+
 def test_a_rank_comes_back_when_the_members_slow_down():
     """The rank that sits out measures nothing: its level stays the last
     known. When rank 0 slows 4000x, the re-plan brings it back."""

@@ -133,10 +133,11 @@ def update_seconds(shares, rates, members, links, per_update=1):
     return compute, exchange
 
 
-def best_plan(global_batch, rates, caps, links, can_sit, per_update=1):
+def best_plan(global_batch, rates, caps, links, can_sit, per_update=1, overhead=0.0):
     """The Choice of least predicted update time: every subset of ranks that
     holds rank 0 when ``can_sit`` (the --zero mode and exchange let a rank
-    sit out), else every rank with its fastest split."""
+    sit out), else every rank with its fastest split. ``overhead``: seconds
+    an update of several members costs beyond the model (measured)."""
     world = len(rates)
     known = [rank for rank in range(world) if rates[rank] > 0]   # a fixed plan's weight 0: out
     if not can_sit or links is None or world < 2:
@@ -149,11 +150,13 @@ def best_plan(global_batch, rates, caps, links, can_sit, per_update=1):
         # A member left without samples only slows the exchange.
         members = [i for i in members if plan.batch_sizes[i] or i == 0]
         plan = dataclasses.replace(plan, sitting=[i for i in range(world) if i not in members])
-        seconds = update_seconds(plan.batch_sizes, rates, members, links, per_update)
+        compute, exchange = update_seconds(plan.batch_sizes, rates, members, links, per_update)
+        seconds = (compute, exchange + (overhead if len(members) > 1 else 0.0))
         if best is None or sum(seconds) < sum(best[1]) * (1 - 1e-9):
             best = (plan, seconds)
-    everyone = update_seconds(_split(global_batch, rates, caps, known).batch_sizes,
-                              rates, known, links, per_update)
+    compute, exchange = update_seconds(_split(global_batch, rates, caps, known).batch_sizes,
+                                       rates, known, links, per_update)
+    everyone = (compute, exchange + (overhead if len(known) > 1 else 0.0))
     return Choice(best[0], *best[1], everyone)
 
 

@@ -23,9 +23,15 @@ samples of the previous update, so each rank's rate r_i = n_i / t_i.
   lasting imbalance (a start-up measurement 8% off) that the short levels
   cannot tell from noise is closed after a few dozen updates; alone, the
   short view would keep such a plan forever on a noisy machine.
-- Then check the change: the measured update time (the slowest rank's
-  compute) must have dropped by half the predicted gain, or the old plan
-  comes back (see ``_judge_trial``).
+- Then check the change: the measured update time (rank 0's wall time
+  from one update's end to the next, or the slowest rank's compute where
+  no wall time is given) must have dropped by half the predicted gain, or
+  the old plan comes back (see ``_judge_trial``).
+- What an update costs beyond the slowest compute and the links' model of
+  the exchange (ranks waiting on each other, the collectives' own work) is
+  measured under plans of several members and added to their predictions
+  (``_overhead``): a rank whose exchange costs more than the model says
+  sits out once that shows.
 
 The plan counts the exchange (plan/links.py): a predicted update is the
 slowest member's share plus the exchange among the members, and the best
@@ -61,6 +67,7 @@ class Rebalancer:
         self.plan = plan
         self.links, self.can_sit, self.per_update = links, can_sit, per_update
         self.advisory, self.advised = advisory, False
+        self.overheads, self.excess = [], 0.0   # measured beyond the modelled exchange (_overhead)
         self.window, self.history, self.z, self.min_gain = window, history, z, min_gain
         self.patience = patience         # decisions in a row that must agree
         self.ahead = 0                   # decisions in a row so far
@@ -108,15 +115,19 @@ class Rebalancer:
         past = sorted(self.gains[:-self.window])
         return 2 * past[int(0.9 * (len(past) - 1))] if len(past) >= 3 else 0.0
 
-    def observe(self, rank_times, rank_samples):
-        """Feed one update's per-rank compute seconds and samples; returns a new
-        Plan when the split should change, else None."""
+    def observe(self, rank_times, rank_samples, walls=None):
+        """Feed one update's per-rank compute seconds, samples and wall
+        seconds (rank 0's is the job's); returns a new Plan when the split
+        should change, else None."""
         for series, t, n in zip(self.series, rank_times, rank_samples):
             if t > 0 and n > 0:
                 series.append(n / t)
                 del series[:-self.history]
-        if max(rank_times) > 0:
-            self.update_times = (self.update_times + [max(rank_times)])[-self.window:]
+        wall = walls[0] if walls else 0.0
+        if wall > 0 or max(rank_times) > 0:
+            self.update_times = (self.update_times + [wall or max(rank_times)])[-self.window:]
+        if wall > 0 and max(rank_times) > 0:
+            self._overhead(wall - max(rank_times))
         self.since_change += 1
         self.blocked = (max(0, self.blocked[0] - 1), self.blocked[1])
         members = [self.series[rank] for rank in self._members() if self.plan.batch_sizes[rank]]
@@ -144,14 +155,30 @@ class Rebalancer:
             return None, 0.0
         new = exchange_links.best_plan(self.plan.global_batch, levels, self.plan.micro_caps,
                                        self.links, self.can_sit or self.advisory,
-                                       self.per_update).plan
+                                       self.per_update, self.excess).plan
         return new, self._seconds(self.plan, levels) / self._seconds(new, levels) - 1
 
     def _seconds(self, plan, rates):
-        """Predicted seconds of an update under ``plan``: compute and exchange."""
+        """Predicted seconds of an update under ``plan``: compute, exchange,
+        and with other members the overhead measured beyond the exchange."""
         members = [rank for rank in range(len(rates)) if rank not in plan.sitting]
         return sum(exchange_links.update_seconds(plan.batch_sizes, rates, members, self.links,
-                                                 self.per_update))
+                                                 self.per_update)) + \
+            (self.excess if len(members) > 1 else 0.0)
+
+    def _overhead(self, seconds):
+        """An update's wall time beyond its slowest rank's compute, under a
+        plan of several members: what the links' model leaves out of an
+        exchange (waiting on each other, the collectives' own work, a busy
+        host) is measured, and counted in every prediction with several
+        members. Kept while ranks sit out: no update shows it then."""
+        members = [rank for rank in range(len(self.series)) if rank not in self.plan.sitting]
+        if len(members) < 2 or self.links is None:
+            return
+        self.overheads = (self.overheads + [seconds])[-self.window:]
+        if len(self.overheads) >= self.window // 2:
+            modelled = self.links.seconds(members) / self.per_update
+            self.excess = max(0.0, statistics.median(self.overheads) - modelled)
 
     def _blocking(self):
         return self.blocked[1] if self.blocked[0] else 0.0
@@ -208,7 +235,9 @@ class Rebalancer:
         if not sure or same:
             return None
         self.ahead = 0
-        self.reason = (f"rates {'/'.join(f'{r:.1f}' for r in levels)} samples/s, "
+        overhead = f", {1000 * self.excess:.1f} ms a step measured beyond the exchange" \
+            if self.excess else ""
+        self.reason = (f"rates {'/'.join(f'{r:.1f}' for r in levels)} samples/s{overhead}, "
                        f"predicted {100 * gain:.1f}% faster (threshold {100 * threshold:.1f}%: "
                        f"{why})")
         if self.advisory:      # the user's plan stays; advice about leaving a rank out, once
@@ -232,14 +261,14 @@ class Rebalancer:
             return None
         self.failures += 1
         self.blocked = (self.hold * 2 ** (self.failures - 1), 2 * gain)
-        self.reason = (f"undoing the last change: updates took {1000 * after:.1f} ms of "
-                       f"compute after it, {1000 * before:.1f} ms before (predicted "
+        self.reason = (f"undoing the last change: updates took {1000 * after:.1f} ms "
+                       f"after it, {1000 * before:.1f} ms before (predicted "
                        f"{100 * gain:.1f}% faster)")
         return self.adopt(previous)
 
     def adopt(self, plan):
         """The plan in force from now on (its own choice, or a resumed one)."""
-        self.plan, self.since_change = plan, 0
+        self.plan, self.since_change, self.overheads = plan, 0, []
         return plan
 
 
@@ -276,12 +305,12 @@ class Balance:
         (FSDP): the most any rank needs; 1 (no padding) otherwise."""
         return self.plan.most_micro_batches(shares) if self.lockstep else 1
 
-    def observe(self, update, rank_times, rank_samples):
+    def observe(self, update, rank_times, rank_samples, walls=None):
         """After update ``update``: the rebalancer's view of the rates, then
         the plan's members take (or leave) their places in the exchange: a
         plan's first update, its sitting ranks still run one (so that the
         stats' layout is known on every rank)."""
-        new = self.rebalancer and self.rebalancer.observe(rank_times, rank_samples)
+        new = self.rebalancer and self.rebalancer.observe(rank_times, rank_samples, walls)
         if new and self.rebalancer.advisory:
             self._advise(new)
         elif new:

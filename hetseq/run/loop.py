@@ -265,7 +265,8 @@ class Run:
         self.agreement.check(result.ranks.checksum, update)
         self.agreement.due(update)
         plan = self.balance.plan      # the split this update ran with
-        self.balance.observe(update, result.ranks.seconds, result.ranks.samples)
+        self.balance.observe(update, result.ranks.seconds, result.ranks.samples,
+                             result.ranks.wall)
         if self.membership is not None:   # an elastic member leaving the exchange: its offer
             sitting = self.controller.members.sitting
             self._left = (self._left or self._now()) if sitting else None

@@ -32,6 +32,7 @@ registers itself in EXCHANGES and names itself in ``mode_of``):
 """
 
 import importlib
+import time
 
 from hetseq.config import given_flags
 from hetseq.distributed.compress import CODECS
@@ -55,8 +56,9 @@ class Exchange:
         self.rewindable = rewindable
         # Every --zero mode averages over the world (controller.py's math).
         self.divisor = ctx.world_size if ctx.distributed else 1
-        self._last = (0.0, 0.0)      # this rank's compute seconds and samples, last update
-        self._report = RankReport()  # what this rank sends with the update under way
+        self._last = (0.0, 0.0, 0.0)   # this rank's compute seconds, samples, wall, last update
+        self._ended = None             # when this rank's last update ended
+        self._report = RankReport()    # what this rank sends with the update under way
 
     # ---- building ----
 
@@ -96,16 +98,21 @@ class Exchange:
         """The gradients are summed (inside backward): the Controller scales,
         clips and steps. ``seconds``: this rank's compute time of the update."""
         totals, ranks = stats.result()
-        self._last = (seconds, stats.own_samples())
         updated, norm = controller.apply_update(totals["sample_size"])
+        self._last = (seconds, stats.own_samples(), self._wall())
         return StepResult(totals, ranks, controller.lr, updated, norm)
+
+    def _wall(self):
+        """Wall seconds since this rank's last update (round) ended (0: the first)."""
+        now, ended, self._ended = time.perf_counter(), self._ended, time.perf_counter()
+        return now - ended if ended is not None else 0.0
 
     def sit(self, stats, controller):
         """The update of a rank that sits out: its zeros in the stats, the
         update as rank 0 made it (``Controller.follow``)."""
         totals, ranks = stats.result()
-        self._last = (0.0, 0.0)
         updated = controller.follow(totals["sample_size"])
+        self._last = (0.0, 0.0, self._wall())
         return StepResult(totals, ranks, controller.lr, updated, None)
 
     # ---- agreement and checkpoints ----

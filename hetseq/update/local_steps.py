@@ -227,7 +227,7 @@ class LocalSteps(Exchange):
         summed = StatsExchange(self.ctx, self._report)
         summed.absorb(self.round)
         samples = float(self.round.own_samples())
-        self._last = (self.seconds, samples)
+        self._last = (self.seconds, samples, self._wall())
         self.round, self.seconds, self.steps = StatsExchange(self.ctx, local=True), 0.0, 0
         totals, ranks = summed.result()
         everyone = totals["sample_size"]

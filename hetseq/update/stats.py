@@ -49,6 +49,7 @@ class RankReport:
     rank's, in rank order."""
     seconds: object = 0.0     # compute seconds of the previous update (--local-steps: round)
     samples: object = 0.0     # samples of the previous update (round)
+    wall: object = 0.0        # wall seconds from the end of the update before it to its end
     checksum: object = 0.0    # of the replicated state (agreement.py; 0: none this update)
     signal: object = 0.0      # 1: the members change after this update (--elastic)
 
