@@ -2,7 +2,7 @@
 
 The vector holds the summed values (loss, sample_size and the task's logs, by
 sorted key) followed by one world-size slot per field of ``RankReport``: each
-rank writes its compute time and sample count of the PREVIOUS update, an
+rank writes its compute time, sample count and wall time of the PREVIOUS update, an
 exact checksum of its replicated state (agreement.py) and a membership signal
 (1: a node waits to join, --elastic) into its own slot, so after the SUM
 every rank knows every rank's speed (rebalancing reads it), whether any rank
