@@ -71,8 +71,10 @@ def _job(hosts, base, world, capacity, port):
         if world > 1:
             argv += ["--distributed-world-size", str(world), "--distributed-rank", str(rank),
                      "--distributed-init-method", f"tcp://{netns.SUBNET}.1:{port}"]
-        procs.append(hosts.popen(rank, argv, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True))
+        # The hosts share this machine's cores: one thread each, as the
+        # ranks of one node get (a process alone would take all of them).
+        procs.append(hosts.popen(rank, argv, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [proc.communicate(timeout=900)[0] for proc in procs]
     if any(proc.returncode for proc in procs):
         raise RuntimeError(f"a job failed:\n{outputs[0][-3000:]}\n{outputs[-1][-3000:]}")
