@@ -50,6 +50,13 @@ MUTATIONS = {
         "                pass",
         ["tests/test_sitting.py::"
          "test_a_slow_rank_sits_out_then_comes_back_and_the_job_matches_one_process"]),
+    "round-waits-to-settle-at-its-deadline": (
+        "at --distributed-timeout a round with enough nodes and a quorum closes with them",
+        "hetseq/distributed/rounds.py",
+        "                if enough:      # the last arrival had no time to settle: close with "
+        "whoever came\n                    break\n",
+        "",
+        ["tests/test_elastic.py::test_a_round_closes_at_its_deadline_with_whoever_came"]),
     "sync-every-micro-batch": (
         "local accumulation (micro-batches, --update-freq) adds no communication",
         "hetseq/update/sharding.py",

@@ -286,6 +286,42 @@ def test_a_round_does_not_wait_for_a_member_whose_store_refused():
     assert ids == ["a", "b"] and took < SETTLE_S / 2, took
 
 
+def test_a_round_closes_at_its_deadline_with_whoever_came():
+    """A node arriving in the last seconds before --distributed-timeout (a
+    slow start, a GPU's CUDA initialisation) joins: at the deadline a round
+    with enough nodes and a quorum closes with them, though the last
+    arrival had no SETTLE_S to settle (the leader crashed formatting a
+    quorum of a first generation that has none). Too few nodes stop it with
+    a line, first generation included."""
+    import types
+    from hetseq.distributed.rounds import SETTLE_S, LeadRound
+    assert SETTLE_S > 1.0
+    fresh = [{"id": i, "host": i, "addr": "10.0.0.1", "port": 1, "pid": 1, "updates": -1,
+              "lineage": [], "ranks": 1, "holder": 0, "generation": None} for i in "ab"]
+
+    def lead(store, number, min_nodes):
+        m = types.SimpleNamespace(generation=None, lost=set(), unreachable=set(),
+                                  min_nodes=min_nodes, max_nodes=0, timeout_s=1.0, id="a",
+                                  _live=lambda members: [], _newer=lambda live: None)
+        return LeadRound(m, store, number).close()
+
+    store = torch.distributed.HashStore()
+    arrive(store, 1, fresh[0])
+    late = threading.Timer(0.7, arrive, (store, 1, fresh[1]))   # inside the last settle window
+    late.start()
+    try:
+        outcome = lead(store, 1, min_nodes=2)
+    except Exception as err:    # the crash this guards against
+        pytest.fail(f"the round did not close with the two nodes that came: {err!r}")
+    finally:
+        late.join()
+    assert [member["id"] for member in outcome.get("members", [])] == ["a", "b"], outcome
+    lonely = torch.distributed.HashStore()
+    arrive(lonely, 1, fresh[0])
+    assert lead(lonely, 1, min_nodes=2) == {
+        "stop": "only 1 of --min-nodes 2 nodes within --distributed-timeout 1 s"}
+
+
 def test_a_member_whose_port_refuses_is_told_apart_from_a_slow_one():
     """A killed member's port refuses: the round need not wait for it. One
     that accepts but does not greet (a loaded host, a paused process) is

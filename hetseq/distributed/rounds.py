@@ -76,6 +76,8 @@ class LeadRound:
                            time.monotonic() - changed >= SETTLE_S):
                 break
             if time.monotonic() > deadline:
+                if enough:      # the last arrival had no time to settle: close with whoever came
+                    break
                 return self._stop(arrived)
             if previous is not None and time.monotonic() - probed >= PROBE_EVERY_S:
                 self._give_up_if_elsewhere(previous)
@@ -155,9 +157,10 @@ class LeadRound:
                 "lineage": generations.new_lineage(keep[source]["lineage"], self.number)}
 
     def _stop(self, arrived):
-        """Too few, or no quorum: say so, and keep serving the store until
-        every node that arrived has read it (or it would look for a new
-        meeting point)."""
+        """Too few, or no quorum (only after a previous generation: a first
+        one needs none): say so, and keep serving the store until every
+        node that arrived has read it (or it would look for a new meeting
+        point)."""
         ids = {m["id"] for m in arrived}
         if len(arrived) < self.m.min_nodes:
             why = f"only {len(arrived)} of --min-nodes {self.m.min_nodes} nodes"
