@@ -57,6 +57,12 @@ MUTATIONS = {
         "whoever came\n                    break\n",
         "",
         ["tests/test_elastic.py::test_a_round_closes_at_its_deadline_with_whoever_came"]),
+    "rename-not-made-durable": (
+        "a save is durable: the file's data before the rename, its folder after it",
+        "hetseq/run/checkpoint.py",
+        "        os.replace(tmp, dst)\n        _sync_folder(folder)\n",
+        "        os.replace(tmp, dst)\n",
+        ["tests/test_checkpoint.py::test_a_save_reaches_the_disk_file_first_then_its_folder"]),
     "sync-every-micro-batch": (
         "local accumulation (micro-batches, --update-freq) adds no communication",
         "hetseq/update/sharding.py",

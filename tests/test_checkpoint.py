@@ -5,6 +5,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -497,3 +498,61 @@ def test_checkpoints_of_the_previous_release_resume_exactly(tmp_path):
         assert ran == [f"update {n}" for n in range(5, 9)], (name, ran)   # it went on from 4
         for key, value in straight["model"].items():
             assert torch.allclose(value, resumed["model"][key], rtol=0, atol=EXACT), (name, key)
+
+
+_KILLED_SAVE = """
+import os, signal, sys
+import torch
+from hetseq.run import checkpoint
+path, step = sys.argv[1], sys.argv[2]
+checkpoint.save(path, {"format": checkpoint.FORMAT, "which": "old"})
+die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+if step == "while writing":
+    def write(f):
+        f.write(b"half a checkpoint")
+        f.flush()
+        die()
+    checkpoint._atomic_write(path, write)
+if step == "before the rename":
+    os.replace = die
+if step == "after the rename":
+    checkpoint._sync_folder = die
+checkpoint.save(path, {"format": checkpoint.FORMAT, "which": "new"})
+die()
+"""
+
+
+@pytest.mark.parametrize("step, left", [("while writing", "old"), ("before the rename", "old"),
+                                        ("after the rename", "new"), ("after the save", "new")])
+def test_a_save_killed_at_any_step_leaves_a_checkpoint_that_resumes(tmp_path, step, left):
+    """A process killed (SIGKILL) in the middle of a save: the next start
+    removes the half-written temporary and resumes from a whole checkpoint,
+    the old one until the rename, the new one after it."""
+    path = tmp_path / "checkpoint_last.pt"
+    child = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(path), step],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    checkpoint.remove_stale_temporaries(tmp_path)
+    assert os.listdir(tmp_path) == ["checkpoint_last.pt"]
+    assert checkpoint.load(str(path))["which"] == left
+
+
+def test_a_save_reaches_the_disk_file_first_then_its_folder(tmp_path, monkeypatch):
+    """fsync of the file's data before the rename, of the folder after it:
+    without the folder's, a power loss right after a save can lose the
+    rename (the data are on the disk, the name is not)."""
+    import stat
+    done = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        done.append("folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    def replace(src, dst):
+        done.append("rename")
+        real_replace(src, dst)
+    monkeypatch.setattr(checkpoint.os, "fsync", fsync)
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    checkpoint.save(str(tmp_path / "c.pt"), {"format": checkpoint.FORMAT})
+    assert done == ["file", "rename", "folder"], done

@@ -162,7 +162,9 @@ def _disk_full(err):
 
 def _atomic_write(dst, write):
     """``write(file)`` into a temporary file beside ``dst``, then rename it onto
-    ``dst``: a crash or a full disk leaves the previous ``dst`` as it was."""
+    ``dst``: a crash or a full disk leaves the previous ``dst`` as it was. The
+    file's data reach the disk before the rename, and the folder's entry
+    after it: a power loss then keeps the new file, not only its data."""
     folder = os.path.dirname(os.path.abspath(dst))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
     try:
@@ -172,6 +174,7 @@ def _atomic_write(dst, write):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, dst)
+        _sync_folder(folder)
     except BaseException as err:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -182,6 +185,15 @@ def _atomic_write(dst, write):
         raise UserError(f"no space left on device while writing {dst}; {kept}. Free space in "
                         f"{folder} or pass --save-dir on a larger disk, then run the same "
                         "command again to resume") from None
+
+
+def _sync_folder(folder):
+    """fsync a folder: a rename is durable once its folder is on the disk."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save(path, state):
