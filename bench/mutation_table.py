@@ -63,6 +63,12 @@ MUTATIONS = {
         "        os.replace(tmp, dst)\n        _sync_folder(folder)\n",
         "        os.replace(tmp, dst)\n",
         ["tests/test_checkpoint.py::test_a_save_reaches_the_disk_file_first_then_its_folder"]),
+    "every-refusal-logged": (
+        "refused handshakes are one line per source and interval, not one each",
+        "hetseq/distributed/tunnel.py",
+        "        first, due = self._refusals.add(source, str(why))\n",
+        "        first, due = True, []\n",
+        ["tests/test_gate.py::test_refused_handshakes_are_one_line_per_source_and_interval"]),
     "sync-every-micro-batch": (
         "local accumulation (micro-batches, --update-freq) adds no communication",
         "hetseq/update/sharding.py",

@@ -390,3 +390,39 @@ def test_sizes_announced_by_peers_are_bounded_before_anything_is_allocated(monke
     for announced in (collectives.MAX_OBJECT_BYTES + 1, -1):
         refused(lambda: collectives.all_gather_object({"x": 1}, ctx), announced)
         refused(lambda: collectives.broadcast_from(1, dict, ctx), announced)
+
+
+def test_refused_handshakes_are_one_line_per_source_and_interval(caplog):
+    """One local client sending 64 zero bytes per connection for a second
+    (before: 3,747 warnings in 2 s, relayed over SSH too) makes one line;
+    the count comes in one more line per interval."""
+    import logging
+    port = open_gate()
+    caplog.set_level(logging.WARNING, logger="hetseq.distributed.tunnel")
+    sent, end = 0, time.monotonic() + 1.0
+    while time.monotonic() < end:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(bytes(64))
+            try:
+                while sock.recv(4096):      # until the gate closes it
+                    pass
+            except OSError:
+                pass
+        sent += 1
+    wait_until(lambda: "refused a connection" in caplog.text, 10, "the first refusal's line")
+    lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert sent >= 20 and len(lines) == 1, (sent, lines)
+
+
+def test_a_tally_logs_a_source_once_then_its_count_per_interval():
+    from hetseq.reporting import Tally
+    tally = Tally(seconds=0.2, sources=2)
+    assert tally.add("a", "bad magic") == (True, [])
+    assert [tally.add("a", f"bad {i}") for i in range(3)] == [(False, [])] * 3
+    assert tally.add("b", "x") == (True, []) and tally.add("c", "y") == (True, [])
+    assert tally.add("d", "z") == (False, [])          # beyond 2 sources: counted together
+    time.sleep(0.25)
+    first, due = tally.add("a", "late")
+    assert not first and sorted(due) == [("a", 4, "late"), ("other addresses", 1, "z")], due
+    assert tally.add("a", "again") == (True, [])      # a new interval: its first line again
+

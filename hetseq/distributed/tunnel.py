@@ -35,6 +35,7 @@ import struct
 import threading
 import time
 
+from hetseq.reporting import Tally
 from hetseq.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ GREETING_S = 3.0
 # How long a client keeps asking a gate that answers "busy" (a flood) before
 # it gives up with a message.
 BUSY_WAIT_S = 20.0
+REFUSALS_LOG_S = 30.0   # refused handshakes: a source's first logged, then one line per interval
 PAUSES_S = (0.05, 1.0)    # back-off after a busy answer or a failed accept: doubling, at most
 POLL_S = 1.0              # an accept loop notices its listener closed within this
 CHUNK = 1 << 16
@@ -250,6 +252,7 @@ class Gate:
         self.listener, self.secret, self.serve = listener, secret, serve
         self.handshakes, self.per_source = handshakes, per_source
         self._lock, self._busy = threading.Lock(), {}    # source address: handshakes in progress
+        self._refusals = Tally(REFUSALS_LOG_S)
         _GATES.append(self)
         _serve_forever(listener, self._admit, "hetseq-gate", self._take_slot)
 
@@ -278,6 +281,17 @@ class Gate:
         sock.close()
         return False
 
+    def _refused(self, source, where, why):
+        """One line for a source's first refusal, then one per source and
+        REFUSALS_LOG_S with the count: anyone can cause these."""
+        first, due = self._refusals.add(source, str(why))
+        if first:
+            logger.warning("refused a connection to the job's store from %s: %s (more from "
+                           "it are counted: one line every %.0f s)", where, why, REFUSALS_LOG_S)
+        for other, count, last in due:
+            logger.warning("refused %d more connections to the job's store from %s in the "
+                           "last %.0f s (the last: %s)", count, other, REFUSALS_LOG_S, last)
+
     def _release(self, source):
         with self._lock:
             self._busy[source] -= 1
@@ -292,7 +306,7 @@ class Gate:
             finally:
                 self._release(peer[0])
         except Refused as err:
-            logger.warning("refused a connection to the job's store from %s: %s", where, err)
+            self._refused(peer[0], where, err)
             sock.close()
             return
         except OSError:       # a reachability probe, a peer that gave up or was too slow

@@ -2,6 +2,7 @@
 
 import logging
 import sys
+import threading
 import time
 
 _FORMAT = "%(asctime)s | rank {rank} | %(levelname)s | %(name)s | %(message)s"
@@ -33,6 +34,37 @@ class Every:
             return False
         self.next = now + self.seconds
         return True
+
+
+class Tally:
+    """Warnings that anyone can cause (refused connections), kept from
+    flooding the log: the first from a source is logged at once, the rest
+    counted and summed up in one line per source once ``seconds`` have
+    passed (at the next one after them). At most ``sources`` are told apart;
+    the others are counted together."""
+
+    def __init__(self, seconds=30.0, sources=64):
+        self.seconds, self.sources = seconds, sources
+        self._lock = threading.Lock()
+        self._counts = {}        # source -> [not yet logged, the last reason]
+        self._next = time.monotonic() + seconds
+
+    def add(self, source, why):
+        """Count one; returns (whether to log this one, [(source, count,
+        last reason)] to log as a summary now)."""
+        with self._lock:
+            if source not in self._counts and len(self._counts) >= self.sources:
+                source = "other addresses"
+            first = source not in self._counts
+            entry = self._counts.setdefault(source, [0, why])
+            if not first:
+                entry[0] += 1
+            entry[1] = why
+            due, now = [], time.monotonic()
+            if now >= self._next:
+                due = [(s, n, w) for s, (n, w) in self._counts.items() if n]
+                self._counts, self._next = {}, now + self.seconds
+        return first, due
 
 
 def setup_logging(rank=0, all_ranks=False, node_first=False):
