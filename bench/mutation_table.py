@@ -799,4 +799,22 @@ MUTATIONS = {
         "    for rank, share in zip(members, fastest_split(total, [rates[i] for i in members])):",
         "    for rank, share in zip(members, fastest_split(total, [1.0 for i in members])):",
         ['tests/test_local_steps.py::test_uneven_ranks_finish_each_round_together']),
+    'env-file-of-anyone': (
+        "hetseq-launch reads .hetseq_env only when it is the user's own and nobody else can write it",
+        'hetseq/owned_file.py',
+        "    if mode & 0o022:",
+        "    if False:",
+        ['tests/test_launch.py::test_an_env_file_others_could_write_is_refused']),
+    'nohup-hangup-stops-the-job': (
+        "hetseq-launch: a signal ignored when it started (nohup's SIGHUP) stays ignored",
+        'hetseq/launch/main.py',
+        "        if signal.getsignal(sig) != signal.SIG_IGN:",
+        "        if True:",
+        ['tests/test_launch.py::test_nohup_keeps_the_job_and_ctrl_backslash_stops_it_and_removes_the_secret']),
+    'sigquit-leaves-the-secret': (
+        "hetseq-launch: Ctrl-\\ stops every node and removes the made secret",
+        'hetseq/launch/main.py',
+        "STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP)",
+        "STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)",
+        ['tests/test_launch.py::test_nohup_keeps_the_job_and_ctrl_backslash_stops_it_and_removes_the_secret']),
 }

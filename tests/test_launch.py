@@ -140,6 +140,34 @@ def test_forwarded_variables(tmp_path):
     assert "s3cr3t" not in str(err.value)
 
 
+def test_an_env_file_others_could_write_is_refused(tmp_path):
+    """.hetseq_env chooses what every node runs (a PYTHONPATH line with a
+    sitecustomize.py): read only when it is the user's own file, written by
+    nobody else, and not a link."""
+    env_file = tmp_path / ".hetseq_env"
+    env_file.write_text(f"PYTHONPATH={tmp_path}\n")
+    env_file.chmod(0o644)
+    assert forwarded_env([], env_file=str(env_file), environ={}) == {"PYTHONPATH": str(tmp_path)}
+    for mode in (0o664, 0o646):
+        env_file.chmod(mode)
+        with pytest.raises(UserError, match=f"writable by others \\(mode {mode:o}\\).*"
+                                            f"chmod go-w {env_file}"):
+            forwarded_env([], env_file=str(env_file), environ={})
+    env_file.chmod(0o644)
+    os.chown(env_file, 65534, -1)
+    with pytest.raises(UserError, match="owned by uid 65534, not by you"):
+        forwarded_env([], env_file=str(env_file), environ={})
+    os.chown(env_file, os.geteuid(), -1)
+    link = tmp_path / "link"
+    link.symlink_to(env_file)
+    with pytest.raises(UserError, match="a symbolic link; give the file itself"):
+        forwarded_env([], env_file=str(link), environ={})
+    link.unlink()
+    link.symlink_to(tmp_path / "nowhere")      # a dangling link is refused, not skipped
+    with pytest.raises(UserError, match="a symbolic link"):
+        forwarded_env([], env_file=str(link), environ={})
+
+
 def test_status_text_names_every_rank():
     view = {"state": "training", "generation": 2, "update": 40, "planned": 60, "left_s": 21,
             "loss": 0.5, "samples_per_s": 80.0, "time": 100.0,
@@ -235,6 +263,30 @@ def test_a_killed_launcher_leaves_no_node_behind(tmp_path):
     deadline = time.monotonic() + STOP_S + 10
     while processes_with(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert processes_with(str(tmp_path)) == []
+
+
+def test_nohup_keeps_the_job_and_ctrl_backslash_stops_it_and_removes_the_secret(tmp_path):
+    """Started with SIGHUP ignored (nohup), the launcher keeps it ignored: its
+    terminal closing costs no training. SIGQUIT (Ctrl-\\) stops every node and
+    removes the secret it made, as Ctrl-C does."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"localhost slots=1 max-sentences=8 save-dir={tmp_path / 'a'}\n")
+    job = Watched(subprocess.Popen(
+        [*LAUNCH, "--hostfile", hosts, "--launcher", "local", "--master-port", str(free_port()),
+         str(ROOT / "train.py"), "--cpu", *TOY, "--max-update", "1000000", "--toy-sample-ms", "5"],
+        cwd=ROOT, env=child_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)))
+    made = secret_path(job)
+    job.wait_for(r"localhost: .*\| update \d+", timeout=120)
+    os.kill(job.proc.pid, signal.SIGHUP)
+    seen = len(re.findall(r"\| update \d+", job.output()))
+    job.wait_for(r"localhost: .*\| update \d+", count=seen + 2, timeout=120)
+    assert "SIGHUP" not in job.output() and job.proc.poll() is None
+    os.kill(job.proc.pid, signal.SIGQUIT)
+    code, out = job.finish(60)
+    assert "stopping every node: SIGQUIT received" in out and code == 143, out[-3000:]
+    assert not os.path.exists(made) and not os.path.exists(os.path.dirname(made))
     assert processes_with(str(tmp_path)) == []
 
 

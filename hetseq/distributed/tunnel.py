@@ -22,7 +22,6 @@ out (Gate, _serve_forever). The secret itself must resist guessing
 (read_secret).
 """
 
-import errno
 import hashlib
 import hmac
 import logging
@@ -30,13 +29,13 @@ import os
 import re
 import secrets
 import socket
-import stat
 import struct
 import threading
 import time
 
 from hetseq.reporting import Tally
 from hetseq.errors import UserError
+from hetseq.owned_file import read_owned
 
 logger = logging.getLogger(__name__)
 
@@ -433,39 +432,5 @@ def secret_text(path, env=os.environ):
 
 
 def _read_secret_file(path):
-    """The stripped text of the secret file, opened once (not through a
-    symbolic link, nor a FIFO that would block) and checked on that
-    descriptor, so it cannot be swapped between the check and the read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise UserError(f"--job-secret-file {path}: a symbolic link; give the file "
-                            "itself") from None
-        raise UserError(f"--job-secret-file {path}: {err.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise UserError(f"--job-secret-file {path}: not a regular file; give a file made "
-                            f"with: {MAKE_ONE} --file PATH")
-        if info.st_mode & 0o077 or info.st_uid != os.geteuid():
-            raise UserError(f"--job-secret-file {path}: readable by others (mode "
-                            f"{info.st_mode & 0o777:o}, owner uid {info.st_uid}); it must be "
-                            f"yours and private: chmod 600 {path}")
-        data = _read_at_most(fd, MAX_FILE + 1)
-    finally:
-        os.close(fd)
-    if len(data) > MAX_FILE:
-        raise UserError(f"--job-secret-file {path}: larger than {MAX_FILE} bytes, so not a "
-                        f"secret file; make one with: {MAKE_ONE} --file PATH")
-    return data.strip()
-
-
-def _read_at_most(fd, limit):
-    data = b""
-    while len(data) < limit:
-        got = os.read(fd, limit - len(data))
-        if not got:
-            break
-        data += got
-    return data
+    """The stripped text of the secret file: yours, private, no link."""
+    return read_owned(path, f"--job-secret-file {path}", private=True, limit=MAX_FILE).strip()

@@ -4,9 +4,10 @@ of a hostfile started from one command (docs/nodes.md).
 The launcher plans each node's command (plan.py: ranks, world, the meeting
 point at the first host), hands each node the job secret and the forwarded
 variables on standard input (node.py), relays every node's lines with its
-host in front, and stops them together: on Ctrl-C or SIGTERM, when a node
-cannot be reached, or when one fails in a fixed job. Its exit code is the
-worst of the nodes'.
+host in front, and stops them together: on Ctrl-C, Ctrl-\\, SIGTERM or
+SIGHUP (each unless ignored when it started: nohup), when a node cannot be
+reached, or when one fails in a fixed job. Its exit code is the worst of
+the nodes'.
 """
 
 import argparse
@@ -24,11 +25,13 @@ import time
 from hetseq.distributed import secret as secrets_cli
 from hetseq.distributed import tunnel
 from hetseq.errors import UserError
+from hetseq.owned_file import read_owned
 from hetseq.launch import hostfile, plan as planning
 from hetseq.launch.nodes import RunningNode
 from hetseq.launch.transport import TRANSPORTS
 
 ENV_FILE = ".hetseq_env"
+MAX_ENV_FILE = 1 << 20
 # Forwarded without being asked, like DeepSpeed's NCCL*/PYTHON* variables.
 FORWARDED_PREFIXES = ("NCCL_", "GLOO_", "PYTHON", "HETSEQ_", "OMP_")
 STOP_S = 15.0            # after a stop, how long nodes get before their ssh is killed
@@ -85,14 +88,17 @@ def forwarded_env(names, env_file=ENV_FILE, environ=os.environ):
     env = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES)}
     env.pop(tunnel.SECRET_VARIABLE, None)
     items = []
-    if os.path.exists(env_file):
+    if os.path.lexists(env_file):
+        # Its PYTHONPATH or LD_PRELOAD line picks the code every node runs:
+        # read only a file of this user's that nobody else can write.
+        data = read_owned(env_file, env_file, private=False, limit=MAX_ENV_FILE)
         try:
-            with open(env_file, encoding="utf-8") as f:
-                items += [(f"{env_file} line {n}", line.strip()) for n, line in enumerate(f, 1)
-                          if line.strip() and not line.lstrip().startswith("#")]
-        except (OSError, UnicodeDecodeError) as err:
-            raise UserError(f"{env_file}: {getattr(err, 'strerror', None) or 'not UTF-8 text'}"
-                            "; it should hold NAME=VALUE lines") from None
+            lines = data.decode("utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise UserError(f"{env_file}: not UTF-8 text; it should hold NAME=VALUE "
+                            "lines") from None
+        items += [(f"{env_file} line {n}", line.strip()) for n, line in enumerate(lines, 1)
+                  if line.strip() and not line.lstrip().startswith("#")]
     items += [("--env", item) for item in names]
     for where, item in items:
         name, eq, value = item.partition("=")
@@ -286,6 +292,24 @@ class Launch:
         return f"exit {out.code}{stopped}", out.code
 
 
+# Ctrl-C, kill, Ctrl-\ and the terminal closing all stop every node and
+# remove a made secret (SIGQUIT's default would leave the secret's file and
+# the remote nodes behind).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP)
+
+
+def stop_on_signals(handler):
+    """Installs ``handler`` for STOP_SIGNALS; returns what to restore. A
+    signal ignored when the launcher started stays ignored: ``nohup
+    hetseq-launch`` must survive its terminal closing (SIGHUP), and a shell
+    that starts it in the background ignores SIGINT and SIGQUIT for it."""
+    previous = {}
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) != signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
 def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
@@ -303,9 +327,8 @@ def main(argv=None):
             return
         launch = Launch(job, transport, args, env)
         # Before the secret exists: a signal from here on ends in summary()
-        # and the secret's removal (SIGHUP: the terminal closed).
-        previous = {sig: signal.signal(sig, launch.request_stop)
-                    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        # and the secret's removal.
+        previous = stop_on_signals(launch.request_stop)
         try:
             secret = Secret(args.job_secret_file)
             launch.env = {**env, tunnel.SECRET_VARIABLE: secret.text}
