@@ -376,13 +376,13 @@ MUTATIONS = {
         ['tests/test_secret.py::test_a_secret_that_could_be_guessed_is_refused_with_the_command_that_makes_one']),
     'secret-file-follows-links': (
         'the secret file is not opened through a symbolic link',
-        'hetseq/distributed/tunnel.py',
+        'hetseq/owned_file.py',
         'os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC',
         'os.O_RDONLY | os.O_CLOEXEC',
         ['tests/test_secret.py::test_the_secret_file_is_checked_on_what_was_opened']),
     'secret-file-stat-by-path': (
         "the secret file's mode is checked on the opened descriptor",
-        'hetseq/distributed/tunnel.py',
+        'hetseq/owned_file.py',
         '        info = os.fstat(fd)',
         '        info = os.stat(path)',
         ['tests/test_secret.py::test_the_secret_file_is_checked_on_what_was_opened']),
