@@ -11,6 +11,12 @@ again every few seconds over the same connection, ``--json`` prints it
 for scripts. It only reads, one bounded value per look, so it never
 disturbs the job. Under --elastic it follows the member it asked to the
 generation's leader (``e/leader``).
+
+The URL may be mistyped and, without a secret, anyone may write the key:
+every network step runs in a worker thread with a deadline (``--timeout``)
+while the main thread waits in short joins, which Ctrl-C interrupts (a
+thread in TCPStore's C++ ``recv`` never lets SIGINT's handler run), and any
+value read gives a status or one line, never a traceback.
 """
 
 import argparse
@@ -18,8 +24,10 @@ import datetime
 import json
 import logging
 import math
+import os
 import socket
 import sys
+import threading
 import time
 
 import torch.distributed as dist
@@ -34,6 +42,9 @@ logger = logging.getLogger(__name__)
 KEY = "hetseq/status"
 INTERVAL_S = 1.0
 CONNECT_S = 10.0
+MAX_VALUE = 1 << 20          # bytes of the status value read, at most
+MAX_NUMBER = 1e15            # |a number| drawn, at most: shares and times cannot overflow
+MAX_STUCK = 4                # workers left waiting on a silent peer before the viewer gives up
 
 
 class StatusBoard:
@@ -99,7 +110,7 @@ def open_store(url, secret_key, timeout_s=CONNECT_S):
         raise UserError(f"could not read the job at {url}: {str(err).splitlines()[0]}") from None
 
 
-def follow_leader(store, url, secret_key):
+def follow_leader(store, url, secret_key, timeout_s=CONNECT_S):
     """Under --elastic, the store of the generation's leader (every member
     names it in ``e/leader``); otherwise ``store`` itself."""
     if secret_key is None or not store.check(["e/leader"]):
@@ -112,22 +123,62 @@ def follow_leader(store, url, secret_key):
     if there == url:
         return store, url
     store.close()
-    return open_store(there, secret_key), there
+    return open_store(there, secret_key, timeout_s), there
 
 
-def look(url, secret_key):
+def look(url, secret_key, timeout_s=CONNECT_S):
     """(store, its URL) where the job's status is: ``url``'s, or its leader's."""
-    return follow_leader(open_store(url, secret_key), url, secret_key)
+    return follow_leader(open_store(url, secret_key, timeout_s), url, secret_key, timeout_s)
+
+
+_workers = []                # bounded()'s threads; one alive is blocked in the network
+
+
+def bounded(step, url, timeout_s):
+    """``step()``'s result, from a daemon thread the main thread waits for in
+    0.1-s joins: Ctrl-C interrupts a join (never a C++ recv), and past
+    ``timeout_s`` the wait ends with a UserError while the thread is left."""
+    _workers[:] = [w for w in _workers if w.is_alive()]
+    if len(_workers) >= MAX_STUCK:        # --watch: a peer that keeps going silent
+        raise UserError(f"{url} went silent {MAX_STUCK} times (each for --timeout "
+                        f"{timeout_s:g} s): is the job stuck or its host overloaded? Try "
+                        "again later, or with a longer --timeout")
+    box = {}
+
+    def work():
+        try:
+            box["value"] = step()
+        except BaseException as err:       # handed to the main thread as it is
+            box["error"] = err
+    worker = threading.Thread(target=work, name="hetseq-status-read", daemon=True)
+    worker.start()
+    _workers.append(worker)
+    deadline = time.monotonic() + timeout_s
+    while worker.is_alive():
+        if time.monotonic() >= deadline:
+            raise UserError(
+                f"{url} did not answer within {timeout_s:g} s: is it the job's "
+                "--distributed-init-method (a service that accepts and stays silent "
+                "looks like this)? A busy job may need a longer --timeout")
+        worker.join(0.1)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def read(store):
     """The job's status (a dict, ``clean``), or None before rank 0 published one."""
     if not store.check([KEY]):
         return None
+    raw = store.get(KEY)
+    if len(raw) > MAX_VALUE:
+        raise UserError(f"the job's {KEY} is {len(raw)} bytes, more than a status "
+                        f"({MAX_VALUE} at most): not HetSeq's, or another version's")
     try:
-        view = json.loads(store.get(KEY))
-    except ValueError:
-        raise UserError(f"the job's {KEY} is not JSON (another HetSeq version?)") from None
+        view = json.loads(raw)
+    except (ValueError, RecursionError) as err:   # RecursionError: "[[[[..." nested deep
+        raise UserError(f"the job's {KEY} is not JSON ({type(err).__name__}; another "
+                        "HetSeq version?)") from None
     if not isinstance(view, dict):
         raise UserError(f"the job's {KEY} is not a status")
     return clean(view)
@@ -138,17 +189,30 @@ MAX_TEXT = 512
 
 
 def _number(value):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return value if ok else None
+    """A number within MAX_NUMBER (NaN and the infinities fail the test; a
+    huge int is compared, never converted to float, which would overflow)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return value if ok and abs(value) <= MAX_NUMBER else None
 
 
 def _whole(value):
     return int(value) if _number(value) is not None and value == int(value) else None
 
 
+def _count(value):
+    """A whole number >= 0 (a batch, an update): negatives would make shares lie."""
+    whole = _whole(value)
+    return whole if whole is not None and whole >= 0 else None
+
+
 def _text(value):
-    """Printable characters only: what the store holds must not drive the terminal."""
-    return None if value is None else "".join(c for c in str(value)[:MAX_TEXT] if c.isprintable())
+    """Printable characters only: what the store holds must not drive the terminal.
+    Strings and numbers only: str() of a deep list recurses."""
+    if _number(value) is not None:
+        value = str(value)
+    if not isinstance(value, str):
+        return None
+    return "".join(c for c in value[:MAX_TEXT] if c.isprintable())
 
 
 def clean(view):
@@ -157,17 +221,17 @@ def clean(view):
     ranks = view.get("ranks") if isinstance(view.get("ranks"), list) else []
     saved = view.get("checkpoint") if isinstance(view.get("checkpoint"), dict) else None
     return {
-        "state": _text(view.get("state")) or "?", "generation": _whole(view.get("generation")),
-        "update": _whole(view.get("update")) or 0, "planned": _whole(view.get("planned")),
+        "state": _text(view.get("state")) or "?", "generation": _count(view.get("generation")),
+        "update": _count(view.get("update")) or 0, "planned": _count(view.get("planned")),
         "left_s": _number(view.get("left_s")), "loss": _number(view.get("loss")),
         "samples_per_s": _number(view.get("samples_per_s")), "time": _number(view.get("time")),
-        "ranks": [{"rank": _whole(r.get("rank")), "host": _text(r.get("host")) or "?",
-                   "batch": _whole(r.get("batch")) or 0,
+        "ranks": [{"rank": _count(r.get("rank")), "host": _text(r.get("host")) or "?",
+                   "batch": _count(r.get("batch")) or 0,
                    "samples_per_s": _number(r.get("samples_per_s")),
                    "wait_s": _number(r.get("wait_s"))}
                   for r in ranks[:MAX_RANKS] if isinstance(r, dict)],
         "checkpoint": None if saved is None else {
-            "path": _text(saved.get("path")) or "?", "update": _whole(saved.get("update")),
+            "path": _text(saved.get("path")) or "?", "update": _count(saved.get("update")),
             "time": _number(saved.get("time"))},
     }
 
@@ -211,17 +275,56 @@ def render(view, url, now=None):
     return lines
 
 
-def interval(text):
+def seconds(text):
+    """--interval's and --timeout's value: 1 to 3600 seconds."""
     try:
-        seconds = float(text)
+        value = float(text)
     except ValueError:
-        seconds = math.nan
-    if not 1 <= seconds <= 3600:
+        value = math.nan
+    if not 1 <= value <= 3600:
         raise argparse.ArgumentTypeError(f"{text!r}: expected seconds from 1 to 3600")
-    return seconds
+    return value
+
+
+def show(text):
+    """Print ``text``; a character the terminal's encoding lacks becomes '?'."""
+    encoding = sys.stdout.encoding or "utf-8"
+    print(text.encode(encoding, "replace").decode(encoding), flush=True)
+
+
+def watch(args, secret_key):
+    """Look, then read and draw once, or until Ctrl-C with --watch."""
+    store, url = bounded(lambda: look(args.url, secret_key, args.timeout), args.url,
+                         args.timeout)
+    view = None
+    while True:
+        try:
+            view = bounded(lambda: read(store), url, args.timeout)
+        except (dist.DistError, UserError):
+            if not args.watch:
+                raise
+            if view is not None and view["state"].startswith("done"):
+                print(f"{url}: the job ended ({view['state']})")
+                return
+            # The member it read from is gone or silent (--elastic: a new
+            # leader): ask again.
+            time.sleep(args.interval)
+            store, url = bounded(lambda: look(args.url, secret_key, args.timeout), args.url,
+                                 args.timeout)
+            continue
+        text = json.dumps(view) if args.json else "\n".join(render(view, url))
+        if args.watch and not args.json and sys.stdout.isatty():
+            text = "\x1b[H\x1b[2J" + text        # redraw in place
+        show(text)
+        if not args.watch:
+            return
+        time.sleep(args.interval)
 
 
 def main(argv=None):
+    """hetseq-status; ``argv`` None: the command itself, which leaves with
+    os._exit when a worker is still blocked in C++ (interpreter shutdown
+    could wait on it); called with ``argv``, it raises SystemExit as usual."""
     parser = argparse.ArgumentParser(
         prog="hetseq-status", description="Show a running HetSeq job: members, shares, "
         "speed, progress, last checkpoint (read-only).")
@@ -230,39 +333,27 @@ def main(argv=None):
     parser.add_argument("--job-secret-file", metavar="PATH",
                         help="the job's secret (or HETSEQ_JOB_SECRET)")
     parser.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
-    parser.add_argument("--interval", type=interval, default=2.0, metavar="S",
+    parser.add_argument("--interval", type=seconds, default=2.0, metavar="S",
                         help="seconds between looks with --watch (default: 2; 1 to 3600)")
+    parser.add_argument("--timeout", type=seconds, default=CONNECT_S, metavar="S",
+                        help="seconds each look may wait for the job to answer "
+                        f"(default: {CONNECT_S:g}; 1 to 3600)")
     parser.add_argument("--json", action="store_true", help="print the status as JSON")
     args = parser.parse_args(argv)
+    code = 0
     try:
-        secret_key = tunnel.read_secret(args.job_secret_file)
-        store, url = look(args.url, secret_key)
-        view = None
-        while True:
-            try:
-                view = read(store)
-            except (dist.DistError, UserError):
-                if not args.watch:
-                    raise
-                if view is not None and view["state"].startswith("done"):
-                    print(f"{url}: the job ended ({view['state']})")
-                    return
-                # The member it read from is gone (--elastic: a new leader): ask again.
-                time.sleep(args.interval)
-                store, url = look(args.url, secret_key)
-                continue
-            text = json.dumps(view) if args.json else "\n".join(render(view, url))
-            if args.watch and not args.json and sys.stdout.isatty():
-                text = "\x1b[H\x1b[2J" + text        # redraw in place
-            print(text, flush=True)
-            if not args.watch:
-                return
-            time.sleep(args.interval)
+        watch(args, tunnel.read_secret(args.job_secret_file))
     except KeyboardInterrupt:
-        return
+        pass
     except (UserError, dist.DistError) as err:
         print(f"hetseq-status: error: {err}", file=sys.stderr)
-        sys.exit(getattr(err, "exit_code", 2))
+        code = getattr(err, "exit_code", 2)
+    if argv is None and any(w.is_alive() for w in _workers):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

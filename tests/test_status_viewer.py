@@ -1,0 +1,224 @@
+"""hetseq-status is bounded (issue 48, item 2): a silent service at the URL
+costs --timeout, Ctrl-C ends it at any moment, and whatever value the store
+holds (anyone may write it in a job without a secret) gives a status or one
+line, never a traceback."""
+
+import json
+import math
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from hetseq.distributed import store as job_store
+from hetseq.errors import UserError
+from hetseq.distributed import tunnel
+from hetseq.reporting import status
+
+from conftest import child_env
+
+VIEWER = [sys.executable, "-m", "hetseq.reporting.status"]
+
+
+class SilentService:
+    """Accepts every connection on 127.0.0.1 and never writes; ``asked`` is
+    set once a client has sent bytes (it is then waiting for an answer)."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.asked = threading.Event()
+        self.held = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:            # closed: the test is over
+                return
+            self.held.append(conn)
+            threading.Thread(target=self._listen, args=(conn,), daemon=True).start()
+
+    def _listen(self, conn):
+        try:
+            if conn.recv(1):
+                self.asked.set()
+        except OSError:
+            pass
+
+    def close(self):
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+@pytest.fixture
+def silent():
+    service = SilentService()
+    yield service
+    service.close()
+
+
+def no_traceback(result):
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout, result.stderr
+
+
+def test_a_silent_service_costs_the_timeout_and_is_named(silent):
+    start = time.monotonic()
+    result = subprocess.run([*VIEWER, silent.url, "--timeout", "2"], env=child_env(),
+                            capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - start
+    no_traceback(result)
+    assert result.returncode == 2, result.stderr
+    assert took < 15, took
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and silent.url in lines[0] and "within 2 s" in lines[0], lines
+    assert silent.asked.is_set()       # it did wait inside the store's handshake
+
+
+def test_ctrl_c_ends_the_wait_for_a_silent_service(silent):
+    # SIGINT as a terminal's Ctrl-C delivers it (a shell's background job
+    # would hand the test, and so the viewer, SIGINT ignored).
+    viewer = subprocess.Popen(
+        [*VIEWER, silent.url, "--timeout", "60"], env=child_env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert silent.asked.wait(60), "the viewer never asked the service"
+        viewer.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        out, err = viewer.communicate(timeout=20)
+        took = time.monotonic() - start
+    finally:
+        viewer.kill()
+        viewer.communicate()
+    assert "Traceback" not in err and err.strip() == "", err
+    assert viewer.returncode == 0 and took < 5, (viewer.returncode, took)
+
+
+def test_a_peer_that_keeps_going_silent_ends_the_watch():
+    """--watch looks again after a silent read, but the threads left waiting
+    are bounded: the MAX_STUCK-th still waiting ends it."""
+    never = threading.Event()
+    try:
+        for _ in range(status.MAX_STUCK):
+            with pytest.raises(UserError, match="did not answer within 0.1 s"):
+                status.bounded(never.wait, "tcp://h:1", 0.1)
+        with pytest.raises(UserError, match=f"went silent {status.MAX_STUCK} times"):
+            status.bounded(lambda: "answer", "tcp://h:1", 0.1)
+    finally:
+        never.set()
+    for worker in status._workers:
+        worker.join(10)
+    assert status.bounded(lambda: "answer", "tcp://h:1", 5) == "answer"
+
+
+def test_the_timeout_flag_is_checked():
+    result = subprocess.run([*VIEWER, "tcp://127.0.0.1:1", "--timeout", "0"], env=child_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "'0': expected seconds from 1 to 3600" in result.stderr
+
+
+def status_value(batches, **more):
+    return json.dumps({"state": "training", "update": 3, "planned": 9, "time": time.time(),
+                       "ranks": [{"rank": r, "host": f"host{r}", "batch": b}
+                                 for r, b in enumerate(batches)], **more})
+
+
+CRAFTED = {
+    "nested": ("[" * 100000, 2, "not JSON (RecursionError"),
+    "huge-batches": (status_value([1e308, -1e308]), 0, "update 3/9"),
+    "huge-numbers": (status_value([4, 4], left_s=10**400, time=-10**400, loss=1e308), 0,
+                     "host0"),
+    "two-mib": (json.dumps({"state": "x" * (2 << 20)}), 2, "bytes, more than a status"),
+    "not-json": ("{not json", 2, "not JSON"),
+    "valid": (status_value([8, 24]), 0, "host1"),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_any_value_in_the_store_gives_a_status_or_one_line(case):
+    value, code, expected = CRAFTED[case]
+    server = dist.TCPStore("127.0.0.1", 0, None, True)
+    server.set(status.KEY, value)
+    url = f"tcp://127.0.0.1:{server.port}"
+    result = subprocess.run([*VIEWER, url, "--timeout", "30"], env=child_env(),
+                            capture_output=True, text=True, timeout=90)
+    no_traceback(result)
+    assert result.returncode == code, result.stderr
+    if code:
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and expected in lines[0], lines
+    else:
+        assert expected in result.stdout and result.stderr == "", result
+        assert result.stdout.startswith(url), result.stdout
+
+
+def test_a_job_with_a_secret_is_read_through_its_gate():
+    """The same worker thread and deadline on the gate's path."""
+    secret = "c41e9a07d3b25f68e1a4c7093bd2f5e6"
+    listener = socket.create_server(("127.0.0.1", 0))
+    served = job_store.serve(listener, tunnel.read_secret(None, {tunnel.SECRET_VARIABLE: secret}))
+    served.set(status.KEY, status_value([8, 24]))
+    url = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        seen = subprocess.run([*VIEWER, url, "--json"], capture_output=True, text=True,
+                              env=child_env({tunnel.SECRET_VARIABLE: secret}), timeout=60)
+        refused = subprocess.run([*VIEWER, url], env=child_env(), capture_output=True,
+                                 text=True, timeout=60)
+    finally:
+        listener.close()
+    assert seen.returncode == 0, seen.stderr
+    assert [r["batch"] for r in json.loads(seen.stdout)["ranks"]] == [8, 24]
+    assert refused.returncode == 2 and "has a job secret" in refused.stderr, refused.stderr
+    no_traceback(refused)
+
+
+NASTY = [0, -1, 1, 2.5, 1e308, -1e308, 10**400, -10**400, 10**15, 1e15 + 1, math.nan,
+         math.inf, -math.inf, True, False, None, "", "8", "\x1b[2J", "\ud800", "\u202e",
+         "a\x07b" * 3000, "\n\t\r", [], {}]
+FIELDS = ["state", "generation", "update", "planned", "left_s", "loss", "samples_per_s",
+          "time", "ranks", "checkpoint", "rank", "host", "batch", "wait_s", "path"]
+
+
+def fuzzed(rng, depth=0):
+    """A JSON-ish value: mostly dicts with the viewer's own keys, nested."""
+    pick = rng.random()
+    if depth < 4 and pick < 0.45:
+        return {rng.choice(FIELDS): fuzzed(rng, depth + 1) for _ in range(rng.randrange(8))}
+    if depth < 4 and pick < 0.6:
+        return [fuzzed(rng, depth + 1) for _ in range(rng.randrange(6))]
+    if pick < 0.75:
+        return rng.choice([rng.uniform(-1e18, 1e18), rng.randrange(-10**20, 10**20),
+                           rng.random(), -rng.randrange(100), rng.randrange(100)])
+    return rng.choice(NASTY)
+
+
+def fuzzed_status(rng):
+    """A status's shape (rows of ranks), each field fuzzed."""
+    rows = [{f: fuzzed(rng, 3) for f in ("rank", "host", "batch", "wait_s", "samples_per_s")
+             if rng.random() < 0.8} for _ in range(rng.randrange(6))]
+    return {**{f: fuzzed(rng, 3) for f in FIELDS if rng.random() < 0.5}, "ranks": rows}
+
+
+def test_clean_and_render_take_any_value():
+    """3000 values: each draws, with no escape and every share within 0-100%."""
+    rng = random.Random(48)
+    shares = 0
+    for i in range(3000):
+        value = fuzzed(rng) if i % 2 else fuzzed_status(rng)
+        view = value if isinstance(value, dict) else {"ranks": [value], "checkpoint": value}
+        text = "\n".join(status.render(status.clean(view), "tcp://h:1", now=1e9))
+        assert "\x1b" not in text and "\x07" not in text and "\ud800" not in text, i
+        for share in re.findall(r"(-?\d+)% ", text):
+            assert 0 <= int(share) <= 100, (i, value)
+            shares += int(share) > 0
+    assert shares > 100        # the fuzz does reach the rank rows
