@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from output import emit  # noqa: E402
 
-from hetseq.distributed import store as hstore, tunnel  # noqa: E402
+from hetseq.distributed import job_secret, store as hstore  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=60)
 # Every store and listening socket stays open until the end: a TCPStore
@@ -41,7 +41,7 @@ _KEEP = []
 
 
 def secret_key(text):
-    return tunnel.read_secret(None, {tunnel.SECRET_VARIABLE: text})
+    return job_secret.read_secret(None, {job_secret.SECRET_VARIABLE: text})
 
 
 def serve(kind, key):

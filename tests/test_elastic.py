@@ -637,9 +637,9 @@ def test_two_rounds_of_one_generation_meet_at_the_lower_ranked_leader(fooled):
     each Membership serves its own store on 127.0.0.1.)"""
     import threading
     import types
-    from hetseq.distributed import membership, tunnel
+    from hetseq.distributed import job_secret, membership
     from hetseq.distributed.secret import make
-    secret = tunnel.read_secret(None, {tunnel.SECRET_VARIABLE: make()})
+    secret = job_secret.read_secret(None, {job_secret.SECRET_VARIABLE: make()})
     launch = types.SimpleNamespace(distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
                                    distributed_timeout=10.0, distributed_interface=None)
     nodes = [membership.Membership(launch, "gloo", secret, 1, 0) for _ in range(5)]

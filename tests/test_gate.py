@@ -18,7 +18,7 @@ import types
 import pytest
 import torch
 
-from hetseq.distributed import collectives, rendezvous, tunnel
+from hetseq.distributed import collectives, job_secret, rendezvous, tunnel
 from hetseq.errors import PeerLost, UserError
 
 from conftest import (RUN_DIR, UPDATE_LINE, Watched, child_env, free_port, node_commands,
@@ -33,7 +33,7 @@ HELD = 40                # sockets a flood may hold in rank 0: tunnel.HANDSHAKES
 
 
 def key(text=SECRET):
-    return tunnel.read_secret(None, {tunnel.SECRET_VARIABLE: text})
+    return job_secret.read_secret(None, {job_secret.SECRET_VARIABLE: text})
 
 
 def serve(secret=None):
@@ -61,7 +61,7 @@ def open_gate(handshakes=tunnel.HANDSHAKES, listener=None):
 
 
 def echoed(port, patience_s=tunnel.BUSY_WAIT_S):
-    sock, send_key, receive_key = tunnel.connect_as_client(("127.0.0.1", port), key(), patience_s)
+    sock, send_key, receive_key, _ = tunnel.connect_as_client(("127.0.0.1", port), key(), patience_s)
     with sock:
         tunnel._seal(sock, send_key, 0, b"ping")
         return tunnel._open(sock, receive_key, 0)
@@ -212,7 +212,7 @@ def test_a_flood_of_idle_connections_neither_stops_the_job_nor_shuts_its_door():
     commands = node_commands([*COMMON, "--max-update", 10**6, "--no-save", "--toy-sample-ms", 2,
                               "--distributed-timeout", 30], [["--max-sentences", 16]] * 2,
                              f"tcp://127.0.0.1:{port}")
-    options = dict(cwd=RUN_DIR, env=child_env({tunnel.SECRET_VARIABLE: SECRET}), text=True,
+    options = dict(cwd=RUN_DIR, env=child_env({job_secret.SECRET_VARIABLE: SECRET}), text=True,
                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     limit = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT_LIMIT, hard))  # noqa: E731
     rank0 = Watched(subprocess.Popen(train_cmd(*commands[0]), preexec_fn=limit, **options))
@@ -298,6 +298,109 @@ def test_a_taken_port_is_an_error_unless_a_node_of_this_job_holds_it(monkeypatch
     assert second not in (port, 0)                           # this job's second node here
 
 
+def relay(listen_port, target_port):
+    """A plain TCP forwarder on 127.0.0.1:listen_port to target_port (a
+    squatter on a job's meeting point); returns its listener (close it)."""
+    listener = socket.create_server(("127.0.0.1", listen_port))
+
+    def pump(src, dst):
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def forward():
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", target_port), timeout=5)
+            upstream.settimeout(None)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=pump, args=(a, b), daemon=True).start()
+    threading.Thread(target=forward, daemon=True).start()
+    return listener
+
+
+def test_a_relay_squatting_on_the_meeting_point_is_refused():
+    """A forwarder on the URL's port passes a member's proof along, but not
+    its address: the gate states where it listens under its proof, so a
+    node finds the relay out and refuses to move aside (one line naming
+    the port and ss -ltnp), instead of leaving the URL to the squatter."""
+    member_port, url_port = free_port(), free_port()
+    rendezvous.serve_meeting_point(f"tcp://127.0.0.1:{member_port}", "127.0.0.1", member_port,
+                                   key(), 10)
+    squatter = relay(url_port, member_port)
+    try:
+        with pytest.raises(UserError, match=f"port {url_port} on 127.0.0.1 is held by a relay to "
+                                            f"a node of this job that listens on 127.0.0.1:"
+                                            f"{member_port}.*ss -ltnp 'sport = :{url_port}'"):
+            rendezvous.serve_meeting_point(f"tcp://127.0.0.1:{url_port}", "127.0.0.1", url_port,
+                                           key(), 10)
+    finally:
+        squatter.close()
+    # Through the relay the client still gets in (an SSH tunnel is a relay
+    # too): only the meeting point's holder must be where it says.
+    assert tunnel.connect_as_client(("127.0.0.1", member_port), key())[3] == \
+        ("127.0.0.1", member_port)
+
+
+def test_the_accept_loop_survives_an_error_taking_a_connection(monkeypatch):
+    """No thread can be started for one connection (RuntimeError: a process
+    at its thread limit): that connection is closed, its handshake place
+    given back, and the next one is served."""
+    real = threading.Thread.start
+    failures = []
+
+    def start(self):
+        if self._target.__name__ == "_admit" and not failures:
+            failures.append(self)
+            raise RuntimeError("can't start new thread")
+        return real(self)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def echo(sock, send_key, receive_key, where):
+        with sock:
+            tunnel._seal(sock, send_key, 0, tunnel._open(sock, receive_key, 0))
+    gate = tunnel.Gate(listener, key(), echo, handshakes=1)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as first:
+        first.settimeout(5)
+        assert first.recv(1) == b""                     # closed: no thread for it
+    assert failures and echoed(port, patience_s=2) == b"ping"
+    wait_until(lambda: gate._busy == {} and gate._serving == 0, 10, "the places given back")
+
+
+def test_a_member_over_the_served_cap_is_told_full_and_gets_in_when_one_ends():
+    """At most ``served`` connections past the handshake (each holds a
+    thread): the next one, secret and all, is told FULL with the reason and
+    asks again until a place frees."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    release = threading.Event()
+
+    def hold(sock, *_):
+        with sock:
+            release.wait(30)
+    tunnel.Gate(listener, key(), hold, served=2)
+    held = [tunnel.connect_as_client(("127.0.0.1", port), key())[0] for _ in range(2)]
+    with pytest.raises(UserError, match="serves all the connections it takes"):
+        tunnel.check(("127.0.0.1", port), key(), f"tcp://127.0.0.1:{port}", patience_s=0.3)
+    threading.Timer(0.5, release.set).start()
+    sock, *_ = tunnel.connect_as_client(("127.0.0.1", port), key(), patience_s=10)
+    for each in (sock, *held):
+        each.close()
+
+
 def test_a_member_slow_to_greet_still_holds_its_port(monkeypatch):
     """A member busy on a loaded host greets after GREETING_S: a second node
     of the job on that host asks again, and does not take the port for
@@ -315,7 +418,8 @@ def test_a_member_slow_to_greet_still_holds_its_port(monkeypatch):
             sock, _ = listener.accept()
             held.append(sock)
             try:
-                tunnel.handshake_as_server(sock, key(), time.monotonic() + 30)
+                tunnel.handshake_as_server(sock, key(), time.monotonic() + 30,
+                                            ("127.0.0.1", port))
             except OSError:
                 pass
     threading.Thread(target=slow_member, daemon=True).start()

@@ -17,7 +17,7 @@ from test_parity import COMMON, EXACT, reference
 
 from conftest import (assert_ok, final_params, finish, free_port, max_diff, node_commands,
                       start_nodes)
-from hetseq.distributed import rendezvous, secret, tunnel
+from hetseq.distributed import job_secret, rendezvous, secret, tunnel
 from hetseq.errors import UserError
 
 SECRET = "a8f3e1c97b2d4065a1e0c3b5d7f9e2a4"
@@ -26,7 +26,7 @@ TIMEOUT = datetime.timedelta(seconds=10)
 
 
 def key(text):
-    return tunnel.read_secret(None, {tunnel.SECRET_VARIABLE: text})
+    return job_secret.read_secret(None, {job_secret.SECRET_VARIABLE: text})
 
 
 def serve(secret):
@@ -62,13 +62,13 @@ def handshake_pair(client_secret, server_secret):
 def test_the_handshake_proves_the_secret_both_ways_and_keys_each_direction():
     a, b, client, server = handshake_pair(key(SECRET), key(SECRET))
     # The client's send key is the server's receive key, and the other way round.
-    assert client == (server[1], server[0]) and client[0] != client[1]
+    assert client[:2] == (server[1], server[0]) and client[0] != client[1]
     _, _, client, server = handshake_pair(key(OTHER), key(SECRET))
     assert isinstance(client, tunnel.Refused) and isinstance(server, tunnel.Refused)
 
 
 def test_a_forged_replayed_or_reordered_frame_is_refused():
-    a, b, (send, _), (_, receive) = handshake_pair(key(SECRET), key(SECRET))
+    a, b, (send, _, _), (_, receive) = handshake_pair(key(SECRET), key(SECRET))
     tunnel._seal(a, send, 0, b"set key value")
     assert tunnel._open(b, receive, 0) == b"set key value"
     tunnel._seal(a, send, 0, b"replayed")                 # sequence number 0 again
@@ -118,16 +118,16 @@ def test_the_store_listens_only_on_the_jobs_address(secret):
 
 def test_secrets_are_read_from_a_private_file_or_the_variable(tmp_path):
     assert key(SECRET) == key(f"  {SECRET}\n") != key(OTHER)
-    assert tunnel.read_secret(None, {}) is None
+    assert job_secret.read_secret(None, {}) is None
     path = tmp_path / "secret"
     path.write_text(SECRET + "\n")
     path.chmod(0o600)
-    assert tunnel.read_secret(str(path), {}) == key(SECRET)
+    assert job_secret.read_secret(str(path), {}) == key(SECRET)
     path.chmod(0o644)
     with pytest.raises(UserError, match=f"chmod 600 {path}"):
-        tunnel.read_secret(str(path), {})
+        job_secret.read_secret(str(path), {})
     with pytest.raises(UserError, match="No such file"):
-        tunnel.read_secret(str(tmp_path / "missing"), {})
+        job_secret.read_secret(str(tmp_path / "missing"), {})
 
 
 @pytest.mark.parametrize("text, why", [
@@ -138,13 +138,15 @@ def test_secrets_are_read_from_a_private_file_or_the_variable(tmp_path):
     ("0123456789abcdef0000000000000000", "repeats 8 times in a row"),
     ("0101010101010101010101010101010101010101", "only 2 different characters"),
     ("passwordpasswordpassword", "only 7 different characters"),
-    ("correcthorsebatterystaple", "lowercase words"),
-    ("hetseq-job-secret-2024", "lowercase words"),
+    ("correcthorsebatterystaple", "reads as words"),
+    ("hetseq-job-secret-2024", "is words"),
     ("correct horse battery staple", "spaces or punctuation"),
     ("hetseq-job-secret-2024!", "spaces or punctuation"),
     ("Password1Password1Password1", "a shorter part repeated"),
     ("0123456789abcdef0123456789abcdef", "counts up for 8 characters"),
-    ("12345678901234567890123456789012", "counts up for 8 characters"),
+    ("1234567890" * 4, "counts up for 8 characters"),
+    ("e3b0c44298fc1c149876543210afbf4c", "counts down for 8 characters"),
+    ("31415926535897932384626433832795", "32 characters, about 106 bits as digits"),
 ])
 def test_a_secret_that_could_be_guessed_is_refused_with_the_command_that_makes_one(text, why):
     with pytest.raises(UserError) as err:
@@ -153,7 +155,88 @@ def test_a_secret_that_could_be_guessed_is_refused_with_the_command_that_makes_o
     # The reason given, not the rule that follows it (which names every shape).
     reason = message.split("could be guessed (", 1)[-1].split("); ", 1)[0]
     assert why in reason and "hetseq-secret" in message, message
-    assert message.startswith(tunnel.SECRET_VARIABLE) and "\n" not in message, message
+    assert message.startswith(job_secret.SECRET_VARIABLE) and "\n" not in message, message
+
+
+@pytest.mark.parametrize("text, why", [
+    ("CorrectHorseBatteryStaple", "reads as words"),
+    ("mysecretpasswordforthejob2024", "reads as words"),
+    ("My-Job-Secret-For-Bert-2024", "is words"),
+    ("passwordpasswordpassword1", "repeats parts of itself"),
+    ("ThisIsMyVerySecretPassword", "reads as words"),
+    ("Summer2024Summer2025Summer2026", "repeats parts of itself"),
+    ("ZYXWVUTSRQPONMLKJIHGFEDCBA", "counts down"),
+    ("1qaz2wsx3edc4rfv5tgb6yhn", "walks the keyboard"),
+    ("".join(f"{n:08d}" for n in range(1, 9)), "repeats parts of itself"),
+    (str(uuid.UUID("c232ab00-9414-11ec-b3c8-9f6bdeced846")), "version-1 UUID"),   # uuid1
+    (str(uuid.uuid3(uuid.NAMESPACE_DNS, "hetseq")), "version-3 UUID"),
+])
+def test_typed_secrets_that_look_long_are_refused(text, why):
+    """What people type when asked for a long secret: words, a keyboard walk,
+    counting, repeated parts, and UUIDs that are not random (a uuid1 is a
+    time and a MAC address)."""
+    assert why in (job_secret.weakness(text.encode()) or ""), job_secret.weakness(text.encode())
+
+
+def _wrapped(text, width):
+    return "\n".join(text[i:i + width] for i in range(0, len(text), width)) + "\n"
+
+
+GENERATORS = {       # what each prints, from 32 random bytes (and a random source for pwgen)
+    "hetseq-secret, openssl rand -hex 32": lambda raw, _: raw.hex(),
+    "openssl rand -hex 16": lambda raw, _: raw[:16].hex(),
+    "secrets.token_urlsafe(16)": lambda raw, _: base64.urlsafe_b64encode(raw[:16])
+    .rstrip(b"=").decode(),
+    "openssl rand -base64 32": lambda raw, _: base64.b64encode(raw).decode(),
+    "openssl rand -base64 64": lambda raw, d: _wrapped(
+        base64.b64encode(raw + d.randbytes(32)).decode(), 64),
+    "head -c 32 /dev/urandom | xxd -p": lambda raw, _: _wrapped(raw.hex(), 60),
+    "uuidgen (uuid4)": lambda raw, _: str(uuid.UUID(bytes=raw[:16], version=4)),
+    "pwgen -s 24": lambda _, d: "".join(d.choice(ALNUM) for _ in range(24)),
+}
+ALNUM = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+
+
+@pytest.mark.parametrize("name", GENERATORS)
+def test_20000_draws_of_each_common_generator_are_never_refused(name):
+    """The rules refuse typed shapes, never what a generator prints: its
+    lines joined (openssl and xxd wrap), a uuid4 counted at its 122 bits."""
+    draw = random.Random(name)
+    for _ in range(20000):
+        made = GENERATORS[name](draw.randbytes(32), draw)
+        text = job_secret.joined_lines(made.encode())
+        assert job_secret.weakness(text) is None, (made, job_secret.weakness(text))
+
+
+def test_generator_output_that_spans_lines_is_one_secret(tmp_path):
+    """openssl rand -base64 64 prints two lines: the file and the variable
+    holding them give the key of the same text on one line."""
+    one_line = base64.b64encode(bytes(range(7, 71))).decode()
+    path = tmp_path / "secret"
+    path.write_text(_wrapped(one_line, 64))
+    path.chmod(0o600)
+    assert job_secret.read_secret(str(path), {}) == key(one_line) == key(_wrapped(one_line, 64))
+    with pytest.raises(UserError, match="spaces or punctuation"):
+        key("correct horse\nbattery staple")       # blanks inside a line stay
+
+
+def test_the_key_is_memory_hard_and_salted_with_the_job():
+    """A recorded handshake must cost a guesser scrypt (N=2^15, r=8: 32 MiB)
+    per guess, with the job's identity as salt; a client without the
+    identity (hetseq-status) takes the salt the gate greets with."""
+    import hashlib
+    plain = key(SECRET)
+    digest = hashlib.sha256(b"hetseq job secret\0" + SECRET.encode()).digest()
+    assert plain.key() == hashlib.scrypt(digest, salt=b"hetseq job key\0" + plain.salt,
+                                         n=1 << 15, r=8, p=1, maxmem=64 << 20, dklen=32)
+    job_a, job_b = plain.for_job({"lr": [0.1]}), plain.for_job({"lr": [0.2]})
+    assert len({plain.key(), job_a.key(), job_b.key()}) == 3 and job_a == plain.for_job(
+        {"lr": [0.1]})
+    assert "JobSecret(<elided>)" == repr(job_a)
+    _, _, client, server = handshake_pair(plain, job_a)
+    assert client[:2] == (server[1], server[0])          # the gate's salt, taken from its greeting
+    _, _, client, server = handshake_pair(key(OTHER), job_a)
+    assert isinstance(client, tunnel.Refused) and isinstance(server, tunnel.Refused)
 
 
 def test_a_drawn_secret_the_rule_refuses_is_drawn_again(monkeypatch):
@@ -177,13 +260,6 @@ def test_hetseq_secret_makes_accepted_secrets_and_private_files(tmp_path):
     assert key(made.stdout) is not None
     for _ in range(200):           # the rule refuses none of what it makes
         assert key(secret.make()) is not None
-    # ... nor what other generators print (hex, base64, URL-safe, uuid4), 128 bits and up.
-    draw = random.Random(0)
-    for _ in range(2000):
-        raw = draw.getrandbits(256).to_bytes(32, "big")
-        for made in (raw[:16].hex(), base64.urlsafe_b64encode(raw[:16]).rstrip(b"=").decode(),
-                     base64.b64encode(raw).decode(), str(uuid.UUID(bytes=raw[:16], version=4))):
-            assert tunnel.weakness(made.encode()) is None, made
     path = tmp_path / "job-secret"
     run = [sys.executable, "-m", "hetseq.distributed.secret", "--file", str(path)]
     os.umask(old := os.umask(0))   # the widest umask: the file must still be 600
@@ -192,7 +268,7 @@ def test_hetseq_secret_makes_accepted_secrets_and_private_files(tmp_path):
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o600
-    assert tunnel.read_secret(str(path), {}) is not None
+    assert job_secret.read_secret(str(path), {}) is not None
     again = subprocess.run(run, capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "never overwritten" in again.stderr, again
     assert "Traceback" not in again.stderr, again.stderr
@@ -207,26 +283,26 @@ def test_the_secret_file_is_checked_on_what_was_opened(tmp_path, monkeypatch):
     link = tmp_path / "link"
     link.symlink_to(path)
     with pytest.raises(UserError, match="symbolic link; give the file itself"):
-        tunnel.read_secret(str(link), {})
+        job_secret.read_secret(str(link), {})
     os.mkfifo(tmp_path / "fifo", 0o600)    # would block a plain open
     with pytest.raises(UserError, match="not a regular file"):
-        tunnel.read_secret(str(tmp_path / "fifo"), {})
+        job_secret.read_secret(str(tmp_path / "fifo"), {})
     big = tmp_path / "big"
     big.write_text(SECRET * 200)
     big.chmod(0o600)
     with pytest.raises(UserError, match="larger than 4096 bytes"):
-        tunnel.read_secret(str(big), {})
+        job_secret.read_secret(str(big), {})
     with monkeypatch.context() as patched:      # checked on the descriptor, not the path
         patched.setattr(os, "stat", lambda *a, **k: pytest.fail("stat by path"))
-        assert tunnel.read_secret(str(path), {}) == key(SECRET)
+        assert job_secret.read_secret(str(path), {}) == key(SECRET)
     path.chmod(0o640)
     with pytest.raises(UserError, match="readable by others"):
-        tunnel.read_secret(str(path), {})
+        job_secret.read_secret(str(path), {})
     empty = tmp_path / "empty"
     empty.write_text("\n")
     empty.chmod(0o600)
     with pytest.raises(UserError, match="it is empty"):
-        tunnel.read_secret(str(empty), {})
+        job_secret.read_secret(str(empty), {})
 
 
 def test_a_secret_needs_a_tcp_meeting_point(tmp_path):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from hetseq.distributed import store as job_store
 from hetseq.errors import UserError
-from hetseq.distributed import tunnel
+from hetseq.distributed import job_secret
 from hetseq.reporting import status
 
 from conftest import child_env
@@ -166,12 +166,12 @@ def test_a_job_with_a_secret_is_read_through_its_gate():
     """The same worker thread and deadline on the gate's path."""
     secret = "c41e9a07d3b25f68e1a4c7093bd2f5e6"
     listener = socket.create_server(("127.0.0.1", 0))
-    served = job_store.serve(listener, tunnel.read_secret(None, {tunnel.SECRET_VARIABLE: secret}))
+    served = job_store.serve(listener, job_secret.read_secret(None, {job_secret.SECRET_VARIABLE: secret}))
     served.set(status.KEY, status_value([8, 24]))
     url = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
     try:
         seen = subprocess.run([*VIEWER, url, "--json"], capture_output=True, text=True,
-                              env=child_env({tunnel.SECRET_VARIABLE: secret}), timeout=60)
+                              env=child_env({job_secret.SECRET_VARIABLE: secret}), timeout=60)
         refused = subprocess.run([*VIEWER, url], env=child_env(), capture_output=True,
                                  text=True, timeout=60)
     finally:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from hetseq.distributed import store, store_table, tunnel
+from hetseq.distributed import job_secret, store, store_table, tunnel
 from hetseq.distributed.secret import make as make_secret
 
 from conftest import require
@@ -30,7 +30,7 @@ OTHER = make_secret()
 
 
 def key(text):
-    return tunnel.read_secret(None, {tunnel.SECRET_VARIABLE: text})
+    return job_secret.read_secret(None, {job_secret.SECRET_VARIABLE: text})
 
 
 KEY = key(SECRET)
@@ -183,9 +183,9 @@ def test_gloo_job_of_three_processes():
 RANK = r"""
 import datetime, json, os, socket, sys, time
 import torch, torch.distributed as dist
-from hetseq.distributed import store, store_table, tunnel
+from hetseq.distributed import job_secret, store, store_table, tunnel
 rank, port, fd = map(int, sys.argv[1:4])
-secret = tunnel.read_secret(None, os.environ)
+secret = job_secret.read_secret(None, os.environ)
 timeout = datetime.timedelta(seconds=20)
 if rank == 0:
     s = store.serve(socket.socket(fileno=fd), secret, timeout)
@@ -356,7 +356,7 @@ def test_malformed_requests_close_only_their_connection(served, case, caplog):
     one warning; other connections and the store go on."""
     other = served.client()
     other.set("kept", b"yes")
-    sock, send_key, receive_key = tunnel.connect_as_client(served.address, KEY)
+    sock, send_key, receive_key, _ = tunnel.connect_as_client(served.address, KEY)
     try:
         with caplog.at_level(logging.WARNING, logger="hetseq.distributed.store"):
             tunnel._seal(sock, send_key, 0, MALFORMED[case])
@@ -375,9 +375,9 @@ def test_malformed_requests_close_only_their_connection(served, case, caplog):
 
 
 def test_a_forged_frame_closes_the_connection(served):
-    sock, send_key, receive_key = tunnel.connect_as_client(served.address, KEY)
+    sock, send_key, receive_key, _ = tunnel.connect_as_client(served.address, KEY)
     try:
-        tunnel._seal(sock, key(OTHER), 0, message(bytes([store.NUM_KEYS])))
+        tunnel._seal(sock, key(OTHER).key(), 0, message(bytes([store.NUM_KEYS])))
         sock.settimeout(5)
         assert sock.recv(1 << 16) == b""
     finally:
@@ -468,8 +468,8 @@ def test_another_uid_cannot_reach_the_store_without_the_handshake():
 
 SERVE = r"""
 import os, socket, sys, time
-from hetseq.distributed import store, store_table, tunnel
-s = store.serve(socket.socket(fileno=int(sys.argv[1])), tunnel.read_secret(None, os.environ), 10)
+from hetseq.distributed import job_secret, store, store_table, tunnel
+s = store.serve(socket.socket(fileno=int(sys.argv[1])), job_secret.read_secret(None, os.environ), 10)
 s.set("hetseq/claim/0", sys.argv[2])
 print("READY", flush=True)
 sys.stdin.read()
@@ -537,3 +537,24 @@ def test_a_small_request_cannot_make_the_server_build_a_huge_answer(served):
         tracemalloc.stop()
     assert peak < 32 << 20, peak
     assert client.multi_get(["big"] * 2) == [big, big]      # the connection goes on
+
+
+def test_the_table_is_bounded_and_says_so_to_the_member_that_fills_it(served):
+    """A member writing keys without end is refused with ValueError naming
+    the bound, on every write that grows the table; what was there stays, a
+    deleted key frees its place, and other members go on."""
+    served.table.max_keys, served.table.max_bytes = 4, 64
+    writer, reader = served.client(), served.client()
+    for n in range(4):
+        writer.set(f"k{n}", b"v")
+    for grow in (lambda: writer.set("k4", b"v"), lambda: writer.add("k4", 1),
+                 lambda: writer.compare_set("k4", b"", b"v"),
+                 lambda: writer.multi_set(["k0", "k4"], [b"v", b"v"])):
+        with pytest.raises(ValueError, match="the job's store holds 4 keys, its most is 4"):
+            grow()
+    with pytest.raises(ValueError, match="holds 12 bytes, its most is 64"):
+        writer.append("k0", b"x" * 60)
+    assert reader.get("k0") == b"v" and reader.num_keys() == 4
+    writer.delete_key("k3")
+    writer.set("k4", b"w" * 40)
+    assert reader.get("k4") == b"w" * 40 and served.table._bytes == 3 * 3 + 42

@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
-from hetseq.distributed import health, rendezvous, tunnel
+from hetseq.distributed import health, job_secret, rendezvous
 from hetseq.distributed.topology import resolve_topology
 from hetseq.errors import HetSeqError, PeerLost
 from hetseq.reporting import NODE, rank_ranges, setup_logging
@@ -64,7 +64,8 @@ def launch(node, backend, worker, *worker_args, identity=None):
 
     Returns the worker's result when it ran in this process (one local rank).
     """
-    secret = tunnel.read_secret(node.launch.job_secret_file)   # a bad one: exit 2 before spawning
+    # A bad one: exit 2 before spawning.
+    secret = job_secret.read_secret(node.launch.job_secret_file, identity=identity)
     cuda_count = torch.cuda.device_count() if not node.launch.cpu else 0
     topology = resolve_topology(node.launch, os.environ, cuda_count, backend)
     if topology.nprocs == 1:
@@ -185,7 +186,7 @@ def _run_rank(index, topology, node, identity, worker, worker_args):
         return worker(ctx, *worker_args)
     store, peers = rendezvous.init_process_group(
         topology, rank, node.launch.distributed_timeout, node.launch.distributed_interface,
-        identity, tunnel.read_secret(node.launch.job_secret_file))
+        identity, job_secret.read_secret(node.launch.job_secret_file, identity=identity))
     heartbeat = health.Heartbeat(store, rank)
     if rank == 0:
         ctx = dataclasses.replace(ctx, board=status.StatusBoard(

@@ -10,6 +10,7 @@ with an atomic ``add`` and then waits, with a deadline, until all are there.
 import dataclasses
 import datetime
 import errno
+import ipaddress
 import json
 import logging
 import os
@@ -101,11 +102,17 @@ def _member_listener(url, address, port, secret):
         if err.errno != errno.EADDRINUSE:
             raise UserError(f"could not serve {url} on {address}:{port}: "
                             f"{err.strerror or err}; give this host's address") from None
-    if _holds_this_job(address, port, secret):
-        logger.info("another node of this job serves %s:%d on this host: this node's meeting "
-                    "point takes a port the OS picks", address, port)
-        return _listen(url, address, 0)
-    raise UserError(_in_use(address, port))
+    holder = _holder(address, port, secret)
+    if holder is None:
+        raise UserError(_in_use(address, port))
+    if not _same_place(holder, (address, port)):
+        raise UserError(f"port {port} on {address} is held by a relay to a node of this job "
+                        f"that listens on {holder[0]}:{holder[1]} (a forwarder squatting on the "
+                        "meeting point can drop joiners): stop the process holding it (ss -ltnp "
+                        f"'sport = :{port}'), or pick a free port in --distributed-init-method")
+    logger.info("another node of this job serves %s:%d on this host: this node's meeting "
+                "point takes a port the OS picks", address, port)
+    return _listen(url, address, 0)
 
 
 # A gate in a process busy training on a loaded host may greet later than
@@ -114,22 +121,34 @@ def _member_listener(url, address, port, secret):
 HOLDER_TRIES = 3
 
 
-def _holds_this_job(address, port, secret):
-    """Whether the listener at address:port is a gate that proves ``secret``.
-    One that does not greet in time, or resets a handshake that took too
-    long, is asked again rather than taken for another job's."""
+def _holder(address, port, secret):
+    """Where the gate at address:port says it listens, under its proof of
+    ``secret`` (a relay forwards the proof, not its own address); None when
+    no gate of this job holds the port. One that does not greet in time, or
+    resets a handshake that took too long, is asked again rather than taken
+    for another job's."""
     for _ in range(HOLDER_TRIES):
         try:
-            sock, _, _ = tunnel.connect_as_client((address, port), secret)
+            sock, _, _, stated = tunnel.connect_as_client((address, port), secret)
         except ConnectionRefusedError:
-            return False                # gone: nobody holds it now
+            return None                 # gone: nobody holds it now
         except (TimeoutError, ConnectionError):
             continue                    # too slow for the handshake's deadlines: again
         except (OSError, tunnel.Refused):
-            return False
+            return None
         sock.close()
-        return True
-    return False
+        return stated
+    return None
+
+
+def _same_place(stated, address):
+    """Whether the gate's stated (host, port) is ``address`` itself."""
+    if stated[1] != address[1]:
+        return False
+    try:
+        return ipaddress.ip_address(stated[0]) == ipaddress.ip_address(address[0])
+    except ValueError:
+        return stated[0] == address[0]
 
 
 def _in_use(address, port):

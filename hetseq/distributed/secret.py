@@ -4,7 +4,7 @@
     hetseq-secret --file ~/.hetseq/job-secret          # then --job-secret-file PATH
 
 64 hex digits (256 random bits) from the operating system's generator: far
-beyond what tunnel.read_secret asks, so that no recorded handshake can be
+beyond what job_secret.read_secret asks, so that no recorded handshake can be
 used to find it by guessing.
 """
 
@@ -19,10 +19,10 @@ BYTES = 32
 
 
 def make():
-    """A new secret that tunnel.weakness accepts: about one draw in five
+    """A new secret that job_secret.weakness accepts: about one draw in five
     million holds a run of 8 equal digits, which the rule refuses in a
     typed secret; it is drawn again (the entropy lost is negligible)."""
-    from hetseq.distributed.tunnel import weakness
+    from hetseq.distributed.job_secret import weakness
     while True:
         text = secrets.token_hex(BYTES)
         if weakness(text.encode()) is None:

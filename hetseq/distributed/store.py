@@ -272,8 +272,8 @@ class RemoteStore(_Front):
         patience = _seconds(self.timeout)
         patience = tunnel.BUSY_WAIT_S if patience is None else min(patience, tunnel.BUSY_WAIT_S)
         try:
-            sock, send_key, receive_key = tunnel.connect_as_client(self.address, self._secret,
-                                                                   patience)
+            sock, send_key, receive_key, _ = tunnel.connect_as_client(
+                self.address, self._secret, patience)
         except OSError as err:
             raise dist.DistNetworkError(f"could not reach the store at {self._where()}: "
                                         f"{err}") from None

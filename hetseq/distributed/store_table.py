@@ -11,6 +11,12 @@ from hetseq.distributed.store_wire import (ADD, APPEND, CHECK, COMPARE_SET, DELE
                                            WAIT)
 
 POLL_S = 1.0            # how often a waiting server thread looks for its client's departure
+# What the whole table may hold: a job keeps a few hundred small keys (rank
+# claims, addresses, the elastic membership, the status); a member writing
+# without end is refused with ValueError, which its call raises, rather
+# than filling the serving process's memory.
+MAX_TABLE_KEYS = 1 << 16
+MAX_TABLE_BYTES = 1 << 30
 
 
 class WaitTimeout(TimeoutError):
@@ -43,9 +49,28 @@ class Table:
     that wakes waiters whenever a key changes. Waits take seconds (None: no
     limit) and an optional ``gone()`` that ends a wait whose client left."""
 
-    def __init__(self):
-        self._data = {}
+    def __init__(self, max_keys=None, max_bytes=None):
+        self._data, self._bytes = {}, 0
         self._changed = threading.Condition()
+        self.max_keys = MAX_TABLE_KEYS if max_keys is None else max_keys
+        self.max_bytes = MAX_TABLE_BYTES if max_bytes is None else max_bytes
+
+    def _put(self, items):
+        """Store ``items`` (key, value) if the table stays within its bounds
+        (called holding the condition); else ValueError naming the bound."""
+        changes = dict(items)
+        new = [k for k in changes if k not in self._data]
+        grown = sum(len(v) - len(self._data.get(k, b"")) + (len(k) if k in new else 0)
+                    for k, v in changes.items())
+        if len(self._data) + len(new) > self.max_keys:
+            raise ValueError(f"the job's store holds {len(self._data)} keys, its most is "
+                             f"{self.max_keys} (a member that writes keys without end?)")
+        if self._bytes + grown > self.max_bytes:
+            raise ValueError(f"the job's store holds {self._bytes} bytes, its most is "
+                             f"{self.max_bytes} (a member that writes without end?)")
+        self._data.update(changes)
+        self._bytes += grown
+        self._changed.notify_all()
 
     def _wait_for(self, ready, timeout, gone):
         """Wait (holding the condition) until ``ready()``; WaitTimeout after
@@ -63,8 +88,7 @@ class Table:
 
     def set(self, key, value):
         with self._changed:
-            self._data[key] = value
-            self._changed.notify_all()
+            self._put([(key, value)])
 
     def get(self, key, timeout=None, gone=None):
         with self._changed:
@@ -76,8 +100,7 @@ class Table:
         stored as ASCII decimal as TCPStore does."""
         with self._changed:
             value = _wrap64(_counter(self._data.get(key, b"0")) + amount)
-            self._data[key] = str(value).encode()
-            self._changed.notify_all()
+            self._put([(key, str(value).encode())])
             return value
 
     def check(self, keys):
@@ -97,14 +120,17 @@ class Table:
             if current is None and expected != b"":
                 return expected
             if current is None or current == expected:
-                self._data[key] = desired
-                self._changed.notify_all()
+                self._put([(key, desired)])
                 return desired
             return current
 
     def delete_key(self, key):
         with self._changed:
-            return self._data.pop(key, None) is not None
+            value = self._data.pop(key, None)
+            if value is None:
+                return False
+            self._bytes -= len(key) + len(value)
+            return True
 
     def num_keys(self):
         with self._changed:
@@ -116,8 +142,7 @@ class Table:
             if len(joined) > MAX_VALUE:
                 raise ValueError(f"appending would make a value of {len(joined)} bytes "
                                  f"(at most {MAX_VALUE})")
-            self._data[key] = joined
-            self._changed.notify_all()
+            self._put([(key, joined)])
 
     def multi_get(self, keys, timeout=None, gone=None):
         with self._changed:
@@ -128,8 +153,7 @@ class Table:
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         with self._changed:
-            self._data.update(zip(keys, values))
-            self._changed.notify_all()
+            self._put(zip(keys, values))
 
 
 def execute(table, op, args, gone=None):

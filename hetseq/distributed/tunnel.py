@@ -8,25 +8,29 @@ door:
     rank k's RemoteStore == handshake, then sealed frames over the job's network ==>
     Gate on HOST:PORT (the job's interface only) -> the serving process's Table
 
-Handshake (mutual, the secret never travels): the gate sends MAGIC and a
-nonce Ns; the client answers with its nonce Nc and HMAC(K, "client" Ns Nc);
-the gate checks it and proves itself with HMAC(K, "server" Nc Ns). Each
-direction then has its own key, HMAC(K, "c2s"/"s2c" Ns Nc), and every frame
-carries HMAC(key, sequence number, data): a frame changed, replayed,
-reordered or injected by a process without the secret closes the connection.
-Nothing read from the network is unpickled.
+Handshake (mutual, the secret never travels): the gate sends MAGIC, its
+job's salt and a nonce Ns; K is the secret stretched with that salt
+(job_secret.py: scrypt, so that a recorded handshake costs an offline
+guesser 0.1 s and 32 MiB a guess); the client answers with its nonce Nc and
+HMAC(K, "client" Ns Nc); the gate checks it and answers OK with the address
+it listens on, W, and HMAC(K, "server" Nc Ns W) (or NO; or FULL when it
+serves SERVED connections already). Each direction then has its own key,
+HMAC(K, "c2s"/"s2c" Ns Nc), and every frame carries HMAC(key, sequence
+number, data): a frame changed, replayed, reordered or injected by a
+process without the secret closes the connection. Nothing read from the
+network is unpickled.
 
 The door stays open under a flood: at most HANDSHAKES handshakes at once
-(PER_SOURCE from one address), each for at most HANDSHAKE_S, BUSY for the rest, and failed accepts waited
-out (Gate, _serve_forever). The secret itself must resist guessing
-(read_secret).
+(PER_SOURCE from one address), each for at most HANDSHAKE_S, BUSY for the
+rest; failed accepts are waited out, and an error taking one connection
+costs that connection only (Gate, _serve_forever). Members are bounded
+too: at most SERVED connections served at once. The secret itself must
+resist guessing (job_secret.py).
 """
 
 import hashlib
 import hmac
 import logging
-import os
-import re
 import secrets
 import socket
 import struct
@@ -34,19 +38,23 @@ import threading
 import time
 
 from hetseq.reporting import Tally
+from hetseq.distributed.job_secret import SALT
 from hetseq.errors import UserError
-from hetseq.owned_file import read_owned
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"HETSEQ-SECRET-1\n"
+MAGIC = b"HETSEQ-SECRET-2\n"
 # The gate's answer when HANDSHAKES handshakes are already in progress: as
 # long as MAGIC, so that a client reads either with one recv. It costs the
 # gate no thread and no descriptor (sent, then closed at once).
 BUSY = b"HETSEQ-BUSY----\n"
+OK, NO, FULL = b"OK", b"NO", b"FL"     # the gate's verdict on a client's proof
 NONCE = 32
 TAG = hashlib.sha256().digest_size
 HANDSHAKES = 32           # handshakes in progress at once (each holds a thread and a socket)
+# Connections past the handshake served at once (each holds a thread): a
+# member that opens connections without end is told FULL, not served.
+SERVED = 1024
 # ... and from one source address: one machine that holds its handshakes
 # open to the deadline, over and over, must not take every place (members
 # come from other addresses). A loopback job's nodes share an address.
@@ -107,56 +115,83 @@ class Busy(Refused):
     A Refused, so that code that does not retry fails closed."""
 
 
-def _session_keys(secret, ns, nc):
-    return _mac(secret, b"c2s", ns, nc), _mac(secret, b"s2c", ns, nc)
+class Full(Busy):
+    """The gate serves SERVED connections already: the client knows the
+    secret, but no more connections are taken until one ends."""
+
+
+def _session_keys(key, ns, nc):
+    return _mac(key, b"c2s", ns, nc), _mac(key, b"s2c", ns, nc)
+
+
+def _where_bytes(address):
+    """The gate's listening address as it states it: "HOST PORT"."""
+    return f"{address[0]} {address[1]}".encode()[:255]
 
 
 def handshake_as_client(sock, secret, deadline=None):
-    """Returns (send key, receive key); raises Busy, Refused or ConnectionError
-    (socket.timeout past ``deadline``, a time.monotonic())."""
+    """(send key, receive key, (host, port) the gate says it listens on);
+    raises Busy, Full, Refused or ConnectionError (socket.timeout past
+    ``deadline``, a time.monotonic()). The key is ``secret`` stretched with
+    the salt the gate sends (job_secret.py): a node of another job (another
+    salt) fails here or at the identity check that follows."""
     greeting = _recv_exact(sock, len(MAGIC), deadline)
     if greeting == BUSY:
         raise Busy("it has too many connections waiting in the handshake")
     if greeting != MAGIC:
-        raise Refused("the other side is not a HetSeq job with a secret")
-    ns, nc = _recv_exact(sock, NONCE, deadline), secrets.token_bytes(NONCE)
-    sock.sendall(nc + _mac(secret, b"client", ns, nc))
-    answer = _recv_exact(sock, 2, deadline)
-    if answer != b"OK":
+        raise Refused("the other side is not a HetSeq job with a secret of this version")
+    salt, ns = _recv_exact(sock, SALT, deadline), _recv_exact(sock, NONCE, deadline)
+    key, nc = secret.key(salt), secrets.token_bytes(NONCE)
+    sock.sendall(nc + _mac(key, b"client", ns, nc))
+    verdict = _recv_exact(sock, len(OK), deadline)
+    if verdict == FULL:
+        raise Full("it serves all the connections it takes (a member that opens "
+                   "connections without closing them?)")
+    if verdict != OK:
         raise Refused("its secret differs from this node's")
+    where = _recv_exact(sock, _recv_exact(sock, 1, deadline)[0], deadline)
     if not hmac.compare_digest(_recv_exact(sock, TAG, deadline),
-                               _mac(secret, b"server", nc, ns)):
+                               _mac(key, b"server", nc, ns, where)):
         raise Refused("it could not prove that it knows the secret (not the job you meant?)")
-    c2s, s2c = _session_keys(secret, ns, nc)
-    return c2s, s2c
+    host, _, port = where.decode(errors="replace").rpartition(" ")
+    c2s, s2c = _session_keys(key, ns, nc)
+    return c2s, s2c, (host, int(port) if port.isdigit() else None)
 
 
-def handshake_as_server(sock, secret, deadline=None):
-    """Returns (send key, receive key); raises Refused or ConnectionError
-    (socket.timeout past ``deadline``, a time.monotonic())."""
-    ns = secrets.token_bytes(NONCE)
-    sock.sendall(MAGIC + ns)
+def handshake_as_server(sock, secret, deadline=None, where=("", 0), room=None):
+    """(send key, receive key); raises Refused (Full when ``room()``, asked
+    once the client proved the secret, says no) or ConnectionError
+    (socket.timeout past ``deadline``, a time.monotonic()). ``where``: the
+    listening address this gate states, under its proof, so that a relay in
+    front of it shows (rendezvous._holder)."""
+    ns, key = secrets.token_bytes(NONCE), secret.key()
+    sock.sendall(MAGIC + secret.salt + ns)
     reply = _recv_exact(sock, NONCE + TAG, deadline)
     nc, proof = reply[:NONCE], reply[NONCE:]
-    if not hmac.compare_digest(proof, _mac(secret, b"client", ns, nc)):
-        sock.sendall(b"NO")
+    if not hmac.compare_digest(proof, _mac(key, b"client", ns, nc)):
+        sock.sendall(NO)
         raise Refused("wrong secret (or none)")
-    sock.sendall(b"OK" + _mac(secret, b"server", nc, ns))
-    c2s, s2c = _session_keys(secret, ns, nc)
+    if room is not None and not room():
+        sock.sendall(FULL)
+        raise Full("it knows the secret, but all the connections the gate takes are served")
+    stated = _where_bytes(where)
+    sock.sendall(OK + bytes([len(stated)]) + stated + _mac(key, b"server", nc, ns, stated))
+    c2s, s2c = _session_keys(key, ns, nc)
     return s2c, c2s
 
 
 def connect_as_client(address, secret, patience_s=BUSY_WAIT_S):
     """A connection to the gate at ``address`` past the handshake: (socket,
-    send key, receive key). A busy gate is asked again after a pause that
-    doubles (PAUSES_S) until ``patience_s`` have passed, then Busy is raised;
-    also Refused, or OSError (socket.timeout: no greeting within GREETING_S)."""
+    send key, receive key, the address the gate states). A busy or full
+    gate is asked again after a pause that doubles (PAUSES_S) until
+    ``patience_s`` have passed, then Busy (Full) is raised; also Refused,
+    or OSError (socket.timeout: no greeting within GREETING_S)."""
     give_up, pause = time.monotonic() + patience_s, PAUSES_S[0]
     while True:
         sock = socket.create_connection(address, timeout=GREETING_S)
         try:
-            send_key, receive_key = handshake_as_client(sock, secret,
-                                                        time.monotonic() + GREETING_S)
+            send_key, receive_key, stated = handshake_as_client(
+                sock, secret, time.monotonic() + GREETING_S)
         except Busy:
             sock.close()
             if time.monotonic() + pause > give_up:
@@ -168,7 +203,7 @@ def connect_as_client(address, secret, patience_s=BUSY_WAIT_S):
             sock.close()
             raise
         sock.settimeout(None)
-        return sock, send_key, receive_key
+        return sock, send_key, receive_key, stated
 
 
 def _seal(sock, key, seq, data):
@@ -201,14 +236,15 @@ def _close(*socks):
         sock.close()
 
 
-def _serve_forever(listener, handle, name, admit=None):
+def _serve_forever(listener, handle, name, admit=None, dropped=None):
     """Accept connections on ``listener`` and hand each to ``handle(sock, peer)``
     in a thread of its own, until the listener is closed on purpose.
     ``admit(sock)``, called in the accepting thread, may refuse one (it then
     closes it). A failed accept (out of descriptors: EMFILE, ENFILE; a peer
     that reset: ECONNABORTED; ENOBUFS, ENOMEM) is logged once and waited out
-    with a growing pause: were it the end of the loop, a flood of idle
-    connections would close the door for good."""
+    with a growing pause, and any error while taking one connection (no
+    thread can be started) costs that connection only: were either the end
+    of the loop, a flood would close the door for good."""
     listener.settimeout(POLL_S)   # to notice a close: it does not wake a blocked accept
 
     def accept():
@@ -227,9 +263,26 @@ def _serve_forever(listener, handle, name, admit=None):
                 pause = min(2 * pause, PAUSES_S[1])
                 continue
             pause = PAUSES_S[0]
-            if admit is None or admit(sock):
-                threading.Thread(target=handle, args=(sock, peer), daemon=True).start()
+            try:
+                if admit is None or admit(sock):
+                    _start(handle, sock, peer, dropped)
+            except Exception as err:        # out of threads, a bug: this connection only
+                _warn_once((name, type(err)), "%s: could not take a connection from %s (%s); "
+                           "it goes on taking the next ones", name, peer[0], err)
+                sock.close()
+                time.sleep(pause)
     threading.Thread(target=accept, daemon=True, name=name).start()
+
+
+def _start(handle, sock, peer, dropped):
+    """``handle(sock, peer)`` in a thread of its own; ``dropped(peer)`` gives
+    back what ``admit`` took when no thread can be started (RuntimeError)."""
+    try:
+        threading.Thread(target=handle, args=(sock, peer), daemon=True).start()
+    except BaseException:
+        if dropped is not None:
+            dropped(peer)
+        raise
 
 
 # Every gate, so that it lives as long as the job whatever holds it (as
@@ -247,13 +300,18 @@ class Gate:
     cannot use up the process's threads or descriptors, and one machine
     cannot keep the members out."""
 
-    def __init__(self, listener, secret, serve, handshakes=HANDSHAKES, per_source=PER_SOURCE):
+    def __init__(self, listener, secret, serve, handshakes=HANDSHAKES, per_source=PER_SOURCE,
+                 served=SERVED):
         self.listener, self.secret, self.serve = listener, secret, serve
-        self.handshakes, self.per_source = handshakes, per_source
+        self.handshakes, self.per_source, self.served = handshakes, per_source, served
         self._lock, self._busy = threading.Lock(), {}    # source address: handshakes in progress
+        self._serving = 0                                # connections past the handshake
+        self._where = listener.getsockname()[:2]
+        secret.key()              # derived once, before the first member waits for it
         self._refusals = Tally(REFUSALS_LOG_S)
         _GATES.append(self)
-        _serve_forever(listener, self._admit, "hetseq-gate", self._take_slot)
+        _serve_forever(listener, self._admit, "hetseq-gate", self._take_slot,
+                       lambda peer: self._release(peer[0]))
 
     def _take_slot(self, sock):
         """Whether ``sock`` may start its handshake: fewer than ``handshakes``
@@ -297,11 +355,20 @@ class Gate:
             if not self._busy[source]:
                 del self._busy[source]
 
+    def _room(self):
+        """Takes a place among the ``served`` connections, if one is free."""
+        with self._lock:
+            if self._serving >= self.served:
+                return False
+            self._serving += 1
+            return True
+
     def _admit(self, sock, peer):
         where = f"{peer[0]}:{peer[1]}"
         try:
             try:
-                keys = handshake_as_server(sock, self.secret, time.monotonic() + HANDSHAKE_S)
+                keys = handshake_as_server(sock, self.secret, time.monotonic() + HANDSHAKE_S,
+                                           self._where, self._room)
             finally:
                 self._release(peer[0])
         except Refused as err:
@@ -317,14 +384,20 @@ class Gate:
         except OSError as err:
             logger.warning("could not serve a connection from %s: %s", where, err)
             sock.close()
+        finally:
+            with self._lock:
+                self._serving -= 1
 
 
 def check(address, secret, url, patience_s=BUSY_WAIT_S):
     """Handshake once before any store call, so that a wrong secret is one
     clear message here (exit 2) and not a closed connection inside TCPStore."""
     try:
-        sock, _, _ = connect_as_client(address, secret, patience_s)
-        sock.close()
+        connect_as_client(address, secret, patience_s)[0].close()
+    except Full:
+        raise UserError(f"the job at {url} serves all the connections it takes (up to "
+                        f"{SERVED}: a member that opens connections without closing them?); "
+                        f"this node waited {patience_s:.0f} s for one to end") from None
     except Busy:
         raise UserError(f"the job at {url} answered 'busy' for {patience_s:.0f} s: its port is "
                         f"flooded (more than {HANDSHAKES} connections at once waiting in the "
@@ -354,83 +427,3 @@ def asks_for_secret(address):
             return sock.recv(len(MAGIC), socket.MSG_WAITALL) in (MAGIC, BUSY)
     except OSError:
         return False
-
-
-SECRET_VARIABLE = "HETSEQ_JOB_SECRET"
-MAKE_ONE = "hetseq-secret"   # hetseq/distributed/secret.py; also python -m hetseq.distributed.secret
-MIN_BITS = 128
-MIN_DISTINCT = 8
-MAX_RUN = 8
-MAX_FILE = 4096
-HEX = set(b"0123456789abcdef")
-# What generators print: hex, base64 and its URL-safe variant (hetseq-secret,
-# openssl rand -hex/-base64, secrets.token_urlsafe, uuidgen, pwgen -s).
-GENERATED = set(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=-_")
-WORD = re.compile(rb"[a-z]+|[0-9]+")
-RULE = (f"a secret needs {MIN_BITS} bits counted conservatively (4 per character when all are "
-        "hex digits, else 6) in the characters generators print (letters, digits, + / = - _), "
-        f"{MIN_DISTINCT} different characters, and nothing typed: no character {MAX_RUN} times "
-        "in a row, no counting run, no repeated part, not lowercase words")
-
-
-def weakness(text):
-    """Why the secret ``text`` (bytes) could be guessed, or None. The count is
-    what a random secret of that alphabet would hold; hand-typed text holds
-    far less, hence the other rules. The secret's strength is the whole
-    protection: a recorded handshake lets anyone test guesses offline at the
-    speed of HMAC-SHA-256, and no key stretching makes a weak secret safe."""
-    if not text:
-        return "it is empty"
-    bits = len(text) * (4 if set(text.lower()) <= HEX else 6)
-    if bits < MIN_BITS:
-        return f"it has {len(text)} characters, about {bits} bits"
-    if len(set(text)) < MIN_DISTINCT:
-        return f"it uses only {len(set(text))} different characters"
-    if any(text[i:i + MAX_RUN] == text[i:i + 1] * MAX_RUN for i in range(len(text))):
-        return f"a character repeats {MAX_RUN} times in a row"
-    if not set(text) <= GENERATED:
-        return "it has spaces or punctuation that generators do not print (typed words?)"
-    if any(all(text[i + k + 1] - text[i + k] == 1 for k in range(MAX_RUN - 1))
-           for i in range(len(text) - MAX_RUN + 1)):
-        return f"it counts up for {MAX_RUN} characters (like 12345678 or abcdefgh)"
-    if any(text == (text[:k] * (len(text) // k + 1))[:len(text)]
-           for k in range(1, len(text) // 2 + 1)):
-        return "it is a shorter part repeated"
-    parts = re.split(rb"[-_]", text)
-    if (text.isalpha() and text.islower()) or \
-            (len(parts) >= 3 and all(WORD.fullmatch(part) for part in parts)):
-        return "it is lowercase words (like my-job-secret-2024)"
-    return None
-
-
-def read_secret(path, env=os.environ):
-    """The job secret's key, from --job-secret-file (a file only its owner can
-    read) or HETSEQ_JOB_SECRET; None when neither is given. The key is a hash
-    of the secret, so the secret's text is never held or logged."""
-    text = secret_text(path, env)
-    return None if text is None else hashlib.sha256(b"hetseq job secret\0" + text).digest()
-
-
-def secret_text(path, env=os.environ):
-    """The job secret's text, checked, from --job-secret-file or
-    HETSEQ_JOB_SECRET (None when neither is given): for the key above, and
-    for hetseq-launch, which hands it to its nodes."""
-    if path is not None:
-        text, where = _read_secret_file(path), f"--job-secret-file {path}"
-    elif SECRET_VARIABLE in env:
-        text, where = env[SECRET_VARIABLE].strip().encode(), SECRET_VARIABLE
-        if not text:
-            raise UserError(f"{SECRET_VARIABLE} is set but empty: unset it for a job without a "
-                            f"secret, or give one made with {MAKE_ONE}")
-    else:
-        return None
-    why = weakness(text)
-    if why is not None:
-        raise UserError(f"{where}: the secret could be guessed ({why}); {RULE}. Make one "
-                        f"with: {MAKE_ONE} (or python -m hetseq.distributed.secret)")
-    return text
-
-
-def _read_secret_file(path):
-    """The stripped text of the secret file: yours, private, no link."""
-    return read_owned(path, f"--job-secret-file {path}", private=True, limit=MAX_FILE).strip()

@@ -23,7 +23,7 @@ import threading
 import time
 
 from hetseq.distributed import secret as secrets_cli
-from hetseq.distributed import tunnel
+from hetseq.distributed import job_secret
 from hetseq.errors import UserError
 from hetseq.owned_file import read_owned
 from hetseq.launch import hostfile, plan as planning
@@ -86,7 +86,7 @@ def forwarded_env(names, env_file=ENV_FILE, environ=os.environ):
     """{name: value} every node gets: ``environ``'s variables with a known
     prefix, the lines of ``env_file`` (NAME=VALUE) and ``--env`` items."""
     env = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES)}
-    env.pop(tunnel.SECRET_VARIABLE, None)
+    env.pop(job_secret.SECRET_VARIABLE, None)
     items = []
     if os.path.lexists(env_file):
         # Its PYTHONPATH or LD_PRELOAD line picks the code every node runs:
@@ -120,7 +120,7 @@ class Secret:
     while the job runs, so that hetseq-status can be pointed at it."""
 
     def __init__(self, path):
-        given = tunnel.secret_text(path)
+        given = job_secret.secret_text(path)
         self.folder = None
         if given is not None:
             self.text, self.path = given.decode(), path
@@ -138,7 +138,7 @@ class Secret:
     def status_flag(self):
         """How hetseq-status is given the same secret."""
         if self.path is None:
-            return f"(with {tunnel.SECRET_VARIABLE} set as here)"
+            return f"(with {job_secret.SECRET_VARIABLE} set as here)"
         return f"--job-secret-file {self.path}"
 
     def close(self):
@@ -154,7 +154,7 @@ def describe(job):
 
 def dry_run(job, transport, args, env):
     print(f"hetseq-launch: {describe(job)}")
-    names = ", ".join(sorted([tunnel.SECRET_VARIABLE + "=<elided>", *env]))
+    names = ", ".join(sorted([job_secret.SECRET_VARIABLE + "=<elided>", *env]))
     for node in job.nodes:
         command, _ = transport.command(node.host, args.remote_dir, args.remote_python, node.argv)
         print(f"{node.label} ({node.ranks()}): {shlex.join(command)}")
@@ -331,7 +331,7 @@ def main(argv=None):
         previous = stop_on_signals(launch.request_stop)
         try:
             secret = Secret(args.job_secret_file)
-            launch.env = {**env, tunnel.SECRET_VARIABLE: secret.text}
+            launch.env = {**env, job_secret.SECRET_VARIABLE: secret.text}
             launch.say(describe(job))
             launch.say(f"{secret.where()}; see the job with: hetseq-status {job.url} "
                        f"{secret.status_flag()}")

@@ -32,7 +32,7 @@ import time
 
 import torch.distributed as dist
 
-from hetseq.distributed import store as job_store
+from hetseq.distributed import job_secret, store as job_store
 from hetseq.distributed import tunnel
 from hetseq.errors import UserError
 from hetseq.reporting.progress import format_duration
@@ -342,7 +342,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     code = 0
     try:
-        watch(args, tunnel.read_secret(args.job_secret_file))
+        watch(args, job_secret.read_secret(args.job_secret_file))
     except KeyboardInterrupt:
         pass
     except (UserError, dist.DistError) as err:

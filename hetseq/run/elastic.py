@@ -48,7 +48,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from hetseq.distributed import health, rendezvous, tunnel
+from hetseq.distributed import health, job_secret, rendezvous
 from hetseq.distributed.generations import choose_source
 from hetseq.distributed.launch import (PRELOAD, DistContext, WorkerFailed, device_of, exit_now,
                                        set_threads, start_linked)
@@ -92,10 +92,10 @@ class Ended:
 
 def train_elastic(args, job, node, inputs):
     """Train this node's ranks across generations, as its voice."""
-    secret = tunnel.read_secret(node.launch.job_secret_file)
+    secret = job_secret.read_secret(node.launch.job_secret_file, identity=job.identity())
     if secret is None:
         raise UserError("--elastic needs a job secret, since nodes join by themselves: set "
-                        f"HETSEQ_JOB_SECRET or --job-secret-file on every node ({tunnel.MAKE_ONE} "
+                        f"HETSEQ_JOB_SECRET or --job-secret-file on every node ({job_secret.MAKE_ONE} "
                         "makes one)")
     # This process trains the voice's rank: it imports what the first update
     # needs (about 1.5 s of CPU) before it meets, not while members wait
