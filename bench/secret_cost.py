@@ -18,25 +18,15 @@ import hashlib
 import hmac
 import os
 import socket
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from drift import timed  # noqa: E402  (median seconds of repeated calls)
 from output import emit  # noqa: E402
 
 from hetseq.distributed import job_secret, secret, tunnel  # noqa: E402
-
-
-def timed(fn, repeats):
-    """Median seconds of ``repeats`` calls of ``fn``."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def guess_before(guess, ns, nc):
