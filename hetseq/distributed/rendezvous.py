@@ -21,6 +21,7 @@ import urllib.parse
 import torch.distributed as dist
 
 from hetseq.distributed import health, identity, interfaces, network, store, tunnel
+from hetseq.distributed.job_secret import JobSecret
 from hetseq.distributed.topology import ready_backend
 from hetseq.errors import UserError
 from hetseq.reporting import NODE, Every, rank_ranges
@@ -31,9 +32,9 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class Access:
     """Who may reach the store this node serves or joins. ``secret``: the job
-    secret's key (None: no secret); ``interface``: --distributed-interface;
+    secret (None: no secret); ``interface``: --distributed-interface;
     ``spans_hosts``: ranks of this job run on other hosts."""
-    secret: bytes | None = None
+    secret: JobSecret | None = None
     interface: str | None = None
     spans_hosts: bool = True
 
@@ -403,7 +404,7 @@ def init_process_group(topology, rank, timeout_s, interface=None, job=None, secr
     """Meet the other ranks and start torch.distributed; returns the store and
     what every rank registered (host, pid, the address its collectives use).
     ``job``: the flags every node must agree on (refused before claiming a rank).
-    ``secret``: the job secret's key (tunnel.py), or None."""
+    ``secret``: the job secret (job_secret.JobSecret), or None."""
     timeout = datetime.timedelta(seconds=timeout_s)
     url, world = topology.init_method, topology.world_size
     access = Access(secret, interface, spans_hosts=world > topology.nprocs)

@@ -256,10 +256,10 @@ class RemoteStore(_Front):
     secret, DistNetworkError when it cannot be reached or the connection is
     lost, DistStoreError when a wait or an answer takes longer than allowed."""
 
-    def __init__(self, address, secret_key, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, address, secret, timeout=DEFAULT_TIMEOUT):
         super().__init__(timeout)
         self.address = (address[0], address[1])
-        self._secret = secret_key
+        self._secret = secret
         self._lock = threading.Lock()
         self._lost = None
         self._sock, self._send_key, self._receive_key = self._connect()
@@ -372,15 +372,15 @@ def _limit_socket(sock, seconds):
 
 # --- serving and connecting ----------------------------------------------------
 
-def serve(listener, secret_key, timeout=DEFAULT_TIMEOUT):
+def serve(listener, secret, timeout=DEFAULT_TIMEOUT):
     """The store of a job with a secret, served on ``listener`` (a listening
     socket on the job's address) behind the tunnel's gate; the returned
     LocalStore is this process's own view. Keep it referenced for the job."""
     store = LocalStore(Table(), timeout)
-    store.gate = tunnel.Gate(listener, secret_key, serve_connection(store.table))
+    store.gate = tunnel.Gate(listener, secret, serve_connection(store.table))
     return store
 
 
-def connect(address, secret_key, timeout=DEFAULT_TIMEOUT):
+def connect(address, secret, timeout=DEFAULT_TIMEOUT):
     """A client of the store served at ``address`` = (host, port)."""
-    return RemoteStore(address, secret_key, timeout)
+    return RemoteStore(address, secret, timeout)

@@ -81,7 +81,7 @@ class StatusBoard:
 
 # ---- the reader: hetseq-status ----
 
-def open_store(url, secret_key, timeout_s=CONNECT_S):
+def open_store(url, secret, timeout_s=CONNECT_S):
     """A read connection to the store at ``url`` (tcp://HOST:PORT), through
     the gate with a secret, else c10d's TCPStore client."""
     from hetseq.distributed.rendezvous import url_host_port
@@ -99,21 +99,21 @@ def open_store(url, secret_key, timeout_s=CONNECT_S):
         raise UserError(f"nothing answers at {url} ({err.strerror or err}): is the job "
                         "running, and is this its --distributed-init-method?") from None
     try:
-        if secret_key is None:
+        if secret is None:
             if tunnel.asks_for_secret((host, port)):
                 raise UserError(f"the job at {url} has a job secret: give it with "
                                 "--job-secret-file PATH or HETSEQ_JOB_SECRET")
             return dist.TCPStore(host, port, None, False, timeout)
-        tunnel.check((host, port), secret_key, url, patience_s=timeout_s)
-        return job_store.connect((host, port), secret_key, timeout)
+        tunnel.check((host, port), secret, url, patience_s=timeout_s)
+        return job_store.connect((host, port), secret, timeout)
     except (RuntimeError, OSError, tunnel.Refused) as err:
         raise UserError(f"could not read the job at {url}: {str(err).splitlines()[0]}") from None
 
 
-def follow_leader(store, url, secret_key, timeout_s=CONNECT_S):
+def follow_leader(store, url, secret, timeout_s=CONNECT_S):
     """Under --elastic, the store of the generation's leader (every member
     names it in ``e/leader``); otherwise ``store`` itself."""
-    if secret_key is None or not store.check(["e/leader"]):
+    if secret is None or not store.check(["e/leader"]):
         return store, url
     try:
         leader = json.loads(store.get("e/leader"))
@@ -123,12 +123,12 @@ def follow_leader(store, url, secret_key, timeout_s=CONNECT_S):
     if there == url:
         return store, url
     store.close()
-    return open_store(there, secret_key, timeout_s), there
+    return open_store(there, secret, timeout_s), there
 
 
-def look(url, secret_key, timeout_s=CONNECT_S):
+def look(url, secret, timeout_s=CONNECT_S):
     """(store, its URL) where the job's status is: ``url``'s, or its leader's."""
-    return follow_leader(open_store(url, secret_key, timeout_s), url, secret_key, timeout_s)
+    return follow_leader(open_store(url, secret, timeout_s), url, secret, timeout_s)
 
 
 _workers = []                # bounded()'s threads; one alive is blocked in the network
@@ -292,9 +292,9 @@ def show(text):
     print(text.encode(encoding, "replace").decode(encoding), flush=True)
 
 
-def watch(args, secret_key):
+def watch(args, secret):
     """Look, then read and draw once, or until Ctrl-C with --watch."""
-    store, url = bounded(lambda: look(args.url, secret_key, args.timeout), args.url,
+    store, url = bounded(lambda: look(args.url, secret, args.timeout), args.url,
                          args.timeout)
     view = None
     while True:
@@ -309,7 +309,7 @@ def watch(args, secret_key):
             # The member it read from is gone or silent (--elastic: a new
             # leader): ask again.
             time.sleep(args.interval)
-            store, url = bounded(lambda: look(args.url, secret_key, args.timeout), args.url,
+            store, url = bounded(lambda: look(args.url, secret, args.timeout), args.url,
                                  args.timeout)
             continue
         text = json.dumps(view) if args.json else "\n".join(render(view, url))
