@@ -65,7 +65,7 @@ MUTATIONS = {
         ["tests/test_checkpoint.py::test_a_save_reaches_the_disk_file_first_then_its_folder"]),
     "every-refusal-logged": (
         "refused handshakes are one line per source and interval, not one each",
-        "hetseq/distributed/tunnel.py",
+        "hetseq/distributed/gate.py",
         "        first, due = self._refusals.add(source, str(why))\n",
         "        first, due = True, []\n",
         ["tests/test_gate.py::test_refused_handshakes_are_one_line_per_source_and_interval"]),
@@ -328,19 +328,19 @@ MUTATIONS = {
         ["tests/test_checkpoint.py::test_an_elastic_state_keeps_its_lineage_and_another_line_is_refused"]),
     "gate-handshakes-uncapped": (
         "a flood of idle connections holds at most HANDSHAKES sockets in rank 0",
-        "hetseq/distributed/tunnel.py",
+        "hetseq/distributed/gate.py",
         "            if sum(self._busy.values()) < self.handshakes and \\\n",
         "            if True or \\\n",
         ["tests/test_gate.py::test_a_flood_of_idle_connections_neither_stops_the_job_nor_shuts_its_door"]),
     'gate-accept-error-fatal': (
         'a failed accept is waited out; only closing the listener ends the gate',
-        'hetseq/distributed/tunnel.py',
+        'hetseq/distributed/gate.py',
         '            except OSError as err:\n                if listener.fileno() == -1:',
         '            except OSError as err:\n                if True:',
         ['tests/test_gate.py::test_failed_accepts_are_waited_out_and_only_a_close_ends_the_gate']),
     'gate-handshake-deadline-per-read': (
         "the gate's handshake deadline bounds the whole handshake",
-        'hetseq/distributed/tunnel.py',
+        'hetseq/distributed/gate.py',
         'keys = handshake_as_server(sock, self.secret, time.monotonic() + HANDSHAKE_S,',
         'keys = handshake_as_server(sock.settimeout(HANDSHAKE_S) or sock, self.secret, None,',
         ['tests/test_gate.py::test_a_handshake_that_trickles_is_dropped_at_its_deadline']),
@@ -352,7 +352,7 @@ MUTATIONS = {
         ['tests/test_gate.py::test_over_its_cap_the_gate_answers_busy_at_once_and_a_member_gets_its_turn']),
     "gate-over-cap-gets-a-thread": (
         "over the cap a connection is answered busy at once",
-        "hetseq/distributed/tunnel.py",
+        "hetseq/distributed/gate.py",
         "            if sum(self._busy.values()) < self.handshakes and \\\n",
         "            if True or \\\n",
         ["tests/test_gate.py::test_over_its_cap_the_gate_answers_busy_at_once_and_a_member_gets_its_turn"]),
@@ -473,8 +473,8 @@ MUTATIONS = {
     'store-loopback-tcpstore': (
         'no unauthenticated listener: another uid cannot read a key',
         'hetseq/distributed/store.py',
-        '    store = LocalStore(Table(), timeout)\n    store.gate = tunnel.Gate(listener, secret_key, serve_connection(store.table))',
-        '    store = dist.TCPStore("127.0.0.1", 0, None, True, _delta(timeout), wait_for_workers=False)\n    tunnel.Gate(listener, secret_key, serve_connection(Table()))',
+        '    store = LocalStore(Table(), timeout)\n    store.gate = gate.Gate(listener, secret, serve_connection(store.table))',
+        '    store = dist.TCPStore("127.0.0.1", 0, None, True, _delta(timeout), wait_for_workers=False)\n    gate.Gate(listener, secret, serve_connection(Table()))',
         ['tests/test_store.py::test_another_uid_cannot_reach_the_store_without_the_handshake']),
     "elastic-rounds-of-one-generation-stay-apart": (
         "two rounds of one generation meet at the lower-ranked leader",
@@ -490,7 +490,7 @@ MUTATIONS = {
         ["tests/test_elastic.py::test_two_rounds_of_one_generation_meet_at_the_lower_ranked_leader"]),
     "gate-no-cap-per-address": (
         "one address cannot take every place in the gate's handshakes",
-        "hetseq/distributed/tunnel.py",
+        "hetseq/distributed/gate.py",
         "                    self._busy.get(source, 0) < self.per_source:",
         "                    True:",
         ["tests/test_gate.py::test_one_address_cannot_take_every_place_in_the_handshake"]),
@@ -861,7 +861,7 @@ MUTATIONS = {
         ['tests/test_gate.py::test_a_relay_squatting_on_the_meeting_point_is_refused']),
     'accept-loop-dies-on-an-error': (
         "the gate's accept loop survives any error while taking a connection",
-        'hetseq/distributed/tunnel.py',
+        'hetseq/distributed/gate.py',
         '            except Exception as err:        # out of threads, a bug: this connection only',
         '            except ZeroDivisionError as err:',
         ['tests/test_gate.py::test_the_accept_loop_survives_an_error_taking_a_connection']),
@@ -901,4 +901,28 @@ MUTATIONS = {
         "    return value if ok and abs(value) <= MAX_NUMBER else None",
         "    return value if ok else None",
         ['tests/test_status_viewer.py::test_clean_and_render_take_any_value']),
+    'served-place-kept-after-a-reset': (
+        "a connection's served place is given back however it ends (a reset before OK)",
+        'hetseq/distributed/gate.py',
+        '            if placed:        # however the connection ended, its place is free again',
+        '            if placed and keys is not None:',
+        ['tests/test_gate.py::test_a_member_that_resets_after_its_proof_gives_its_place_back']),
+    'full-believed-unproven': (
+        "a 'full' answer is believed only with the gate's proof",
+        'hetseq/distributed/tunnel.py',
+        '            raise Refused("it answered \'full\' without proving that it knows the secret")',
+        '            pass',
+        ['tests/test_gate.py::test_full_is_believed_only_with_the_gates_proof']),
+    'stated-port-unchecked': (
+        "the gate's stated address is checked like any value from the network",
+        'hetseq/distributed/tunnel.py',
+        '            and 1 <= int(port[:6]) <= 65535):',
+        '            and True):',
+        ['tests/test_gate.py::test_a_stated_address_that_is_not_one_is_refused']),
+    'leader-read-unbounded': (
+        "hetseq-status reads e/leader with the status's bounds",
+        'hetseq/reporting/status.py',
+        '    leader = _json_value(store, "e/leader")',
+        '    leader = json.loads(store.get("e/leader"))',
+        ['tests/test_status_viewer.py::test_a_crafted_leader_address_gives_one_line']),
 }

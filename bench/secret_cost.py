@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from drift import timed  # noqa: E402  (median seconds of repeated calls)
 from output import emit  # noqa: E402
 
-from hetseq.distributed import job_secret, secret, tunnel  # noqa: E402
+from hetseq.distributed import gate, job_secret, secret, tunnel  # noqa: E402
 
 
 def guess_before(guess, ns, nc):
@@ -53,7 +53,7 @@ def join_costs(repeats):
     listener = socket.create_server(("127.0.0.1", 0))
     address = listener.getsockname()[:2]
     opened = time.perf_counter()
-    tunnel.Gate(listener, fresh_secret(text, identity), lambda sock, *_: sock.close())
+    gate.Gate(listener, fresh_secret(text, identity), lambda sock, *_: sock.close())
     gate_s = time.perf_counter() - opened
 
     def first():

@@ -10,6 +10,7 @@ import logging
 import os
 import resource
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -18,7 +19,7 @@ import types
 import pytest
 import torch
 
-from hetseq.distributed import collectives, job_secret, rendezvous, tunnel
+from hetseq.distributed import collectives, gate, job_secret, rendezvous, tunnel
 from hetseq.errors import PeerLost, UserError
 
 from conftest import (RUN_DIR, UPDATE_LINE, Watched, child_env, free_port, node_commands,
@@ -56,7 +57,7 @@ def open_gate(handshakes=tunnel.HANDSHAKES, listener=None):
     def echo(sock, send_key, receive_key, where):
         with sock:
             tunnel._seal(sock, send_key, 0, tunnel._open(sock, receive_key, 0))
-    tunnel.Gate(listener, key(), echo, handshakes)
+    gate.Gate(listener, key(), echo, handshakes)
     return listener.getsockname()[1]
 
 
@@ -126,7 +127,7 @@ def test_one_address_cannot_take_every_place_in_the_handshake():
     is greeted at once and gets in while they are held."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    tunnel.Gate(listener, key(), lambda sock, *_: sock.close(), handshakes=8, per_source=2)
+    gate.Gate(listener, key(), lambda sock, *_: sock.close(), handshakes=8, per_source=2)
     held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
     for sock in held:
         assert tunnel._recv_exact(sock, len(tunnel.MAGIC)) == tunnel.MAGIC
@@ -177,7 +178,7 @@ def test_failed_accepts_are_waited_out_and_only_a_close_ends_the_gate(caplog):
     assert listener.failures == 0
     assert caplog.text.count("accepting a connection failed") == 1, caplog.text
     listener.real.close()
-    loop.join(timeout=tunnel.POLL_S + 2)
+    loop.join(timeout=gate.POLL_S + 2)
     assert not loop.is_alive()
 
 
@@ -372,12 +373,16 @@ def test_the_accept_loop_survives_an_error_taking_a_connection(monkeypatch):
     def echo(sock, send_key, receive_key, where):
         with sock:
             tunnel._seal(sock, send_key, 0, tunnel._open(sock, receive_key, 0))
-    gate = tunnel.Gate(listener, key(), echo, handshakes=1)
+    door = gate.Gate(listener, key(), echo, handshakes=1)
     with socket.create_connection(("127.0.0.1", port), timeout=5) as first:
         first.settimeout(5)
         assert first.recv(1) == b""                     # closed: no thread for it
-    assert failures and echoed(port, patience_s=2) == b"ping"
-    wait_until(lambda: gate._busy == {} and gate._serving == 0, 10, "the places given back")
+    try:
+        answer = echoed(port, patience_s=2)
+    except OSError as err:
+        pytest.fail(f"the gate took no connection after an error taking one: {err!r}")
+    assert failures and answer == b"ping"
+    wait_until(lambda: door._busy == {} and door._serving == 0, 10, "the places given back")
 
 
 def test_a_member_over_the_served_cap_is_told_full_and_gets_in_when_one_ends():
@@ -391,7 +396,7 @@ def test_a_member_over_the_served_cap_is_told_full_and_gets_in_when_one_ends():
     def hold(sock, *_):
         with sock:
             release.wait(30)
-    tunnel.Gate(listener, key(), hold, served=2)
+    gate.Gate(listener, key(), hold, served=2)
     held = [tunnel.connect_as_client(("127.0.0.1", port), key())[0] for _ in range(2)]
     with pytest.raises(UserError, match="serves all the connections it takes"):
         tunnel.check(("127.0.0.1", port), key(), f"tcp://127.0.0.1:{port}", patience_s=0.3)
@@ -399,6 +404,83 @@ def test_a_member_over_the_served_cap_is_told_full_and_gets_in_when_one_ends():
     sock, *_ = tunnel.connect_as_client(("127.0.0.1", port), key(), patience_s=10)
     for each in (sock, *held):
         each.close()
+
+
+def proof_then_reset(port, secret):
+    """A client that proves the secret and resets the connection (SO_LINGER
+    0) before the gate answers: the place it was given must come back."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        greeting = tunnel._recv_exact(sock, len(tunnel.MAGIC) + tunnel.SALT + tunnel.NONCE)
+        salt, ns = greeting[len(tunnel.MAGIC):-tunnel.NONCE], greeting[-tunnel.NONCE:]
+        nc = os.urandom(tunnel.NONCE)
+        sock.sendall(nc + tunnel._mac(secret.key(salt), b"client", ns, nc))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+def test_a_member_that_resets_after_its_proof_gives_its_place_back():
+    """However a connection ends after the gate gave it a place (a reset
+    before OK, an error in serve), the place is free again: 60 resets on a
+    gate of 4 places leave all 4 for the next member."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def echo(sock, send_key, receive_key, where):
+        with sock:
+            tunnel._seal(sock, send_key, 0, tunnel._open(sock, receive_key, 0))
+    door = gate.Gate(listener, key(), echo, served=4)
+    for _ in range(60):
+        proof_then_reset(port, key())
+    wait_until(lambda: door._serving == 0 and door._busy == {}, 20, "every place given back")
+    assert echoed(port, patience_s=2) == b"ping"
+
+
+def answered(verdict):
+    """What a client makes of a gate (one that knows the secret) whose
+    answer after the proof is ``verdict(key, nc, ns)``."""
+    client, server = socket.socketpair()
+    secret, salt, ns = key(), os.urandom(tunnel.SALT), os.urandom(tunnel.NONCE)
+    server.sendall(tunnel.MAGIC + salt + ns)
+    outcome = {}
+
+    def gate():
+        nc = tunnel._recv_exact(server, tunnel.NONCE + tunnel.TAG)[:tunnel.NONCE]
+        server.sendall(verdict(secret.key(salt), nc, ns))
+    thread = threading.Thread(target=gate)
+    thread.start()
+    try:
+        outcome["stated"] = tunnel.handshake_as_client(client, secret, time.monotonic() + 5)[2]
+    except (tunnel.Refused, OSError) as err:
+        outcome["error"] = err
+    thread.join()
+    client.close()
+    server.close()
+    return outcome
+
+
+def stating(where):
+    return lambda k, nc, ns: (b"OK" + bytes([len(where)]) + where +
+                              tunnel._mac(k, b"server", nc, ns, where))
+
+
+@pytest.mark.parametrize("where", ["127.0.0.1 \u00b2".encode(), "127.0.0.1 \u0661\u0662".encode(),
+                                   b"127.0.0.1 99999", b"127.0.0.1 0", b"127.0.0.1", b"",
+                                   b"\xff\xfe 29500", b"a\x1b[2J 29500", b"h " + b"9" * 200])
+def test_a_stated_address_that_is_not_one_is_refused(where):
+    """The gate's stated address is a member's word, checked like any value
+    from the network: no traceback, no port 12 read from Arabic digits."""
+    outcome = answered(stating(where))
+    assert isinstance(outcome.get("error"), tunnel.Refused), outcome
+    assert answered(stating(b"127.0.0.1 29500")) == {"stated": ("127.0.0.1", 29500)}
+
+
+def test_full_is_believed_only_with_the_gates_proof():
+    """A squatter without the secret cannot make a member wait by answering
+    'full': the answer carries the gate's HMAC."""
+    forged = answered(lambda k, nc, ns: tunnel.FULL + os.urandom(tunnel.TAG))
+    assert isinstance(forged.get("error"), tunnel.Refused) and \
+        not isinstance(forged["error"], tunnel.Full), forged
+    proven = answered(lambda k, nc, ns: tunnel.FULL + tunnel._mac(k, b"full", nc, ns))
+    assert isinstance(proven.get("error"), tunnel.Full), proven
 
 
 def test_a_member_slow_to_greet_still_holds_its_port(monkeypatch):

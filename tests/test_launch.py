@@ -274,17 +274,22 @@ def test_nohup_keeps_the_job_and_ctrl_backslash_stops_it_and_removes_the_secret(
     hosts.write_text(f"localhost slots=1 max-sentences=8 save-dir={tmp_path / 'a'}\n")
     job = Watched(subprocess.Popen(
         [*LAUNCH, "--hostfile", hosts, "--launcher", "local", "--master-port", str(free_port()),
-         str(ROOT / "train.py"), "--cpu", *TOY, "--max-update", "1000000", "--toy-sample-ms", "5"],
+         str(ROOT / "train.py"), "--cpu", *TOY, "--max-update", "1000000", "--toy-sample-ms", "20"],
         cwd=ROOT, env=child_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)))
     made = secret_path(job)
     job.wait_for(r"localhost: .*\| update \d+", timeout=120)
     os.kill(job.proc.pid, signal.SIGHUP)
     seen = len(re.findall(r"\| update \d+", job.output()))
-    job.wait_for(r"localhost: .*\| update \d+", count=seen + 2, timeout=120)
+    # Updates of 8 samples x 20 ms: 5 more span the launcher's POLL_S
+    # (0.2 s) several times, so a stop it took would show by then.
+    job.wait_for(r"localhost: .*\| update \d+", count=seen + 5, timeout=120)
     assert "SIGHUP" not in job.output() and job.proc.poll() is None
     os.kill(job.proc.pid, signal.SIGQUIT)
-    code, out = job.finish(60)
+    try:
+        code, out = job.finish(60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the launcher still ran 60 s after SIGQUIT:\n{job.output()[-2000:]}")
     assert "stopping every node: SIGQUIT received" in out and code == 143, out[-3000:]
     assert not os.path.exists(made) and not os.path.exists(os.path.dirname(made))
     assert processes_with(str(tmp_path)) == []

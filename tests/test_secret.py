@@ -46,7 +46,8 @@ def handshake_pair(client_secret, server_secret):
 
     def server():
         try:
-            results["server"] = tunnel.handshake_as_server(b, server_secret)
+            results["server"] = tunnel.handshake_as_server(b, server_secret, None,
+                                                           where=("127.0.0.1", 1))
         except tunnel.Refused as err:
             results["server"] = err
     thread = threading.Thread(target=server)
@@ -167,6 +168,7 @@ def test_a_secret_that_could_be_guessed_is_refused_with_the_command_that_makes_o
     ("Summer2024Summer2025Summer2026", "repeats parts of itself"),
     ("ZYXWVUTSRQPONMLKJIHGFEDCBA", "counts down"),
     ("1qaz2wsx3edc4rfv5tgb6yhn", "walks the keyboard"),
+    ("HETSEQ_PROD_JOB_SECRET_2024", "is words"),
     ("".join(f"{n:08d}" for n in range(1, 9)), "repeats parts of itself"),
     (str(uuid.UUID("c232ab00-9414-11ec-b3c8-9f6bdeced846")), "version-1 UUID"),   # uuid1
     (str(uuid.uuid3(uuid.NAMESPACE_DNS, "hetseq")), "version-3 UUID"),
@@ -212,6 +214,7 @@ def test_generator_output_that_spans_lines_is_one_secret(tmp_path):
     """openssl rand -base64 64 prints two lines: the file and the variable
     holding them give the key of the same text on one line."""
     one_line = base64.b64encode(bytes(range(7, 71))).decode()
+    assert job_secret.joined_lines(_wrapped(one_line, 64).encode()) == one_line.encode()
     path = tmp_path / "secret"
     path.write_text(_wrapped(one_line, 64))
     path.chmod(0o600)

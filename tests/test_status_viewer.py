@@ -17,9 +17,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from hetseq.distributed import store as job_store
+from hetseq.distributed import job_secret, store as job_store
 from hetseq.errors import UserError
-from hetseq.distributed import job_secret
 from hetseq.reporting import status
 
 from conftest import child_env
@@ -67,14 +66,22 @@ def silent():
     service.close()
 
 
+def viewer_run(argv, **options):
+    """The viewer's run; one that outlives ``timeout`` fails the test (a hang
+    is the broken promise, not an error of the test)."""
+    try:
+        return subprocess.run([*VIEWER, *argv], capture_output=True, text=True, **options)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"hetseq-status {' '.join(argv)} still ran after {err.timeout} s")
+
+
 def no_traceback(result):
     assert "Traceback" not in result.stderr and "Traceback" not in result.stdout, result.stderr
 
 
 def test_a_silent_service_costs_the_timeout_and_is_named(silent):
     start = time.monotonic()
-    result = subprocess.run([*VIEWER, silent.url, "--timeout", "2"], env=child_env(),
-                            capture_output=True, text=True, timeout=60)
+    result = viewer_run([silent.url, "--timeout", "2"], env=child_env(), timeout=60)
     took = time.monotonic() - start
     no_traceback(result)
     assert result.returncode == 2, result.stderr
@@ -95,7 +102,10 @@ def test_ctrl_c_ends_the_wait_for_a_silent_service(silent):
         assert silent.asked.wait(60), "the viewer never asked the service"
         viewer.send_signal(signal.SIGINT)
         start = time.monotonic()
-        out, err = viewer.communicate(timeout=20)
+        try:
+            out, err = viewer.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("hetseq-status still waited 20 s after Ctrl-C")
         took = time.monotonic() - start
     finally:
         viewer.kill()
@@ -150,8 +160,7 @@ def test_any_value_in_the_store_gives_a_status_or_one_line(case):
     server = dist.TCPStore("127.0.0.1", 0, None, True)
     server.set(status.KEY, value)
     url = f"tcp://127.0.0.1:{server.port}"
-    result = subprocess.run([*VIEWER, url, "--timeout", "30"], env=child_env(),
-                            capture_output=True, text=True, timeout=90)
+    result = viewer_run([url, "--timeout", "30"], env=child_env(), timeout=90)
     no_traceback(result)
     assert result.returncode == code, result.stderr
     if code:
@@ -216,9 +225,34 @@ def test_clean_and_render_take_any_value():
     for i in range(3000):
         value = fuzzed(rng) if i % 2 else fuzzed_status(rng)
         view = value if isinstance(value, dict) else {"ranks": [value], "checkpoint": value}
-        text = "\n".join(status.render(status.clean(view), "tcp://h:1", now=1e9))
+        try:
+            text = "\n".join(status.render(status.clean(view), "tcp://h:1", now=1e9))
+        except Exception as err:          # the promise: never a traceback
+            pytest.fail(f"value {i} ({value!r:.200}) raised {err!r}")
         assert "\x1b" not in text and "\x07" not in text and "\ud800" not in text, i
         for share in re.findall(r"(-?\d+)% ", text):
             assert 0 <= int(share) <= 100, (i, value)
             shares += int(share) > 0
     assert shares > 100        # the fuzz does reach the rank rows
+
+
+@pytest.mark.parametrize("leader", [
+    b'{"addr": "10.0.0.1", "port": 1e999}', b'{"addr": "10.0.0.1", "port": 70000}',
+    b'{"addr": ' + b"[" * 100000 + b"}", b'{"addr": "\\u001b]0;PWNED\\u0007", "port": 29500}',
+    b'{"addr": "a b", "port": 29500}', b'{"addr": 5, "port": 29500}', b'["10.0.0.1", 1]',
+    b'{"addr": "' + b"a" * (2 << 20) + b'", "port": 1}'])
+def test_a_crafted_leader_address_gives_one_line(leader):
+    """e/leader, which --elastic members write and the viewer follows, is
+    read with the status's own bounds: one line, no escape, no traceback."""
+    store = job_store.LocalStore()
+    store.set("e/leader", leader)
+    secret = job_secret.read_secret(None, {job_secret.SECRET_VARIABLE: "c41e9a07d3b25f68e1a4c7093bd2f5e6"})
+    try:
+        status.follow_leader(store, "tcp://10.0.0.2:29500", secret)
+    except UserError as err:
+        message = str(err)
+    except Exception as err:       # the promise: never a traceback
+        pytest.fail(f"{leader[:60]!r} raised {err!r}")
+    else:
+        pytest.fail(f"{leader[:60]!r} was followed")
+    assert "\n" not in message and "\x1b" not in message and "PWNED" not in message, message

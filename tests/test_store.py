@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from hetseq.distributed import job_secret, store, store_table, tunnel
+from hetseq.distributed import gate, job_secret, store, store_table, tunnel
 from hetseq.distributed.secret import make as make_secret
 
 from conftest import require
@@ -37,7 +37,7 @@ KEY = key(SECRET)
 
 
 class Served:
-    """A store served on 127.0.0.1 behind tunnel.Gate, with each connection's
+    """A store served on 127.0.0.1 behind gate.Gate, with each connection's
     socket and thread recorded (to see one end)."""
 
     def __init__(self):
@@ -52,7 +52,7 @@ class Served:
             self.sockets.append(sock)
             self.threads.append(threading.current_thread())
             handle(sock, send_key, receive_key, where)
-        self.gate = tunnel.Gate(self.listener, KEY, tracked)
+        self.gate = gate.Gate(self.listener, KEY, tracked)
 
     def client(self, timeout=10, secret_key=KEY):
         remote = store.connect(self.address, secret_key, timeout)
@@ -183,7 +183,7 @@ def test_gloo_job_of_three_processes():
 RANK = r"""
 import datetime, json, os, socket, sys, time
 import torch, torch.distributed as dist
-from hetseq.distributed import job_secret, store, store_table, tunnel
+from hetseq.distributed import gate, job_secret, store, store_table, tunnel
 rank, port, fd = map(int, sys.argv[1:4])
 secret = job_secret.read_secret(None, os.environ)
 timeout = datetime.timedelta(seconds=20)
@@ -273,7 +273,7 @@ def test_a_frozen_server_does_not_hang_a_call():
     def frozen(sock, send_key, receive_key, where):
         while sock.recv(1 << 16):
             pass
-    tunnel.Gate(listener, KEY, frozen)
+    gate.Gate(listener, KEY, frozen)
     remote = store.connect(listener.getsockname()[:2], KEY, 0.3)
     try:
         error, took = bounded(lambda: remote.set("k", b"v"))
@@ -468,7 +468,7 @@ def test_another_uid_cannot_reach_the_store_without_the_handshake():
 
 SERVE = r"""
 import os, socket, sys, time
-from hetseq.distributed import job_secret, store, store_table, tunnel
+from hetseq.distributed import gate, job_secret, store, store_table, tunnel
 s = store.serve(socket.socket(fileno=int(sys.argv[1])), job_secret.read_secret(None, os.environ), 10)
 s.set("hetseq/claim/0", sys.argv[2])
 print("READY", flush=True)

@@ -159,7 +159,7 @@ TOKEN = re.compile(rb"[A-Z]?[a-z]+|[A-Z]+")
 MIN_LETTERS = 12
 TOKEN_LETTERS = 3.5
 ENGLISH_BITS = 0.3
-WORD_PART = re.compile(rb"[A-Za-z][a-z]*|[0-9]+")
+WORD_PART = re.compile(rb"[A-Z]?[a-z]+|[A-Z]+|[0-9]+")   # a word as typed, or a number
 REPEATS_SAVE = 32
 KEYBOARD = ("1234567890-=", "qwertyuiop[]", "asdfghjkl;'", "zxcvbnm,./")
 WALKED = 0.75
@@ -178,7 +178,8 @@ def weakness(text):
         return _uuid_weakness(text)
     alphabet = next((a for a in ALPHABETS if set(text) <= a[1]), None)
     if alphabet is None:
-        return "it has spaces or punctuation that generators do not print (typed words?)"
+        return ("it has spaces or punctuation that generators do not print (typed words? a "
+                "password manager's symbols: turn them off, or use hetseq-secret)")
     bits = round(len(text) * alphabet[2])
     if bits < MIN_BITS:
         return f"it has {len(text)} characters, about {bits} bits as {alphabet[0]}"

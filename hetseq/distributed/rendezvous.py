@@ -273,7 +273,9 @@ def url_host_port(url):
     """HOST and PORT of tcp://HOST:PORT as written (urlparse lowercases names)."""
     netloc = urllib.parse.urlparse(url).netloc.rpartition("@")[2]
     host, _, port = netloc.rpartition(":")
-    return host.strip("[]"), int(port) if port.isdigit() else None
+    # (ASCII digits only: str.isdigit also takes "²" and other scripts' digits)
+    number = int(port) if port.isascii() and port.isdigit() and len(port) <= 5 else None
+    return host.strip("[]"), number if number and number <= 65535 else None
 
 
 def _open_tcp(url, rank, world_size, timeout, hosted, access):

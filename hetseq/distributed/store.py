@@ -11,7 +11,7 @@ membership and gloo's addresses. So with a secret no TCPStore runs at all:
     rank 0:  Table (a dict in memory, store_table.py) <- LocalStore (its own view, no network)
                    ^
                    | serve_connection(table): one thread per connection
-             Gate on HOST:PORT (tunnel.py: handshake, then sealed frames)
+             Gate on HOST:PORT (gate.py, tunnel.py: handshake, then sealed frames)
                    ^
     rank k:  RemoteStore (a torch.distributed.Store written in Python): its own
              TCP connection, handshake_as_client, then sealed requests
@@ -47,7 +47,7 @@ import threading
 
 import torch.distributed as dist
 
-from hetseq.distributed import tunnel
+from hetseq.distributed import gate, tunnel
 from hetseq.distributed.store_table import Gone, Table, WaitTimeout, execute
 from hetseq.distributed.store_wire import (ADD, APPEND, CHECK, COMPARE_SET, DELETE_KEY, GET,
                                            INVALID, MAX_KEY, MAX_KEYS, MAX_MESSAGE, MAX_VALUE,
@@ -377,7 +377,7 @@ def serve(listener, secret, timeout=DEFAULT_TIMEOUT):
     socket on the job's address) behind the tunnel's gate; the returned
     LocalStore is this process's own view. Keep it referenced for the job."""
     store = LocalStore(Table(), timeout)
-    store.gate = tunnel.Gate(listener, secret, serve_connection(store.table))
+    store.gate = gate.Gate(listener, secret, serve_connection(store.table))
     return store
 
 

@@ -11,11 +11,13 @@ from hetseq.distributed.store_wire import (ADD, APPEND, CHECK, COMPARE_SET, DELE
                                            WAIT)
 
 POLL_S = 1.0            # how often a waiting server thread looks for its client's departure
-# What the whole table may hold: a job keeps a few hundred small keys (rank
-# claims, addresses, the elastic membership, the status); a member writing
-# without end is refused with ValueError, which its call raises, rather
-# than filling the serving process's memory.
-MAX_TABLE_KEYS = 1 << 16
+# What the whole table may hold: a fixed job keeps a few hundred small keys
+# (rank claims, addresses, the status); an elastic leader adds about two a
+# member for each generation (gloo's groups, e/<g>/...), none deleted, so
+# 64 members meet 8,000 times before the bound. A member writing without
+# end is refused with ValueError, which its call raises, rather than
+# filling the serving process's memory.
+MAX_TABLE_KEYS = 1 << 20
 MAX_TABLE_BYTES = 1 << 30
 
 

@@ -13,35 +13,26 @@ job's salt and a nonce Ns; K is the secret stretched with that salt
 (job_secret.py: scrypt, so that a recorded handshake costs an offline
 guesser 0.1 s and 32 MiB a guess); the client answers with its nonce Nc and
 HMAC(K, "client" Ns Nc); the gate checks it and answers OK with the address
-it listens on, W, and HMAC(K, "server" Nc Ns W) (or NO; or FULL when it
-serves SERVED connections already). Each direction then has its own key,
-HMAC(K, "c2s"/"s2c" Ns Nc), and every frame carries HMAC(key, sequence
-number, data): a frame changed, replayed, reordered or injected by a
+it listens on, W, and HMAC(K, "server" Nc Ns W) (or NO; or FULL and
+HMAC(K, "full" Nc Ns) when it serves SERVED connections already). Each
+direction then has its own key, HMAC(K, "c2s"/"s2c" Ns Nc), and every
+frame carries HMAC(key, sequence number, data): a frame changed, replayed, reordered or injected by a
 process without the secret closes the connection. Nothing read from the
 network is unpickled.
 
-The door stays open under a flood: at most HANDSHAKES handshakes at once
-(PER_SOURCE from one address), each for at most HANDSHAKE_S, BUSY for the
-rest; failed accepts are waited out, and an error taking one connection
-costs that connection only (Gate, _serve_forever). Members are bounded
-too: at most SERVED connections served at once. The secret itself must
-resist guessing (job_secret.py).
+The listener side, which stays open under a flood (the caps below), is
+gate.py; the secret itself, which must resist guessing, job_secret.py.
 """
 
 import hashlib
 import hmac
-import logging
 import secrets
 import socket
 import struct
-import threading
 import time
 
-from hetseq.reporting import Tally
 from hetseq.distributed.job_secret import SALT
 from hetseq.errors import UserError
-
-logger = logging.getLogger(__name__)
 
 MAGIC = b"HETSEQ-SECRET-2\n"
 # The gate's answer when HANDSHAKES handshakes are already in progress: as
@@ -69,21 +60,8 @@ GREETING_S = 3.0
 # How long a client keeps asking a gate that answers "busy" (a flood) before
 # it gives up with a message.
 BUSY_WAIT_S = 20.0
-REFUSALS_LOG_S = 30.0   # refused handshakes: a source's first logged, then one line per interval
 PAUSES_S = (0.05, 1.0)    # back-off after a busy answer or a failed accept: doubling, at most
-POLL_S = 1.0              # an accept loop notices its listener closed within this
 CHUNK = 1 << 16
-
-_WARNED = set()
-
-
-def _warn_once(kind, message, *args):
-    """A warning that would repeat at every connection (a flood, a machine
-    without /proc) is logged once per process."""
-    if kind not in _WARNED:
-        _WARNED.add(kind)
-        logger.warning(message, *args)
-
 
 def _mac(key, *parts):
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
@@ -129,6 +107,16 @@ def _where_bytes(address):
     return f"{address[0]} {address[1]}".encode()[:255]
 
 
+def _stated(where):
+    """(host, port) from the gate's proven "HOST PORT"; Refused if it is not
+    one (a member is trusted, but its words are still checked)."""
+    host, _, port = where.decode("ascii", errors="replace").rpartition(" ")
+    if not (host and host.isascii() and host.isprintable() and port.isdigit()
+            and 1 <= int(port[:6]) <= 65535):
+        raise Refused("it stated no address it listens on")
+    return host, int(port)
+
+
 def handshake_as_client(sock, secret, deadline=None):
     """(send key, receive key, (host, port) the gate says it listens on);
     raises Busy, Full, Refused or ConnectionError (socket.timeout past
@@ -145,6 +133,11 @@ def handshake_as_client(sock, secret, deadline=None):
     sock.sendall(nc + _mac(key, b"client", ns, nc))
     verdict = _recv_exact(sock, len(OK), deadline)
     if verdict == FULL:
+        # Believed only with the gate's proof: a squatter must not make a
+        # member wait, and blame another member, by answering "full".
+        if not hmac.compare_digest(_recv_exact(sock, TAG, deadline),
+                                   _mac(key, b"full", nc, ns)):
+            raise Refused("it answered 'full' without proving that it knows the secret")
         raise Full("it serves all the connections it takes (a member that opens "
                    "connections without closing them?)")
     if verdict != OK:
@@ -153,12 +146,11 @@ def handshake_as_client(sock, secret, deadline=None):
     if not hmac.compare_digest(_recv_exact(sock, TAG, deadline),
                                _mac(key, b"server", nc, ns, where)):
         raise Refused("it could not prove that it knows the secret (not the job you meant?)")
-    host, _, port = where.decode(errors="replace").rpartition(" ")
     c2s, s2c = _session_keys(key, ns, nc)
-    return c2s, s2c, (host, int(port) if port.isdigit() else None)
+    return c2s, s2c, _stated(where)
 
 
-def handshake_as_server(sock, secret, deadline=None, where=("", 0), room=None):
+def handshake_as_server(sock, secret, deadline, where, room=None):
     """(send key, receive key); raises Refused (Full when ``room()``, asked
     once the client proved the secret, says no) or ConnectionError
     (socket.timeout past ``deadline``, a time.monotonic()). ``where``: the
@@ -172,7 +164,7 @@ def handshake_as_server(sock, secret, deadline=None, where=("", 0), room=None):
         sock.sendall(NO)
         raise Refused("wrong secret (or none)")
     if room is not None and not room():
-        sock.sendall(FULL)
+        sock.sendall(FULL + _mac(key, b"full", nc, ns))
         raise Full("it knows the secret, but all the connections the gate takes are served")
     stated = _where_bytes(where)
     sock.sendall(OK + bytes([len(stated)]) + stated + _mac(key, b"server", nc, ns, stated))
@@ -234,159 +226,6 @@ def _close(*socks):
         except OSError:
             pass
         sock.close()
-
-
-def _serve_forever(listener, handle, name, admit=None, dropped=None):
-    """Accept connections on ``listener`` and hand each to ``handle(sock, peer)``
-    in a thread of its own, until the listener is closed on purpose.
-    ``admit(sock)``, called in the accepting thread, may refuse one (it then
-    closes it). A failed accept (out of descriptors: EMFILE, ENFILE; a peer
-    that reset: ECONNABORTED; ENOBUFS, ENOMEM) is logged once and waited out
-    with a growing pause, and any error while taking one connection (no
-    thread can be started) costs that connection only: were either the end
-    of the loop, a flood would close the door for good."""
-    listener.settimeout(POLL_S)   # to notice a close: it does not wake a blocked accept
-
-    def accept():
-        pause = PAUSES_S[0]
-        while listener.fileno() != -1:
-            try:
-                sock, peer = listener.accept()
-            except socket.timeout:
-                continue
-            except OSError as err:
-                if listener.fileno() == -1:
-                    return
-                _warn_once((name, err.errno), "%s: accepting a connection failed (%s); it keeps "
-                           "trying, with pauses of up to %.0f s", name, err, PAUSES_S[1])
-                time.sleep(pause)
-                pause = min(2 * pause, PAUSES_S[1])
-                continue
-            pause = PAUSES_S[0]
-            try:
-                if admit is None or admit(sock):
-                    _start(handle, sock, peer, dropped)
-            except Exception as err:        # out of threads, a bug: this connection only
-                _warn_once((name, type(err)), "%s: could not take a connection from %s (%s); "
-                           "it goes on taking the next ones", name, peer[0], err)
-                sock.close()
-                time.sleep(pause)
-    threading.Thread(target=accept, daemon=True, name=name).start()
-
-
-def _start(handle, sock, peer, dropped):
-    """``handle(sock, peer)`` in a thread of its own; ``dropped(peer)`` gives
-    back what ``admit`` took when no thread can be started (RuntimeError)."""
-    try:
-        threading.Thread(target=handle, args=(sock, peer), daemon=True).start()
-    except BaseException:
-        if dropped is not None:
-            dropped(peer)
-        raise
-
-
-# Every gate, so that it lives as long as the job whatever holds it (as
-# rendezvous._LISTENERS for the sockets under the stores).
-_GATES = []
-
-
-class Gate:
-    """A listener on the job's address that authenticates each connection and
-    then calls ``serve(sock, send_key, receive_key, where)`` in that
-    connection's thread (store.serve_connection: the job's store). At most
-    ``handshakes`` handshakes run at once (``per_source`` from one address),
-    each for at most HANDSHAKE_S; a connection beyond them is answered BUSY
-    and closed at once, so that connections from anyone (no secret needed)
-    cannot use up the process's threads or descriptors, and one machine
-    cannot keep the members out."""
-
-    def __init__(self, listener, secret, serve, handshakes=HANDSHAKES, per_source=PER_SOURCE,
-                 served=SERVED):
-        self.listener, self.secret, self.serve = listener, secret, serve
-        self.handshakes, self.per_source, self.served = handshakes, per_source, served
-        self._lock, self._busy = threading.Lock(), {}    # source address: handshakes in progress
-        self._serving = 0                                # connections past the handshake
-        self._where = listener.getsockname()[:2]
-        secret.key()              # derived once, before the first member waits for it
-        self._refusals = Tally(REFUSALS_LOG_S)
-        _GATES.append(self)
-        _serve_forever(listener, self._admit, "hetseq-gate", self._take_slot,
-                       lambda peer: self._release(peer[0]))
-
-    def _take_slot(self, sock):
-        """Whether ``sock`` may start its handshake: fewer than ``handshakes``
-        in progress, and fewer than ``per_source`` from its address."""
-        try:
-            source = sock.getpeername()[0]
-        except OSError:
-            sock.close()
-            return False
-        with self._lock:
-            if sum(self._busy.values()) < self.handshakes and \
-                    self._busy.get(source, 0) < self.per_source:
-                self._busy[source] = self._busy.get(source, 0) + 1
-                return True
-        _warn_once(("busy", id(self)), "more than %d connections at once (or %d from one "
-                   "address) are in the secret handshake of the job's port %s (a flood?): the "
-                   "others are answered 'busy'", self.handshakes, self.per_source,
-                   self.listener.getsockname()[1])
-        try:
-            sock.setblocking(False)
-            sock.send(BUSY)
-        except OSError:
-            pass
-        sock.close()
-        return False
-
-    def _refused(self, source, where, why):
-        """One line for a source's first refusal, then one per source and
-        REFUSALS_LOG_S with the count: anyone can cause these."""
-        first, due = self._refusals.add(source, str(why))
-        if first:
-            logger.warning("refused a connection to the job's store from %s: %s (more from "
-                           "it are counted: one line every %.0f s)", where, why, REFUSALS_LOG_S)
-        for other, count, last in due:
-            logger.warning("refused %d more connections to the job's store from %s in the "
-                           "last %.0f s (the last: %s)", count, other, REFUSALS_LOG_S, last)
-
-    def _release(self, source):
-        with self._lock:
-            self._busy[source] -= 1
-            if not self._busy[source]:
-                del self._busy[source]
-
-    def _room(self):
-        """Takes a place among the ``served`` connections, if one is free."""
-        with self._lock:
-            if self._serving >= self.served:
-                return False
-            self._serving += 1
-            return True
-
-    def _admit(self, sock, peer):
-        where = f"{peer[0]}:{peer[1]}"
-        try:
-            try:
-                keys = handshake_as_server(sock, self.secret, time.monotonic() + HANDSHAKE_S,
-                                           self._where, self._room)
-            finally:
-                self._release(peer[0])
-        except Refused as err:
-            self._refused(peer[0], where, err)
-            sock.close()
-            return
-        except OSError:       # a reachability probe, a peer that gave up or was too slow
-            sock.close()
-            return
-        sock.settimeout(None)
-        try:
-            self.serve(sock, *keys, where)
-        except OSError as err:
-            logger.warning("could not serve a connection from %s: %s", where, err)
-            sock.close()
-        finally:
-            with self._lock:
-                self._serving -= 1
 
 
 def check(address, secret, url, patience_s=BUSY_WAIT_S):

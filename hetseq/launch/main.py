@@ -338,6 +338,10 @@ def main(argv=None):
             launch.start()
             code = launch.run()
         finally:
+            # The secret goes before the handlers: a second signal must not
+            # find the default action and leave the file behind.
+            if secret is not None:
+                secret.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     except UserError as err:

@@ -115,11 +115,13 @@ def follow_leader(store, url, secret, timeout_s=CONNECT_S):
     names it in ``e/leader``); otherwise ``store`` itself."""
     if secret is None or not store.check(["e/leader"]):
         return store, url
-    try:
-        leader = json.loads(store.get("e/leader"))
-        there = f"tcp://{leader['addr']}:{int(leader['port'])}"
-    except (ValueError, TypeError, KeyError):
-        raise UserError(f"{url}: the member's e/leader is not an address") from None
+    leader = _json_value(store, "e/leader")
+    addr = leader.get("addr") if isinstance(leader, dict) else None
+    port = _whole(leader.get("port")) if isinstance(leader, dict) else None
+    if not (isinstance(addr, str) and 0 < len(addr) <= 255 and addr.isprintable()
+            and " " not in addr and port is not None and 1 <= port <= 65535):
+        raise UserError(f"{url}: the member's e/leader is not an address")
+    there = f"tcp://{f'[{addr}]' if ':' in addr else addr}:{port}"
     if there == url:
         return store, url
     store.close()
@@ -170,18 +172,24 @@ def read(store):
     """The job's status (a dict, ``clean``), or None before rank 0 published one."""
     if not store.check([KEY]):
         return None
-    raw = store.get(KEY)
-    if len(raw) > MAX_VALUE:
-        raise UserError(f"the job's {KEY} is {len(raw)} bytes, more than a status "
-                        f"({MAX_VALUE} at most): not HetSeq's, or another version's")
-    try:
-        view = json.loads(raw)
-    except (ValueError, RecursionError) as err:   # RecursionError: "[[[[..." nested deep
-        raise UserError(f"the job's {KEY} is not JSON ({type(err).__name__}; another "
-                        "HetSeq version?)") from None
+    view = _json_value(store, KEY)
     if not isinstance(view, dict):
         raise UserError(f"the job's {KEY} is not a status")
     return clean(view)
+
+
+def _json_value(store, key):
+    """The JSON value at ``key``, bounded: whoever holds the secret, or
+    reaches a job without one, could have written anything there."""
+    raw = store.get(key)
+    if len(raw) > MAX_VALUE:
+        raise UserError(f"the job's {key} is {len(raw)} bytes, more than a status "
+                        f"({MAX_VALUE} at most): not HetSeq's, or another version's")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as err:   # RecursionError: "[[[[..." nested deep
+        raise UserError(f"the job's {key} is not JSON ({type(err).__name__}; another "
+                        "HetSeq version?)") from None
 
 
 MAX_RANKS = 4096
