@@ -52,13 +52,17 @@ def wait_until(condition, timeout, what):
 
 def open_gate(handshakes=tunnel.HANDSHAKES, listener=None):
     """A gate on 127.0.0.1 (port) whose ``serve`` echoes one sealed frame back."""
+    return echo_gate(listener, handshakes=handshakes)[0]
+
+
+def echo_gate(listener=None, **caps):
+    """(port, the Gate) of an echoing gate on 127.0.0.1 with ``caps``."""
     listener = listener or socket.create_server(("127.0.0.1", 0))
 
     def echo(sock, send_key, receive_key, where):
         with sock:
             tunnel._seal(sock, send_key, 0, tunnel._open(sock, receive_key, 0))
-    gate.Gate(listener, key(), echo, handshakes)
-    return listener.getsockname()[1]
+    return listener.getsockname()[1], gate.Gate(listener, key(), echo, **caps)
 
 
 def echoed(port, patience_s=tunnel.BUSY_WAIT_S):
@@ -367,16 +371,13 @@ def test_the_accept_loop_survives_an_error_taking_a_connection(monkeypatch):
             raise RuntimeError("can't start new thread")
         return real(self)
     monkeypatch.setattr(threading.Thread, "start", start)
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-
-    def echo(sock, send_key, receive_key, where):
-        with sock:
-            tunnel._seal(sock, send_key, 0, tunnel._open(sock, receive_key, 0))
-    door = gate.Gate(listener, key(), echo, handshakes=1)
+    port, door = echo_gate(handshakes=1)
     with socket.create_connection(("127.0.0.1", port), timeout=5) as first:
         first.settimeout(5)
-        assert first.recv(1) == b""                     # closed: no thread for it
+        try:
+            assert first.recv(1) == b""                 # closed: no thread for it
+        except socket.timeout:
+            pytest.fail("the connection no thread could take was left open (the loop died?)")
     try:
         answer = echoed(port, patience_s=2)
     except OSError as err:
@@ -421,13 +422,7 @@ def test_a_member_that_resets_after_its_proof_gives_its_place_back():
     """However a connection ends after the gate gave it a place (a reset
     before OK, an error in serve), the place is free again: 60 resets on a
     gate of 4 places leave all 4 for the next member."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-
-    def echo(sock, send_key, receive_key, where):
-        with sock:
-            tunnel._seal(sock, send_key, 0, tunnel._open(sock, receive_key, 0))
-    door = gate.Gate(listener, key(), echo, served=4)
+    port, door = echo_gate(served=4)
     for _ in range(60):
         proof_then_reset(port, key())
     wait_until(lambda: door._serving == 0 and door._busy == {}, 20, "every place given back")

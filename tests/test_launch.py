@@ -266,6 +266,14 @@ def test_a_killed_launcher_leaves_no_node_behind(tmp_path):
     assert processes_with(str(tmp_path)) == []
 
 
+def nohup_from_a_terminal():
+    """The launcher's signals as `nohup hetseq-launch` typed at a terminal
+    leaves them: SIGHUP ignored, SIGQUIT at its default (a background job
+    of a script, this test's own case perhaps, inherits SIGQUIT ignored)."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 def test_nohup_keeps_the_job_and_ctrl_backslash_stops_it_and_removes_the_secret(tmp_path):
     """Started with SIGHUP ignored (nohup), the launcher keeps it ignored: its
     terminal closing costs no training. SIGQUIT (Ctrl-\\) stops every node and
@@ -276,7 +284,7 @@ def test_nohup_keeps_the_job_and_ctrl_backslash_stops_it_and_removes_the_secret(
         [*LAUNCH, "--hostfile", hosts, "--launcher", "local", "--master-port", str(free_port()),
          str(ROOT / "train.py"), "--cpu", *TOY, "--max-update", "1000000", "--toy-sample-ms", "20"],
         cwd=ROOT, env=child_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)))
+        preexec_fn=nohup_from_a_terminal))
     made = secret_path(job)
     job.wait_for(r"localhost: .*\| update \d+", timeout=120)
     os.kill(job.proc.pid, signal.SIGHUP)
