@@ -532,9 +532,9 @@ MUTATIONS = {
         ["tests/test_local_steps.py::test_overlap_alone_follows_the_local_trajectory"]),
     "save-inside-a-round": (
         "--local-steps: a save ends the round, so a resume is exact",
-        "hetseq/run/loop.py",
-        "                or validates or _due(self.job.checkpoint.save_interval_updates, done))",
-        "                or validates)",
+        "hetseq/run/events.py",
+        "        return self.validates or self.saves or self.ends",
+        "        return self.validates or self.ends",
         ["tests/test_local_steps.py::test_resume_mid_round_is_exact_and_keeps_every_ranks_optimizer"]),
     "powersgd-hook-not-registered": (
         "--grad-compression powersgd compresses the gradient all-reduce",
@@ -678,9 +678,9 @@ MUTATIONS = {
         ['tests/test_elastic_scale.py::test_a_rank_that_never_beat_is_told_silent']),
     'validation-inside-a-round': (
         "--validate-interval-updates ends a round of --local-steps: every rank validates one model",
-        'hetseq/run/loop.py',
-        "                or validates or _due(",
-        "                or _due(",
+        'hetseq/run/events.py',
+        "        return self.validates or self.saves or self.ends",
+        "        return self.saves or self.ends",
         ['tests/test_local_steps.py::test_a_validation_between_updates_ends_the_round']),
     'validation-twice-at-an-epoch-end': (
         "an interval validation that falls on an epoch's end is made once",

@@ -25,6 +25,7 @@ from hetseq.reporting.report import Reporter
 from hetseq.run import checkpoint
 from hetseq.run.checkpoint import Component
 from hetseq.run.elastic import GenerationOver, Reconfigure
+from hetseq.run.events import Events
 from hetseq.run.validation import Validation
 from hetseq.tasks import TASKS, Task, import_builtin_tasks, import_user_dir
 from hetseq.update import precision
@@ -91,6 +92,7 @@ class Run:
             logger.info("resumed from %s: epoch %d, %d updates done", resumed,
                         self.train_data.epoch, self.controller.num_updates)
         self.agreement.due(self.controller.num_updates, now=True)
+        self.events = Events(job.training, job.checkpoint)
         self._plan_schedule()
         # The data position of the last completed update (an elastic member's
         # snapshot), and of the update under way once its batches are drawn.
@@ -207,31 +209,23 @@ class Run:
             self.after_update(result, time.perf_counter() - started, steps)
             started, steps = None, 0
             self._completed.append((controller.num_updates, self._drawn))
-            if training.max_update and controller.num_updates >= training.max_update:
+            after = self.events.after(controller.num_updates)
+            if after.ends:
                 break
-            metric = self.validate(epoch) if self._validates_now() else None
-            if _due(self.job.checkpoint.save_interval_updates, controller.num_updates):
+            metric = self.validate(epoch) if after.validates else None
+            if after.saves:
                 self._save(None, metric)
             if self._reconfigure:
                 raise Reconfigure()
         self.report.end_epoch(epoch, controller.num_updates)
 
     def _boundary(self):
-        """Whether the update just drawn is followed by a validation, a save or
-        the end (--local-steps then ends the round: every rank holds one model).
-        From the job's flags and the data position only, the same on every rank."""
-        data, done = self.train_data, self.controller.num_updates + 1
-        training = self.job.training
-        validates = not training.disable_validation and \
-            _due(training.validate_interval_updates, done)
+        """Whether the update just drawn ends its epoch or is followed by one
+        of the run's events (events.py): --local-steps then ends the round,
+        so that every rank holds one model. The same on every rank."""
+        data = self.train_data
         return (data.samples_in_epoch in (0, data.dataset_size)
-                or bool(training.max_update and done >= training.max_update)
-                or validates or _due(self.job.checkpoint.save_interval_updates, done))
-
-    def _validates_now(self):
-        training = self.job.training
-        return not training.disable_validation and \
-            _due(training.validate_interval_updates, self.controller.num_updates)
+                or bool(self.events.after(self.controller.num_updates + 1)))
 
     def _join_waiting(self):
         return self.membership is not None and self.membership.join_waiting()
@@ -324,12 +318,6 @@ def _log_exchange(plan, devices, links, per_update, can_sit):
                                 per_update)
     for line in lines:
         logger.info("%s", line)
-
-
-def _due(every, updates):
-    """Whether an every-N-updates action (N = 0: never) falls on ``updates``
-    (never on 0: a skipped first update leaves the count there)."""
-    return bool(every and updates and updates % every == 0)
 
 
 def _chunks(iterable, size):
