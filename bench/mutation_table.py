@@ -394,7 +394,7 @@ MUTATIONS = {
         ['tests/test_secret.py::test_hetseq_secret_makes_accepted_secrets_and_private_files']),
     'meeting-port-taken-silently': (
         'a URL port held by another program is an error',
-        'hetseq/distributed/rendezvous.py',
+        'hetseq/distributed/meeting_point.py',
         '    raise UserError(_in_use(address, port))',
         '    return _listen(url, address, 0)',
         ['tests/test_gate.py::test_a_taken_port_is_an_error_unless_a_node_of_this_job_holds_it']),
@@ -406,19 +406,19 @@ MUTATIONS = {
         ['tests/test_elastic_scale.py::test_sixteen_nodes_lose_a_killed_and_a_frozen_host_and_a_waiting_node_takes_a_place']),
     'meeting-port-no-second-node': (
         'a second node of the same job on one host takes another port',
-        'hetseq/distributed/rendezvous.py',
+        'hetseq/distributed/meeting_point.py',
         '    if holder is None:',
         '    if True:',
         ['tests/test_gate.py::test_a_taken_port_is_an_error_unless_a_node_of_this_job_holds_it']),
     'meeting-point-ipv4-only': (
         "an IPv6 member serves the URL's port",
-        'hetseq/distributed/rendezvous.py',
+        'hetseq/distributed/meeting_point.py',
         '    family = socket.AF_INET6 if ":" in address else socket.AF_INET',
         '    family = socket.AF_INET',
         ['tests/test_gate.py::test_an_elastic_member_serves_an_ipv6_address_at_the_urls_port']),
     "store-on-every-address": (
         "a store never listens on every address; this host's ranks meet rank 0 where it listens",
-        "hetseq/distributed/rendezvous.py",
+        "hetseq/distributed/meeting_point.py",
         "    return interfaces.primary_address()\n",
         '    return "::" if socket.has_dualstack_ipv6() else "0.0.0.0"\n',
         ["tests/test_gate.py::test_a_store_never_listens_on_every_address"]),
@@ -508,7 +508,7 @@ MUTATIONS = {
         ["tests/test_secret.py::test_a_secret_that_could_be_guessed_is_refused_with_the_command_that_makes_one"]),
     "torchrun-restart-sees-old-claims": (
         "a job under torchrun --max-restarts resumes after a restart",
-        "hetseq/distributed/rendezvous.py",
+        "hetseq/distributed/meeting_point.py",
         'restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")',
         "restart = None",
         ["tests/test_launchers.py::test_torchrun_restart_resumes_from_the_checkpoint_exactly"]),
@@ -765,7 +765,7 @@ MUTATIONS = {
         ['tests/test_first_hour.py::test_plot_of_a_real_run']),
     'a-slow-member-taken-for-another-job': (
         "a second node on a member's host asks a member slow to greet again before calling its port another job's",
-        'hetseq/distributed/rendezvous.py',
+        'hetseq/distributed/meeting_point.py',
         "HOLDER_TRIES = 3",
         "HOLDER_TRIES = 1",
         ['tests/test_gate.py::test_a_member_slow_to_greet_still_holds_its_port']),
@@ -855,7 +855,7 @@ MUTATIONS = {
         ['tests/test_secret.py::test_typed_secrets_that_look_long_are_refused']),
     'relay-on-the-url-moved-aside': (
         "a relay squatting on the meeting point's port is refused, not moved aside for",
-        'hetseq/distributed/rendezvous.py',
+        'hetseq/distributed/meeting_point.py',
         '    if not _same_place(holder, (address, port)):',
         '    if False:',
         ['tests/test_gate.py::test_a_relay_squatting_on_the_meeting_point_is_refused']),

@@ -1,6 +1,6 @@
 """The gate of a job with a secret stays open under a flood (tunnel.py);
 meeting points refuse a taken port, serve IPv6 and never listen everywhere
-without a secret (rendezvous.py); sizes read from peers are bounded
+without a secret (meeting_point.py); sizes read from peers are bounded
 (collectives.py). That no other user of a host reaches a store with a
 secret is tests/test_store.py's."""
 
@@ -19,7 +19,7 @@ import types
 import pytest
 import torch
 
-from hetseq.distributed import collectives, gate, job_secret, rendezvous, tunnel
+from hetseq.distributed import collectives, gate, job_secret, meeting_point, tunnel
 from hetseq.errors import PeerLost, UserError
 
 from conftest import (RUN_DIR, UPDATE_LINE, Watched, child_env, free_port, node_commands,
@@ -39,7 +39,7 @@ def key(text=SECRET):
 
 def serve(secret=None):
     url = f"tcp://127.0.0.1:{free_port()}"
-    store = rendezvous.open_store(url, 0, 2, TIMEOUT, access=rendezvous.Access(secret or key()))
+    store = meeting_point.open_store(url, 0, 2, TIMEOUT, access=meeting_point.Access(secret or key()))
     return store, int(url.rsplit(":", 1)[1])
 
 
@@ -244,7 +244,7 @@ def test_a_flood_of_idle_connections_neither_stops_the_job_nor_shuts_its_door():
         sampler.join(timeout=tunnel.HANDSHAKE_S + 5)
         assert max(peak) <= before + HELD, (before, max(peak))
         # The flood is still held: a member with the secret gets in.
-        member = rendezvous.join_meeting_point(("127.0.0.1", port), key(), 10)
+        member = meeting_point.join_meeting_point(("127.0.0.1", port), key(), 10)
         member.set("test/member", "in")
         assert member.get("test/member") == b"in"
         assert "Too many open files" not in rank0.output(), rank0.output()[-3000:]
@@ -269,13 +269,13 @@ def test_an_elastic_member_serves_an_ipv6_address_at_the_urls_port():
         require(False, f"needs IPv6 loopback (::1): {err}")
     port = free_port()
     try:
-        store, served = rendezvous.serve_meeting_point(f"tcp://[::1]:{port}", "::1", port,
+        store, served = meeting_point.serve_meeting_point(f"tcp://[::1]:{port}", "::1", port,
                                                        key(), 10)
     except UserError as err:
         pytest.fail(f"a meeting point on an IPv6 address (::1, where this host listens) "
                     f"was not served: {err}")
     assert served == port
-    rendezvous.join_meeting_point(("::1", port), key(), 10).set("k", "v")
+    meeting_point.join_meeting_point(("::1", port), key(), 10).set("k", "v")
     assert store.get("k") == b"v"
 
 
@@ -289,14 +289,14 @@ def test_a_taken_port_is_an_error_unless_a_node_of_this_job_holds_it(monkeypatch
     with socket.create_server(("127.0.0.1", port)):          # another program
         with pytest.raises(UserError, match=f"port {port} on 127.0.0.1 is in use .*"
                                             f"ss -ltnp 'sport = :{port}'"):
-            rendezvous.serve_meeting_point(url, "127.0.0.1", port, key(), 10)
-    _, served = rendezvous.serve_meeting_point(url, "127.0.0.1", port, key(), 10)
+            meeting_point.serve_meeting_point(url, "127.0.0.1", port, key(), 10)
+    _, served = meeting_point.serve_meeting_point(url, "127.0.0.1", port, key(), 10)
     assert served == port
     other = key("7d2b9f41c6e80a35b1f4d9e27c6a0b83")
     with pytest.raises(UserError, match=f"port {port} on 127.0.0.1 is in use"):
-        rendezvous.serve_meeting_point(url, "127.0.0.1", port, other, 10)   # another job's
+        meeting_point.serve_meeting_point(url, "127.0.0.1", port, other, 10)   # another job's
     try:
-        _, second = rendezvous.serve_meeting_point(url, "127.0.0.1", port, key(), 10)
+        _, second = meeting_point.serve_meeting_point(url, "127.0.0.1", port, key(), 10)
     except UserError as err:
         pytest.fail(f"a second node of this job on this host was refused the port a node of "
                     f"the same job holds, instead of taking another: {err}")
@@ -341,14 +341,14 @@ def test_a_relay_squatting_on_the_meeting_point_is_refused():
     node finds the relay out and refuses to move aside (one line naming
     the port and ss -ltnp), instead of leaving the URL to the squatter."""
     member_port, url_port = free_port(), free_port()
-    rendezvous.serve_meeting_point(f"tcp://127.0.0.1:{member_port}", "127.0.0.1", member_port,
+    meeting_point.serve_meeting_point(f"tcp://127.0.0.1:{member_port}", "127.0.0.1", member_port,
                                    key(), 10)
     squatter = relay(url_port, member_port)
     try:
         with pytest.raises(UserError, match=f"port {url_port} on 127.0.0.1 is held by a relay to "
                                             f"a node of this job that listens on 127.0.0.1:"
                                             f"{member_port}.*ss -ltnp 'sport = :{url_port}'"):
-            rendezvous.serve_meeting_point(f"tcp://127.0.0.1:{url_port}", "127.0.0.1", url_port,
+            meeting_point.serve_meeting_point(f"tcp://127.0.0.1:{url_port}", "127.0.0.1", url_port,
                                            key(), 10)
     finally:
         squatter.close()
@@ -501,7 +501,7 @@ def test_a_member_slow_to_greet_still_holds_its_port(monkeypatch):
                 pass
     threading.Thread(target=slow_member, daemon=True).start()
     try:
-        _, second = rendezvous.serve_meeting_point(f"tcp://127.0.0.1:{port}", "127.0.0.1",
+        _, second = meeting_point.serve_meeting_point(f"tcp://127.0.0.1:{port}", "127.0.0.1",
                                                    port, key(), 10)
     except UserError as err:
         pytest.fail(f"a member that greeted late was taken for another job: {err}")
@@ -521,23 +521,23 @@ def test_a_store_never_listens_on_every_address(monkeypatch):
     too; --distributed-interface chooses another; localhost is one host."""
     monkeypatch.setattr(socket, "gethostname", lambda: "thishost")
     monkeypatch.setattr(socket, "getfqdn", lambda: "localhost")
-    monkeypatch.setattr(rendezvous.interfaces, "resolve", lambda host: "127.0.1.1")
-    monkeypatch.setattr(rendezvous.interfaces, "primary_address", lambda: "10.9.8.7")
-    monkeypatch.setattr(rendezvous.interfaces, "address_of",
+    monkeypatch.setattr(meeting_point.interfaces, "resolve", lambda host: "127.0.1.1")
+    monkeypatch.setattr(meeting_point.interfaces, "primary_address", lambda: "10.9.8.7")
+    monkeypatch.setattr(meeting_point.interfaces, "address_of",
                         lambda name: {"side0": "10.1.1.1"}.get(name))
     url = "tcp://thishost:1"
     for secret in (None, key()):
-        access = rendezvous.Access(secret)
-        assert rendezvous._listen_address(url, "thishost", access) == "10.9.8.7"
-        assert rendezvous._client_address("thishost", access) == "10.9.8.7"
-    side = rendezvous.Access(None, "side0")
-    assert rendezvous._listen_address(url, "thishost", side) == "10.1.1.1"
-    assert rendezvous._client_address("thishost", side) == "10.1.1.1"
-    one_host = rendezvous.Access(None, spans_hosts=False)
-    assert rendezvous._listen_address(url, "thishost", one_host) == "127.0.1.1"
-    assert rendezvous._listen_address("tcp://localhost:1", "localhost",
-                                      rendezvous.Access(None)) == "127.0.1.1"
-    assert rendezvous._client_address("otherhost", rendezvous.Access(None)) == "otherhost"
+        access = meeting_point.Access(secret)
+        assert meeting_point._listen_address(url, "thishost", access) == "10.9.8.7"
+        assert meeting_point._client_address("thishost", access) == "10.9.8.7"
+    side = meeting_point.Access(None, "side0")
+    assert meeting_point._listen_address(url, "thishost", side) == "10.1.1.1"
+    assert meeting_point._client_address("thishost", side) == "10.1.1.1"
+    one_host = meeting_point.Access(None, spans_hosts=False)
+    assert meeting_point._listen_address(url, "thishost", one_host) == "127.0.1.1"
+    assert meeting_point._listen_address("tcp://localhost:1", "localhost",
+                                      meeting_point.Access(None)) == "127.0.1.1"
+    assert meeting_point._client_address("otherhost", meeting_point.Access(None)) == "otherhost"
 
 
 # ---- collectives ----------------------------------------------------------------------

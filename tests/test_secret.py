@@ -17,7 +17,7 @@ from test_parity import COMMON, EXACT, reference
 
 from conftest import (assert_ok, final_params, finish, free_port, max_diff, node_commands,
                       start_nodes)
-from hetseq.distributed import job_secret, rendezvous, secret, tunnel
+from hetseq.distributed import job_secret, meeting_point, secret, tunnel
 from hetseq.errors import UserError
 
 SECRET = "a8f3e1c97b2d4065a1e0c3b5d7f9e2a4"
@@ -31,12 +31,12 @@ def key(text):
 
 def serve(secret):
     url = f"tcp://127.0.0.1:{free_port()}"
-    store = rendezvous.open_store(url, 0, 2, TIMEOUT, access=rendezvous.Access(secret))
+    store = meeting_point.open_store(url, 0, 2, TIMEOUT, access=meeting_point.Access(secret))
     return url, store
 
 
 def join(url, secret):
-    return rendezvous.open_store(url, 1, 2, TIMEOUT, access=rendezvous.Access(secret))
+    return meeting_point.open_store(url, 1, 2, TIMEOUT, access=meeting_point.Access(secret))
 
 
 def handshake_pair(client_secret, server_secret):
@@ -310,8 +310,8 @@ def test_the_secret_file_is_checked_on_what_was_opened(tmp_path, monkeypatch):
 
 def test_a_secret_needs_a_tcp_meeting_point(tmp_path):
     with pytest.raises(UserError, match="needs a tcp:// meeting point"):
-        rendezvous.open_store(f"file://{tmp_path / 'meet'}", 0, 2, TIMEOUT,
-                              access=rendezvous.Access(key(SECRET)))
+        meeting_point.open_store(f"file://{tmp_path / 'meet'}", 0, 2, TIMEOUT,
+                              access=meeting_point.Access(key(SECRET)))
 
 
 def test_uninvited_nodes_are_refused_and_the_job_trains_on_exactly(three_hosts, tmp_path):

@@ -89,7 +89,7 @@ def _start(handle, sock, peer, dropped):
 
 
 # Every gate, so that it lives as long as the job whatever holds it (as
-# rendezvous._LISTENERS for the sockets under the stores).
+# meeting_point._LISTENERS for the sockets under the stores).
 _GATES = []
 
 

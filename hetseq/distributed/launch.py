@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
-from hetseq.distributed import health, job_secret, rendezvous
+from hetseq.distributed import health, job_secret, meeting_point, rendezvous
 from hetseq.distributed.topology import resolve_topology
 from hetseq.errors import HetSeqError, PeerLost
 from hetseq.reporting import NODE, rank_ranges, setup_logging
@@ -149,7 +149,7 @@ def _hosted_store(topology, secret=None):
     if topology.init_method is not None:
         yield topology
         return
-    store = rendezvous.loopback_store(topology.world_size, datetime.timedelta(seconds=60), secret)
+    store = meeting_point.loopback_store(topology.world_size, datetime.timedelta(seconds=60), secret)
     yield dataclasses.replace(topology, init_method=f"tcp://127.0.0.1:{store.port}",
                               store_hosted=True)
     del store

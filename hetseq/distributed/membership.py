@@ -44,7 +44,7 @@ import socket
 import time
 import uuid
 
-from hetseq.distributed import identity, interfaces, network, rendezvous, tunnel
+from hetseq.distributed import identity, interfaces, meeting_point, network, tunnel
 from hetseq.distributed.generations import Generation
 from hetseq.distributed.rounds import POLL_S, SETTLE_S, LeadRound, Moved, NoRound, describe
 from hetseq.errors import UserError
@@ -74,7 +74,7 @@ class Membership:
         self.ranks = ranks        # this node's processes (--distributed-gpus)
         self.url, self.secret, self.timeout_s = url, secret, launch.distributed_timeout
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
-        host, self.port = rendezvous.url_host_port(url)
+        host, self.port = meeting_point.url_host_port(url)
         self.binding = network.choose(host, launch.distributed_interface, backend)
         # The URL names this host (which Debian maps to 127.0.1.1): the others
         # reach it at its primary address, and so must this node's store.
@@ -84,7 +84,7 @@ class Membership:
             self.binding = network.at(interfaces.primary_address(),
                                       f"this host's primary address ({host} names this host)")
         self.id = uuid.uuid4().hex
-        self.store, self.store_port = rendezvous.serve_meeting_point(
+        self.store, self.store_port = meeting_point.serve_meeting_point(
             url, self.binding.address, self.port, secret, self.timeout_s)
         self._clients = {}
         self.generation, self.known = None, []
@@ -117,7 +117,7 @@ class Membership:
             return self.store
         if address not in self._clients:
             try:
-                self._clients[address] = rendezvous.join_meeting_point(
+                self._clients[address] = meeting_point.join_meeting_point(
                     address, self.secret, self.timeout_s)
             except UserError as err:
                 if entry:
@@ -225,7 +225,7 @@ class Membership:
     def _entry_store(self):
         """A newcomer's store: the URL's, or the leader it names (every member
         writes where the job meets into its own store)."""
-        host, port = rendezvous.url_host_port(self.url)
+        host, port = meeting_point.url_host_port(self.url)
         address = (self.binding.address if self.names_this_host else interfaces.resolve(host),
                    port)
         if address == self._address():

@@ -7,7 +7,7 @@ import datetime
 
 import torch.distributed as dist
 
-from hetseq.distributed import health, network, rendezvous
+from hetseq.distributed import health, meeting_point, network
 
 
 class Place:
@@ -28,7 +28,7 @@ class Place:
         """A place of one of the node's other processes: ``generation`` as
         the voice sent it (no store), with a connection of its own."""
         leader = generation.members[0]
-        store = rendezvous.join_meeting_point((leader["addr"], leader["port"]), secret,
+        store = meeting_point.join_meeting_point((leader["addr"], leader["port"]), secret,
                                               timeout_s)
         return cls(dataclasses.replace(generation, store=store), local, binding, timeout_s)
 

@@ -155,7 +155,7 @@ def handshake_as_server(sock, secret, deadline, where, room=None):
     once the client proved the secret, says no) or ConnectionError
     (socket.timeout past ``deadline``, a time.monotonic()). ``where``: the
     listening address this gate states, under its proof, so that a relay in
-    front of it shows (rendezvous._holder)."""
+    front of it shows (meeting_point._holder)."""
     ns, key = secrets.token_bytes(NONCE), secret.key()
     sock.sendall(MAGIC + secret.salt + ns)
     reply = _recv_exact(sock, NONCE + TAG, deadline)

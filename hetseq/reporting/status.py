@@ -84,7 +84,7 @@ class StatusBoard:
 def open_store(url, secret, timeout_s=CONNECT_S):
     """A read connection to the store at ``url`` (tcp://HOST:PORT), through
     the gate with a secret, else c10d's TCPStore client."""
-    from hetseq.distributed.rendezvous import url_host_port
+    from hetseq.distributed.meeting_point import url_host_port
     try:
         host, port = url_host_port(url) if url.startswith("tcp://") else (None, None)
     except ValueError:
