@@ -59,7 +59,7 @@ MUTATIONS = {
         ["tests/test_elastic.py::test_a_round_closes_at_its_deadline_with_whoever_came"]),
     "rename-not-made-durable": (
         "a save is durable: the file's data before the rename, its folder after it",
-        "hetseq/run/checkpoint.py",
+        "hetseq/run/checkpoint_files.py",
         "        os.replace(tmp, dst)\n        _sync_folder(folder)\n",
         "        os.replace(tmp, dst)\n",
         ["tests/test_checkpoint.py::test_a_save_reaches_the_disk_file_first_then_its_folder"]),
@@ -182,7 +182,7 @@ MUTATIONS = {
          "tests/test_randomness.py::test_every_key_part_changes_the_draw"]),
     "checkpoint-unpickles-code": (
         "a checkpoint carrying pickled code is refused and the code never runs",
-        "hetseq/run/checkpoint.py",
+        "hetseq/run/checkpoint_files.py",
         'state = torch.load(path, map_location="cpu", weights_only=True)',
         'state = torch.load(path, map_location="cpu", weights_only=False)',
         ["tests/test_untrusted.py::test_a_checkpoint_carrying_code_is_refused_and_the_code_never_runs"]),
@@ -226,7 +226,7 @@ MUTATIONS = {
         ["tests/test_checkpoint.py::test_reset_flags_keep_the_model_only"]),
     "write-in-place": (
         "a crash while saving keeps the previous checkpoint (atomic rename)",
-        "hetseq/run/checkpoint.py",
+        "hetseq/run/checkpoint_files.py",
         "    fd, tmp = tempfile.mkstemp(prefix=\".tmp-\", suffix=\".pt\", dir=folder)",
         "    fd, tmp = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), dst",
         ["tests/test_checkpoint.py::test_kill_while_saving_keeps_the_previous_checkpoint"]),

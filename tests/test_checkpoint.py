@@ -15,7 +15,7 @@ from conftest import (EXACT, EXACT_SGD, MNIST, ROOT, TOY, UPDATE_LINE, Watched, 
                       child_env, final_params, node_commands, ranks_of, require, run_job, run_train,
                       start_nodes, train_cmd)
 from hetseq.errors import UserError
-from hetseq.run import checkpoint
+from hetseq.run import checkpoint, checkpoint_files
 
 
 def test_resume_mid_epoch_is_bit_exact(mnist_data, tmp_path):
@@ -42,14 +42,14 @@ def test_resume_mid_epoch_is_bit_exact(mnist_data, tmp_path):
 
 
 def _save_forever(path):
-    big = {"format": checkpoint.FORMAT, "weights": torch.randn(64, 1024, 1024)}
+    big = {"format": checkpoint_files.FORMAT, "weights": torch.randn(64, 1024, 1024)}
     while True:
-        checkpoint.save(path, big)
+        checkpoint_files.save(path, big)
 
 
 def test_kill_while_saving_keeps_the_previous_checkpoint(tmp_path):
     path = tmp_path / "checkpoint_last.pt"
-    checkpoint.save(str(path), {"format": checkpoint.FORMAT, "value": torch.arange(5)})
+    checkpoint_files.save(str(path), {"format": checkpoint_files.FORMAT, "value": torch.arange(5)})
     # daemon, and killed whatever happens: a writer left running would keep
     # pytest from exiting when the wait below fails.
     writer = multiprocessing.get_context("spawn").Process(target=_save_forever, args=(str(path),),
@@ -65,12 +65,12 @@ def test_kill_while_saving_keeps_the_previous_checkpoint(tmp_path):
         os.kill(writer.pid, signal.SIGKILL)                    # mid-write
         writer.join()
     try:
-        kept = checkpoint.load(str(path))
+        kept = checkpoint_files.load(str(path))
     except UserError as err:
         pytest.fail(f"the previous checkpoint did not survive the kill: {err}")
     assert torch.equal(kept["value"], torch.arange(5))
     assert any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
-    checkpoint.remove_stale_temporaries(str(tmp_path))        # what the next run does
+    checkpoint_files.remove_stale_temporaries(str(tmp_path))        # what the next run does
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_last.pt"]
 
 
@@ -380,7 +380,7 @@ def test_checkpointer_takes_named_components_not_the_run(tmp_path):
         return checkpoint.Checkpointer(job.checkpoint, node.save, ctx, components, skip)
     saver = checkpointer({"model": Counter(7), "data": Counter(3)})
     saver.save(updates=5, data_epoch=1, epoch=1, metric=0.5)
-    state = checkpoint.load(str(tmp_path / "checkpoint_last.pt"))
+    state = checkpoint_files.load(str(tmp_path / "checkpoint_last.pt"))
     assert state["model"] == {"value": 7} and state["data"] == {"value": 3}
     assert state["best"] == 0.5 and (tmp_path / "checkpoint1.pt").exists()
     model, data = Counter(), Counter()
@@ -404,7 +404,7 @@ def test_an_elastic_state_keeps_its_lineage_and_another_line_is_refused(tmp_path
     saver = checkpoint.Checkpointer(job.checkpoint, node.save, ctx, {"model": Counter(7)},
                                     elastic=line)
     saver.save(updates=5, data_epoch=1)
-    state = checkpoint.load(str(tmp_path / "checkpoint_last.pt"))
+    state = checkpoint_files.load(str(tmp_path / "checkpoint_last.pt"))
     assert state["elastic"] == line and saver.local_state()["elastic"] == line
     model = Counter()
     taker = checkpoint.Checkpointer(job.checkpoint, node.save, ctx, {"model": model})
@@ -503,21 +503,21 @@ def test_checkpoints_of_the_previous_release_resume_exactly(tmp_path):
 _KILLED_SAVE = """
 import os, signal, sys
 import torch
-from hetseq.run import checkpoint
+from hetseq.run import checkpoint_files
 path, step = sys.argv[1], sys.argv[2]
-checkpoint.save(path, {"format": checkpoint.FORMAT, "which": "old"})
+checkpoint_files.save(path, {"format": checkpoint_files.FORMAT, "which": "old"})
 die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 if step == "while writing":
     def write(f):
         f.write(b"half a checkpoint")
         f.flush()
         die()
-    checkpoint._atomic_write(path, write)
+    checkpoint_files._atomic_write(path, write)
 if step == "before the rename":
     os.replace = die
 if step == "after the rename":
-    checkpoint._sync_folder = die
-checkpoint.save(path, {"format": checkpoint.FORMAT, "which": "new"})
+    checkpoint_files._sync_folder = die
+checkpoint_files.save(path, {"format": checkpoint_files.FORMAT, "which": "new"})
 die()
 """
 
@@ -532,9 +532,9 @@ def test_a_save_killed_at_any_step_leaves_a_checkpoint_that_resumes(tmp_path, st
     child = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(path), step],
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
-    checkpoint.remove_stale_temporaries(tmp_path)
+    checkpoint_files.remove_stale_temporaries(tmp_path)
     assert os.listdir(tmp_path) == ["checkpoint_last.pt"]
-    assert checkpoint.load(str(path))["which"] == left
+    assert checkpoint_files.load(str(path))["which"] == left
 
 
 def test_a_save_reaches_the_disk_file_first_then_its_folder(tmp_path, monkeypatch):
@@ -552,7 +552,7 @@ def test_a_save_reaches_the_disk_file_first_then_its_folder(tmp_path, monkeypatc
     def replace(src, dst):
         done.append("rename")
         real_replace(src, dst)
-    monkeypatch.setattr(checkpoint.os, "fsync", fsync)
-    monkeypatch.setattr(checkpoint.os, "replace", replace)
-    checkpoint.save(str(tmp_path / "c.pt"), {"format": checkpoint.FORMAT})
+    monkeypatch.setattr(checkpoint_files.os, "fsync", fsync)
+    monkeypatch.setattr(checkpoint_files.os, "replace", replace)
+    checkpoint_files.save(str(tmp_path / "c.pt"), {"format": checkpoint_files.FORMAT})
     assert done == ["file", "rename", "folder"], done

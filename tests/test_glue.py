@@ -370,7 +370,7 @@ def test_without_minilm_the_pretraining_checkpoint_is_the_start(tmp_path, tiny_h
         pretrained.default_starting_point(str(tmp_path))
     config = BertConfig.from_json(tiny_hf + "/config.json")
     source = BertForPreTraining(config)
-    from hetseq.run.checkpoint import FORMAT
+    from hetseq.run.checkpoint_files import FORMAT
     torch.save({"format": FORMAT, "controller": {"model": source.state_dict()}},
                tmp_path / "checkpoint_last.pt")
     start = pretrained.default_starting_point(str(tmp_path))

@@ -1,7 +1,7 @@
 """Bytes from a file or a peer are data, never code: a checkpoint or a
 collective's payload that carries a pickled call is refused (exit 2 for a
 checkpoint), and the call never runs. Both are read with
-``torch.load(weights_only=True)`` (hetseq/run/checkpoint.py,
+``torch.load(weights_only=True)`` (hetseq/run/checkpoint_files.py,
 hetseq/distributed/collectives.py); these tests keep them so."""
 
 import io
@@ -12,7 +12,7 @@ import torch
 
 from conftest import TOY, run_train
 from hetseq.distributed import collectives
-from hetseq.run import checkpoint
+from hetseq.run import checkpoint_files
 
 
 class Planted:
@@ -29,7 +29,7 @@ def test_a_checkpoint_carrying_code_is_refused_and_the_code_never_runs(tmp_path)
     marker = tmp_path / "the-code-ran"
     save = tmp_path / "ckpt"
     save.mkdir()
-    torch.save({"format": checkpoint.FORMAT, "controller": Planted(marker)},
+    torch.save({"format": checkpoint_files.FORMAT, "controller": Planted(marker)},
                save / "checkpoint_last.pt")
     result = run_train(*TOY, "--max-sentences", 8, "--max-update", 1, "--save-dir", save)
     assert result.returncode == 2, result.stderr[-3000:]

@@ -15,7 +15,7 @@ from hetseq.bert.hf import load_hf_weights, read_hf_config
 from hetseq.bert.model import BertConfig
 from hetseq.bert.tokenizer import WordPiece
 from hetseq.errors import UserError
-from hetseq.run import checkpoint
+from hetseq.run import checkpoint_files
 from hetseq.update.controller import CONTROLLER, MODEL
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class StartingPoint:
         if self.hf_folder:
             load_hf_weights(model, self.hf_folder)
             return
-        state = checkpoint.load(self.checkpoint)   # weights_only: no code runs from it
+        state = checkpoint_files.load(self.checkpoint)   # weights_only: no code runs from it
         encoder = {k: v for k, v in state[CONTROLLER.name][MODEL].items() if k.startswith("bert.")}
         try:
             model.load_state_dict(encoder, strict=False)
@@ -83,7 +83,7 @@ def starting_point(path):
         raise UserError(f"--load-hf-weights {path}: neither a Hugging Face BERT folder (no "
                         "config.json) nor a HetSeq checkpoint (a .pt file, or a --save-dir "
                         "holding checkpoint_best.pt or checkpoint_last.pt)")
-    flags = checkpoint.load(found).get("args") or {}
+    flags = checkpoint_files.load(found).get("args") or {}
     if flags.get("task") not in (None, "bert"):
         raise UserError(f"--load-hf-weights {found}: a checkpoint of --task {flags['task']}; "
                         "fine-tuning starts from a --task bert checkpoint")

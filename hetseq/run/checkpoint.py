@@ -1,10 +1,6 @@
-"""Checkpoints: atomic writes by rank 0, safe loading, resume of a run.
-
-A checkpoint is a dict of plain data and tensors, so it loads with
-``torch.load(weights_only=True)``: no code runs from a checkpoint file.
-It is written to a temporary file in the same folder, flushed to disk and
-renamed over the old one, so a crash while saving never damages the
-previous checkpoint.
+"""Checkpoints of a run: what they hold (components and their keys), when
+rank 0 saves, and how a run resumes. The files themselves, written
+atomically and read safely, are checkpoint_files.py's.
 
 Sharded state (--zero 1/2/3) is gathered to rank 0 and saved in the same
 full format as an unsharded run, rather than written per rank with
@@ -16,22 +12,19 @@ while saving, which fits every model whose state fits in one host's memory
 (with --cpu-offload the state lives on the host anyway).
 """
 
-import errno
 import logging
 import os
 import random
 import re
-import shutil
-import tempfile
 
 import numpy as np
 import torch
 
 from hetseq.errors import UserError
+from hetseq.run import checkpoint_files as files
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "hetseq-checkpoint-1"
 RESETS = ("optimizer", "lr-scheduler", "dataloader", "meters")   # the --reset-* flags
 
 
@@ -139,129 +132,6 @@ def plain_args(args):
             if v is None or isinstance(v, (bool, int, float, str, list, tuple))}
 
 
-def _umask():
-    mask = os.umask(0)   # the only way to read it; set straight back
-    os.umask(mask)
-    return mask
-
-
-# mkstemp creates files 0600; checkpoints get the mode the user's umask gives
-# any new file, so colleagues on a shared cluster can read them.
-FILE_MODE = 0o666 & ~_umask()
-
-
-def _disk_full(err):
-    """True when ``err`` or an exception it was raised from is ENOSPC (torch.save
-    reports it as an 'unexpected pos' RuntimeError caused by the OSError)."""
-    while err is not None:
-        if getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
-def _atomic_write(dst, write):
-    """``write(file)`` into a temporary file beside ``dst``, then rename it onto
-    ``dst``: a crash or a full disk leaves the previous ``dst`` as it was. The
-    file's data reach the disk before the rename, and the folder's entry
-    after it: a power loss then keeps the new file, not only its data."""
-    folder = os.path.dirname(os.path.abspath(dst))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
-    try:
-        os.fchmod(fd, FILE_MODE)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dst)
-        _sync_folder(folder)
-    except BaseException as err:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if not _disk_full(err):
-            raise
-        kept = f"the previous checkpoint {dst} is intact" if os.path.exists(dst) else \
-            "there was no earlier checkpoint of that name"
-        raise UserError(f"no space left on device while writing {dst}; {kept}. Free space in "
-                        f"{folder} or pass --save-dir on a larger disk, then run the same "
-                        "command again to resume") from None
-
-
-def _sync_folder(folder):
-    """fsync a folder: a rename is durable once its folder is on the disk."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def save(path, state):
-    """Write ``state`` to ``path`` atomically."""
-    _atomic_write(path, lambda f: torch.save(state, f))
-
-
-def copy(src, dst):
-    """Atomic copy (an epoch checkpoint from checkpoint_last.pt)."""
-    def write(f):
-        with open(src, "rb") as source:
-            shutil.copyfileobj(source, f)
-    _atomic_write(dst, write)
-
-
-def load(path):
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated, foreign or unsafe files all land here
-        raise UserError(f"checkpoint {path} cannot be read ({type(err).__name__}: "
-                        f"{str(err).splitlines()[0][:200]}); it may be truncated or not a HetSeq "
-                        "checkpoint: pass another --restore-file or remove it") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise UserError(f"{path} is not a HetSeq checkpoint (no '{FORMAT}' marker); pass another "
-                        "--restore-file or remove it")
-    return state
-
-
-def restore_path(save):
-    """The checkpoint to resume from (``save``: the node's SaveConfig)."""
-    if os.path.isabs(save.restore_file):
-        return save.restore_file
-    return os.path.join(save.save_dir, save.restore_file)
-
-
-def check_save_dir(save_dir):
-    try:
-        os.makedirs(save_dir, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"--save-dir {save_dir} cannot be created: {err.strerror}") from None
-    if not os.access(save_dir, os.W_OK):
-        raise UserError(f"--save-dir {save_dir} is not writable; pick another folder or --no-save")
-
-
-def remove_stale_temporaries(save_dir):
-    """Temporary files of a save that was killed midway."""
-    for name in os.listdir(save_dir):
-        if name.startswith(".tmp-") and name.endswith(".pt"):
-            os.remove(os.path.join(save_dir, name))
-
-
-def _numbered(save_dir, pattern):
-    """(number, path) of checkpoints whose name matches ``pattern``, oldest first."""
-    found = []
-    for name in os.listdir(save_dir):
-        match = re.fullmatch(pattern, name)
-        if match:
-            found.append((tuple(int(g) for g in match.groups()), os.path.join(save_dir, name)))
-    return sorted(found)
-
-
-def prune(save_dir, pattern, keep):
-    if keep < 0:
-        return
-    for _, path in _numbered(save_dir, pattern)[:-keep or None]:
-        os.remove(path)
-
-
 def _misfit(err):
     """One line for why a state did not load. torch's load_state_dict error
     lists every missing and unexpected key on lines of their own: count them
@@ -313,8 +183,8 @@ class Checkpointer:
         self.flags = flags or {}
         self.best = None
         if not save.no_save and ctx.is_main:
-            check_save_dir(save.save_dir)
-            remove_stale_temporaries(save.save_dir)
+            files.check_save_dir(save.save_dir)
+            files.remove_stale_temporaries(save.save_dir)
 
     def restore(self, source=None):
         """Load the state to resume from into the components; where it came
@@ -324,9 +194,9 @@ class Checkpointer:
         the one the round chose is refused on every rank); by default rank 0
         reads --restore-file."""
         from hetseq.distributed.collectives import broadcast_from
-        path = restore_path(self.where)
-        rank, make, lineage = source or (0, lambda: load(path) if os.path.exists(path) else None,
-                                         None)
+        path = files.restore_path(self.where)
+        rank, make, lineage = source or (
+            0, lambda: files.load(path) if os.path.exists(path) else None, None)
         where = path if source is None else f"the state of rank {rank}"
         state = broadcast_from(rank, make, self.ctx)
         if state is None:
@@ -374,7 +244,7 @@ class Checkpointer:
         state = self._state(components, rngs)
         folder, cfg = self.where.save_dir, self.cfg
         last = os.path.join(folder, "checkpoint_last.pt")
-        save(last, state)
+        files.save(last, state)
         copies = []
         # A copy that would be pruned at once (--keep-* 0) is not written.
         if epoch is not None and not cfg.no_epoch_checkpoints and cfg.keep_last_epochs != 0:
@@ -385,14 +255,14 @@ class Checkpointer:
         if improved:
             copies.append("checkpoint_best.pt")
         for name in copies:
-            copy(last, os.path.join(folder, name))
-        prune(folder, r"checkpoint_(\d+)_(\d+)\.pt", cfg.keep_interval_updates)
-        prune(folder, r"checkpoint(\d+)\.pt", cfg.keep_last_epochs)
+            files.copy(last, os.path.join(folder, name))
+        files.prune(folder, r"checkpoint_(\d+)_(\d+)\.pt", cfg.keep_interval_updates)
+        files.prune(folder, r"checkpoint(\d+)\.pt", cfg.keep_last_epochs)
         logger.info("saved %s (%d updates)%s", last, updates,
                     "".join(f", {name}" for name in copies))
 
     def _state(self, components, rngs):
-        state = {"format": FORMAT, "args": self.flags, **components, RNG: rngs,
+        state = {"format": files.FORMAT, "args": self.flags, **components, RNG: rngs,
                  "best": self.best}
         if self.elastic is not None:
             state["elastic"] = self.elastic    # the lineage and members (--elastic)
@@ -413,7 +283,7 @@ class Checkpointer:
 
     def best_state(self):
         """checkpoint_best.pt (rank 0; None elsewhere or when there is none)."""
-        return load(self._best_path()) if self.has_best() else None
+        return files.load(self._best_path()) if self.has_best() else None
 
     def _best_path(self):
         return os.path.join(self.where.save_dir, "checkpoint_best.pt")

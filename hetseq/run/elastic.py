@@ -58,7 +58,7 @@ from hetseq.distributed.topology import resolve_elastic
 from hetseq.errors import HetSeqError, PeerLost, UserError
 from hetseq.reporting import NODE, rank_ranges, setup_logging
 from hetseq.reporting import status
-from hetseq.run import checkpoint
+from hetseq.run import checkpoint_files
 from hetseq.update.controller import CONTROLLER, UPDATES
 
 logger = logging.getLogger("hetseq.run.elastic")
@@ -273,16 +273,16 @@ def _line(state):
 def _own_checkpoint(save):
     """This node's own newest checkpoint: the first generation takes the
     newest one any member has (no shared disk is needed)."""
-    path = checkpoint.restore_path(save)
-    return checkpoint.load(path) if os.path.exists(path) else None
+    path = checkpoint_files.restore_path(save)
+    return checkpoint_files.load(path) if os.path.exists(path) else None
 
 
 def _save_alone(state, save):
     if state is None or save.no_save:
         return
-    checkpoint.check_save_dir(save.save_dir)
+    checkpoint_files.check_save_dir(save.save_dir)
     path = os.path.join(save.save_dir, "checkpoint_last.pt")
-    checkpoint.save(path, state)
+    checkpoint_files.save(path, state)
     logger.warning("saved %s (%d updates)", path, _updates(state))
 
 
