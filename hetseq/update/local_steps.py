@@ -21,15 +21,10 @@ One round, on rank r (``theta_0``: the parameters every rank holds when it begin
             theta = theta_0 - eta (D + mu m)           (mu = 0: theta_0 - eta D)
 
 The default outer step is eta = 1, mu = 0: theta = theta_0 - D, the
-weighted average of the ranks' models. Why not DiLoCo's eta = 0.7, mu =
-0.9: a direction that persists over rounds is applied eta / (1 - mu) = 7
-times in the long run (eta (1 + mu) = 1.33 in the first round), so the
-outer step multiplies the job's learning rate, by a factor that grows
-round after round. At a rate tuned for synchronous updates that overshoots
-(bench/outer_step.py and docs/slow-links.md: +6.3% validation loss after
-12 rounds of 32 at --lr 5e-4, +2.4% with the average; at 1e-4 both within
-0.6%). The average leaves the job's rate as it is: the inner steps
-move as far as synchronous ones would.
+weighted average of the ranks' models. Not DiLoCo's eta = 0.7, mu = 0.9: a
+direction that persists over rounds is applied eta / (1 - mu) = 7 times in
+the long run, which multiplies the job's learning rate (measured in
+docs/slow-links.md); the average leaves the job's rate as it is.
 
 A rank that did more work weighs more, as every sample weighs the same in a
 synchronous update. Local steps are NOT the large-batch update: each inner
@@ -75,6 +70,7 @@ from hetseq.distributed.collectives import gather_to_main
 from hetseq.distributed.compress import CODECS
 from hetseq.update.controller import CONTROLLER
 from hetseq.update.exchange import EXCHANGES, Exchange
+from hetseq.update.flat import FlatParams
 from hetseq.update.sharding import Sharding
 from hetseq.update.stats import StatsExchange, StepResult
 
@@ -87,38 +83,6 @@ DRAIN_S = 60
 # Its keys in the Controller's checkpoint: the outer step's state, every rank's inner optimizer.
 ROUNDS = CONTROLLER.key("local_steps", reset="optimizer")
 OPTIMIZERS = CONTROLLER.key("optimizers", reset="optimizer")
-
-
-class _Flat:
-    """The parameters as one flat copy per dtype and device."""
-
-    def __init__(self, params):
-        groups = {}
-        for p in params:
-            groups.setdefault((p.dtype, p.device), []).append(p)
-        self.groups = list(groups.values())
-
-    @torch.no_grad()
-    def read(self):
-        return [torch.cat([p.detach().reshape(-1) for p in group]) for group in self.groups]
-
-    @torch.no_grad()
-    def write(self, flats):
-        for group, flat in zip(self.groups, flats):
-            for p, part in zip(group, self._views(group, flat)):
-                p.copy_(part)
-
-    def set_grads(self, flats):
-        for group, flat in zip(self.groups, flats):
-            for p, part in zip(group, self._views(group, flat)):
-                p.grad = part
-
-    @staticmethod
-    def _views(group, flat):
-        offset = 0
-        for p in group:
-            yield flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
 
 
 class LocalReplicas(Sharding):
@@ -185,7 +149,7 @@ class LocalSteps(Exchange):
 
     def attach(self, params):
         cfg = self.cfg
-        self.params, self.flat = params, _Flat(params)
+        self.params, self.flat = params, FlatParams(params)
         self.outer = self.outer_mode.build_optimizer(torch.optim.SGD(
             params, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
             nesterov=cfg.outer_momentum > 0))
