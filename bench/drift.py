@@ -10,7 +10,7 @@ process, then:
   once per check).
 Reported per update at the default interval of 10, as a share of the update.
 
-    python bench/drift.py --out bench/drift.json
+    python bench/drift.py --out bench/results/drift.json
 """
 
 import argparse

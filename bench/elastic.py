@@ -36,7 +36,7 @@ and its ratio to the clean run (a job that stopped before --updates:
 until it stopped, with its last error); updates trained twice (torchrun's
 work since the last checkpoint). The PNG shows samples/s over time with the faults.
 
-    python bench/elastic.py --out bench/elastic.json --png bench/elastic.png
+    python bench/elastic.py --out bench/results/elastic.json --png bench/results/elastic.png
 """
 
 import argparse

@@ -28,7 +28,7 @@ For each N, in order:
 ``growth`` gives, per measurement, the exponent k of cost ~ N^k between the
 smallest and largest N (log-log slope): 1 is linear, 2 quadratic.
 
-    python bench/elastic_scale.py --nodes 8 16 32 64 --out bench/elastic_scale.json
+    python bench/elastic_scale.py --nodes 8 16 32 64 --out bench/results/elastic_scale.json
 """
 
 import argparse

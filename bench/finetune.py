@@ -14,7 +14,7 @@ Reported: training samples/s (HetSeq: its per-epoch rate; Trainer: its
 train_samples_per_second), dev accuracy and F1 after the last epoch, and
 the ratios to the Trainer. Prints JSON.
 
-    python bench/finetune.py [--epochs 3] [--seed 1] [--out bench/finetune.json]
+    python bench/finetune.py [--epochs 3] [--seed 1] [--out bench/results/finetune.json]
 """
 
 import argparse

@@ -25,7 +25,7 @@ cost (stats all-reduce, data, rebalancer, logging). Series come from each
 job's ``balance.jsonl``; ``--plot`` draws per-rank samples/s and shares over
 the updates for equal and auto.
 
-    python bench/hetero.py --out bench/hetero.json --plot bench/hetero.png
+    python bench/hetero.py --out bench/results/hetero.json --plot bench/results/hetero.png
 """
 
 import argparse

@@ -14,7 +14,7 @@ Three CPU ranks on loopback (file://), the default BERT on the demo corpus,
 Prints each run's validation losses and their ratio to the synchronous run's
 after the same samples. Loss is independent of the link, so loopback is enough.
 
-    python bench/outer_step.py --out bench/outer_step.json     # about 45 minutes
+    python bench/outer_step.py --out bench/results/outer_step.json     # about 45 minutes
 """
 
 import argparse

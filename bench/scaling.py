@@ -22,7 +22,7 @@
    BERT-base on 8-128 nodes over 1 Gbit/s (reads scaling.json and
    slowlink.json, measures nothing; writes scaling_slowlinks.json).
 
-    python bench/scaling.py [--quick] [--out bench/scaling.json] [--plot bench/scaling.png]
+    python bench/scaling.py [--quick] [--out bench/results/scaling.json] [--plot bench/results/scaling.png]
     python bench/scaling.py --slow-links
 """
 
@@ -366,12 +366,12 @@ def predict_slow_links(scaling, nodes=(8, 32, 128)):
 
 
 def main_slow_links():
-    with open(os.path.join(HERE, "scaling.json")) as f:
+    with open(os.path.join(HERE, "results", "scaling.json")) as f:
         scaling = json.load(f)
-    with open(os.path.join(HERE, "slowlink.json")) as f:
+    with open(os.path.join(HERE, "results", "slowlink.json")) as f:
         slowlink = json.load(f)
     result = slow_links(scaling, slowlink)
-    with open(os.path.join(HERE, "scaling_slowlinks.json"), "w") as out:
+    with open(os.path.join(HERE, "results", "scaling_slowlinks.json"), "w") as out:
         json.dump(result, out, indent=1)
     print(json.dumps(result, indent=1))
 
@@ -383,8 +383,8 @@ def main():
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--steps", type=int, default=6, help="step pairs (with/without comm)")
     parser.add_argument("--reps", type=int, default=3, help="timed all-reduces per size")
-    parser.add_argument("--out", default=os.path.join(HERE, "scaling.json"))
-    parser.add_argument("--plot", default=os.path.join(HERE, "scaling.png"))
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "scaling.json"))
+    parser.add_argument("--plot", default=os.path.join(HERE, "results", "scaling.png"))
     args = parser.parse_args()
     ok, why = netns.available()
     if not ok:

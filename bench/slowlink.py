@@ -31,8 +31,8 @@ wall time over 100 Mbit/s. Seconds are samples over each mode's samples/s at
 100 Mbit/s (the synchronous mode's from a short run on that split; local
 steps' from the run itself, validations included: against them).
 
-    python bench/slowlink.py --out bench/slowlink.json --png bench/slowlink.png \
-        --quality-png bench/slowlink_quality.png
+    python bench/slowlink.py --out bench/results/slowlink.json --png bench/results/slowlink.png \
+        --quality-png bench/results/slowlink_quality.png
 """
 
 import argparse
