@@ -311,7 +311,7 @@ MUTATIONS = {
     "elastic-waiting-node-calls-meetings": (
         "a node without a place (--max-nodes) waits without calling a meeting each update",
         "hetseq/distributed/membership.py",
-        "            if self._full(store):\n",
+        "            if rounds.full(store, self.max_nodes):\n",
         "            if False:\n",
         ["tests/test_elastic_scale.py::test_sixteen_nodes_lose_a_killed_and_a_frozen_host_and_a_waiting_node_takes_a_place"]),
     "elastic-lineage-ignored": (
@@ -484,7 +484,7 @@ MUTATIONS = {
         ["tests/test_elastic.py::test_two_rounds_of_one_generation_meet_at_the_lower_ranked_leader"]),
     "elastic-non-leader-hides-where-it-meets": (
         "a node that met at a member which is not leading follows that member to its round",
-        "hetseq/distributed/membership.py",
+        "hetseq/distributed/rounds.py",
         '            if store.check([f"e/{number}/at"]):      # not the leader: it meets elsewhere\n',
         "            if False:\n",
         ["tests/test_elastic.py::test_two_rounds_of_one_generation_meet_at_the_lower_ranked_leader"]),
@@ -635,8 +635,8 @@ MUTATIONS = {
         ['tests/test_elastic_scale.py::test_a_failed_collective_anywhere_closes_every_ranks_process_group']),
     'placed-member-arrives-late': (
         "a member placed in a round whose outcome it did not read enters that generation",
-        'hetseq/distributed/membership.py',
-        '        if self.id not in [m.get("id") for m in outcome.get("members", ())]:',
+        'hetseq/distributed/rounds.py',
+        '        if node_id not in [m.get("id") for m in outcome.get("members", ())]:',
         '        if True:',
         ['tests/test_elastic_scale.py::test_a_member_placed_in_a_round_it_did_not_read_enters_that_generation']),
     'overlapped-rewind-drops-the-arrived-round': (

@@ -194,19 +194,20 @@ def test_a_member_waiting_at_a_node_that_went_elsewhere_follows_it():
     paused, woke, and found the job elsewhere) follows that node's word
     (``e/leader``) once it joined a generation of at least the round waited
     for, instead of waiting out the round (10 minutes at the defaults)."""
-    from hetseq.distributed.membership import Membership
+    from hetseq.distributed.rounds import FollowRound
     store = torch.distributed.HashStore()
     me = types.SimpleNamespace(_where=lambda s: {"addr": "10.0.0.2", "port": 7,
                                                  "generation": 1})
-    assert Membership._went_on(me, store, 2) is None                 # nothing said yet
+    round_two = FollowRound(me, store, 2)
+    assert round_two.went_on() is None                 # nothing said yet
     store.set("e/leader", json.dumps({"addr": "10.0.0.2", "port": 7, "generation": 2}))
-    assert Membership._went_on(me, store, 2) is None                 # it leads here itself
+    assert round_two.went_on() is None                 # it leads here itself
     store.set("e/leader", json.dumps({"addr": "10.0.0.1", "port": 7, "generation": 1}))
-    assert Membership._went_on(me, store, 2) is None                 # an older generation
+    assert round_two.went_on() is None                 # an older generation
     store.set("e/leader", json.dumps({"addr": "10.0.0.1", "port": 7, "generation": 3}))
-    assert Membership._went_on(me, store, 2)["addr"] == "10.0.0.1"
+    assert round_two.went_on()["addr"] == "10.0.0.1"
     store.set("e/leader", b"\xff not json")
-    assert Membership._went_on(me, store, 2) is None
+    assert round_two.went_on() is None
 
 
 def member(i, ranks=1):
@@ -219,20 +220,19 @@ def test_a_member_placed_in_a_round_it_did_not_read_enters_that_generation():
     read the outcome finds itself placed there: it enters generation 2 (the
     process group waits for it) instead of arriving late and asking for a
     generation 3."""
-    from hetseq.distributed.membership import Membership
-    from hetseq.distributed.rounds import publish
+    from hetseq.distributed.rounds import placed as placed_in, publish
     store = torch.distributed.HashStore()
     one = Generation(1, (member("a"), member("b"), member("c")), 1, None)
     me = types.SimpleNamespace(id="b", generation=one)
-    assert Membership._placed(me, store) is None                 # no round closed there
+    assert placed_in(store, me.id, me.generation) is None       # no round closed there
     publish(store, 2, {"members": [member("a"), member("b")], "source": 0, "lineage": []})
-    placed = Membership._placed(me, store)
+    placed = placed_in(store, me.id, me.generation)
     assert placed is not None
     number, outcome = placed
     assert number == 2 and [m["id"] for m in outcome["members"]] == ["a", "b"]
-    assert Membership._placed(types.SimpleNamespace(id="c", generation=one), store) is None
+    assert placed_in(store, "c", one) is None
     two = Generation(2, tuple(outcome["members"]), 1, None)
-    assert Membership._placed(types.SimpleNamespace(id="b", generation=two), store) is None
+    assert placed_in(store, "b", two) is None
     assert json.loads(store.get("e/2/members"))["members"][1]["id"] == "b"
 
 

@@ -46,7 +46,9 @@ import uuid
 
 from hetseq.distributed import identity, interfaces, meeting_point, network, tunnel
 from hetseq.distributed.generations import Generation
-from hetseq.distributed.rounds import POLL_S, SETTLE_S, LeadRound, Moved, NoRound, describe
+from hetseq.distributed import rounds
+from hetseq.distributed.rounds import (POLL_S, SETTLE_S, FollowRound, LeadRound, Moved,
+                                         NoRound, describe)
 from hetseq.errors import UserError
 from hetseq.reporting import NODE
 
@@ -309,21 +311,21 @@ class Membership:
         """(store, round number, what the leader published) of one attempt."""
         store, late = self._leader_store(moved)
         leads = store is self.store
-        placed = None if leads else self._placed(store)
+        placed = None if leads else rounds.placed(store, self.id, self.generation)
         if placed is not None:
             return (store, *placed)
         if not leads and self.identity is not None:
             identity.present(store, self.identity, "this node", self.url, self.who,
                              self._deadline)
         if not leads and late:
-            if self._full(store):
+            if rounds.full(store, self.max_nodes):
                 self._wait_for_place(store)
                 self._deadline = time.monotonic() + self._limit()
             else:
                 # Tell rank 0, before arriving: its round then clears the flag
                 # only once this arrival is visible to it.
                 store.set("e/join", "1")
-        number = self._next_number(store)
+        number = rounds.next_number(store, self.generation)
         # Where this node meets, in its own store: a node that took it for the
         # leader (it saw the real leader as lost for a moment) follows there.
         at = f"e/{number}/at"
@@ -334,90 +336,14 @@ class Membership:
         index = store.add(f"e/{number}/n", 1)
         store.set(f"e/{number}/who/{index}", json.dumps(me))
         members = LeadRound(self, store, number).close() if leads else \
-            self._wait_members(store, number)
+            FollowRound(self, store, number).close()
         return store, number, members
-
-    def _placed(self, store):
-        """(number, outcome) of the newest generation at ``store`` when it
-        placed this node: it arrived in that round but lost its connection
-        before reading the outcome, and the new process group waits for it.
-        Arriving late instead would leave the group a rank short until
-        --distributed-timeout. None otherwise."""
-        try:
-            if not store.check(["e/gen"]):
-                return None
-            number = int(store.get("e/gen"))
-            if number <= (0 if self.generation is None else self.generation.number):
-                return None
-            outcome = json.loads(store.get(f"e/{number}/members"))   # written before e/gen
-            if self.id not in [m.get("id") for m in outcome.get("members", ())]:
-                return None
-        except (ValueError, AttributeError, TypeError):     # not what a leader writes
-            return None
-        logger.info("round %d placed this node before its connection was lost: entering it",
-                    number)
-        return number, outcome
 
     def _where(self, store):
         """{"addr", "port", "generation"} of the store this node meets at."""
         address = next(a for a, client in self._clients.items() if client is store)
         return {"addr": address[0], "port": address[1],
                 "generation": 0 if self.generation is None else self.generation.number}
-
-    def _full(self, store):
-        """Whether the job at ``store`` has --max-nodes members already (a
-        newcomer then waits for a place instead of asking for a meeting)."""
-        if not self.max_nodes or not store.check(["e/gen"]):
-            return False
-        key = f"e/{int(store.get('e/gen'))}/members"
-        if not store.check([key]):
-            return False
-        return len(json.loads(store.get(key)).get("members", ())) >= self.max_nodes
-
-    def _next_number(self, store):
-        """The round to take part in: one after the leader's last closed one
-        (and after this node's own, which a new leader may not have seen)."""
-        last = int(store.get("e/gen")) if store.check(["e/gen"]) else 0
-        own = self.generation.number if self.generation is not None else 0
-        return max(last, own) + 1
-
-    def _wait_members(self, store, number):
-        """What the leader published for round ``number``. A leader that
-        publishes nothing for longer than its own wait (--distributed-timeout)
-        plus its probes is stuck: look again while the meeting has time."""
-        key, waited = f"e/{number}/members", self.timeout_s + SETTLE_S + 2 * tunnel.GREETING_S
-        deadline = min(self._deadline, time.monotonic() + waited)
-        while not store.check([key]):
-            if store.check(["e/done"]):
-                return {"done": store.get("e/done").decode()}
-            if store.check([f"e/{number}/at"]):      # not the leader: it meets elsewhere
-                return {"moved": json.loads(store.get(f"e/{number}/at"))}
-            went = self._went_on(store, number)
-            if went is not None:                      # it joined a generation elsewhere
-                return {"moved": went}
-            if time.monotonic() > deadline:
-                raise NoRound(f"round {number} at the meeting point did not close within "
-                              f"{waited:.0f} s")
-            time.sleep(POLL_S)
-        members = json.loads(store.get(key))
-        if members.get("stop"):
-            store.add(f"e/{number}/read", 1)
-        return members
-
-    def _went_on(self, store, number):
-        """Where the node of ``store`` trains now, when it joined a generation
-        of at least ``number`` at another leader: a node that took it for
-        the leader (it was first in the walk, paused and then woken, and it
-        found the job elsewhere) follows instead of waiting out the round."""
-        if not store.check(["e/leader"]):
-            return None
-        try:
-            leader = json.loads(store.get("e/leader"))
-            here = self._where(store)
-            elsewhere = (leader["addr"], leader["port"]) != (here["addr"], here["port"])
-            return leader if elsewhere and leader["generation"] >= number else None
-        except (ValueError, KeyError, TypeError, StopIteration):
-            return None
 
     def _wait_for_place(self, store):
         """--max-nodes: the job is full. Wait at the leader's store, without
@@ -436,7 +362,7 @@ class Membership:
                 if store.check(["e/done"]):
                     store.set(slot, "")
                     raise JobDone(store.get("e/done").decode())
-                if store.add(f"e/{self._next_number(store)}/n", 0) > 0:
+                if store.add(f"e/{rounds.next_number(store, self.generation)}/n", 0) > 0:
                     return
                 time.sleep(0.2)
         except (RuntimeError, OSError):     # the leader was lost: look for the job again

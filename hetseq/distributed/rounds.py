@@ -1,5 +1,7 @@
-"""A round of an elastic job as its leader runs it (distributed/membership.py
-runs the rest: finding the leader, arriving, waiting for the outcome).
+"""A round of an elastic job, as its leader runs it (LeadRound) and as the
+others wait for it (FollowRound); what a store says of its rounds
+(placed, full, next_number). distributed/membership.py finds the leader
+and arrives.
 
 The leader waits at its own store for a quorum of the previous generation
 and --min-nodes (generations.has_quorum), then for all previous members,
@@ -18,6 +20,7 @@ import re
 import time
 
 from hetseq.distributed import generations
+from hetseq.distributed.tunnel import GREETING_S
 from hetseq.reporting import NODE
 
 logger = logging.getLogger("hetseq.distributed.membership")
@@ -214,3 +217,92 @@ def publish(store, number, outcome):
     if "members" in outcome:
         store.set("e/gen", str(number))
     return outcome
+
+
+class FollowRound:
+    """Round ``number`` at ``store``, another member's, as ``membership`` (a
+    Membership) waits for what its leader publishes."""
+
+    def __init__(self, membership, store, number):
+        self.m, self.store, self.number = membership, store, number
+
+    def close(self):
+        """What the leader published for the round. A leader that
+        publishes nothing for longer than its own wait (--distributed-timeout)
+        plus its probes is stuck: look again while the meeting has time."""
+        store, number = self.store, self.number
+        key, waited = f"e/{number}/members", self.m.timeout_s + SETTLE_S + 2 * GREETING_S
+        deadline = min(self.m._deadline, time.monotonic() + waited)
+        while not store.check([key]):
+            if store.check(["e/done"]):
+                return {"done": store.get("e/done").decode()}
+            if store.check([f"e/{number}/at"]):      # not the leader: it meets elsewhere
+                return {"moved": json.loads(store.get(f"e/{number}/at"))}
+            went = self.went_on()
+            if went is not None:                      # it joined a generation elsewhere
+                return {"moved": went}
+            if time.monotonic() > deadline:
+                raise NoRound(f"round {number} at the meeting point did not close within "
+                              f"{waited:.0f} s")
+            time.sleep(POLL_S)
+        members = json.loads(store.get(key))
+        if members.get("stop"):
+            store.add(f"e/{number}/read", 1)
+        return members
+
+    def went_on(self):
+        """Where the node of the store trains now, when it joined a generation
+        of at least this round's at another leader: a node that took it for
+        the leader (it was first in the walk, paused and then woken, and it
+        found the job elsewhere) follows instead of waiting out the round."""
+        if not self.store.check(["e/leader"]):
+            return None
+        try:
+            leader = json.loads(self.store.get("e/leader"))
+            here = self.m._where(self.store)
+            elsewhere = (leader["addr"], leader["port"]) != (here["addr"], here["port"])
+            return leader if elsewhere and leader["generation"] >= self.number else None
+        except (ValueError, KeyError, TypeError, StopIteration):
+            return None
+
+
+def placed(store, node_id, generation):
+    """(number, outcome) of the newest generation at ``store`` when it
+    placed the node ``node_id`` (in ``generation`` now): it arrived in that
+    round but lost its connection before reading the outcome, and the new
+    process group waits for it.
+    Arriving late instead would leave the group a rank short until
+    --distributed-timeout. None otherwise."""
+    try:
+        if not store.check(["e/gen"]):
+            return None
+        number = int(store.get("e/gen"))
+        if number <= (0 if generation is None else generation.number):
+            return None
+        outcome = json.loads(store.get(f"e/{number}/members"))   # written before e/gen
+        if node_id not in [m.get("id") for m in outcome.get("members", ())]:
+            return None
+    except (ValueError, AttributeError, TypeError):     # not what a leader writes
+        return None
+    logger.info("round %d placed this node before its connection was lost: entering it",
+                number)
+    return number, outcome
+
+
+def full(store, max_nodes):
+    """Whether the job at ``store`` has --max-nodes members already (a
+    newcomer then waits for a place instead of asking for a meeting)."""
+    if not max_nodes or not store.check(["e/gen"]):
+        return False
+    key = f"e/{int(store.get('e/gen'))}/members"
+    if not store.check([key]):
+        return False
+    return len(json.loads(store.get(key)).get("members", ())) >= max_nodes
+
+
+def next_number(store, generation):
+    """The round to take part in: one after the leader's last closed one
+    (and after this node's own, which a new leader may not have seen)."""
+    last = int(store.get("e/gen")) if store.check(["e/gen"]) else 0
+    own = generation.number if generation is not None else 0
+    return max(last, own) + 1
