@@ -925,4 +925,10 @@ MUTATIONS = {
         '    leader = _json_value(store, "e/leader")',
         '    leader = json.loads(store.get("e/leader"))',
         ['tests/test_status_viewer.py::test_a_crafted_leader_address_gives_one_line']),
+    'helpers-hashed-into-the-identity': (
+        "the job identity hashes the code that decides the update, not test helpers or the plot",
+        'hetseq/digests.py',
+        '            if relative.startswith(NOT_HASHED):',
+        '            if False:',
+        ['tests/test_job_identity.py::test_the_code_digest_counts_what_decides_the_update_only']),
 }

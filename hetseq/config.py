@@ -16,11 +16,11 @@ message can name the flag and the flags' help is the fields' documentation.
 """
 
 import dataclasses
-import hashlib
 import json
 import os
 
 import hetseq
+from hetseq.digests import code_digest, file_digest
 
 # Flags of the original HetSeq that change nothing (accepted, see cli.LEGACY),
 # and flags that only exist to be refused with a message (cli.check_args).
@@ -364,35 +364,4 @@ def given_flags(args, defaults, dests):
 
 # ---- digests for the identity ----
 
-_DIGESTS = {}
 
-
-def file_digest(path):
-    """A file's content, so that nodes keeping their own copy still agree."""
-    if path not in _DIGESTS:
-        digest = hashlib.sha256()
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-        _DIGESTS[path] = "sha256:" + digest.hexdigest()[:16]
-    return _DIGESTS[path]
-
-
-_CODE = []
-
-
-def code_digest():
-    """HetSeq's own source, so nodes on different code are told so at rendezvous
-    (not later by DDP as 'expects same model')."""
-    if not _CODE:
-        root = os.path.dirname(hetseq.__file__)
-        digest = hashlib.sha256()
-        for folder, dirs, files in sorted(os.walk(root)):
-            dirs.sort()
-            for name in sorted(f for f in files if f.endswith(".py")):
-                path = os.path.join(folder, name)
-                digest.update(os.path.relpath(path, root).encode())
-                with open(path, "rb") as source:
-                    digest.update(source.read())
-        _CODE.append(digest.hexdigest()[:16])
-    return _CODE[0]

@@ -1,9 +1,10 @@
 """Nodes must agree on the job: a node whose flags differ is refused before it
 claims a rank, with the flags named; the job that was there first goes on."""
 
+import os
 import time
 
-from hetseq import cli, config
+from hetseq import cli, config, digests
 from hetseq.distributed import identity
 
 from conftest import TOY, finish, node_commands, start_nodes
@@ -45,7 +46,7 @@ def test_files_compare_by_content_and_folders_are_left_out(tmp_path):
     assert ids[0] == ids[1] and ids[0]["config_file"].startswith("sha256:")
     assert "load_hf_weights" not in ids[0]       # a folder: each node's own
     (tmp_path / "b" / "config.json").write_text('{"hidden": 8}')
-    config._DIGESTS.clear()
+    digests._DIGESTS.clear()
     assert bert_identity("b")["config_file"] != ids[0]["config_file"]
 
 
@@ -90,3 +91,21 @@ def test_nodes_on_different_code_are_told_so():
     text = identity.differences(other, base)
     assert text.startswith("HetSeq's code (install the same version on every node) "
                            "'0123456789abcdef' here"), text
+
+
+def test_the_code_digest_counts_what_decides_the_update_only(tmp_path):
+    """Nodes whose test helpers, plot or status view differ still meet; a
+    node whose update code differs does not (issue 49)."""
+    import shutil
+    copy = tmp_path / "hetseq"
+    shutil.copytree(os.path.dirname(config.__file__), copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    before = digests.source_digest(str(copy))
+    for helper in ("testing/zygote.py", "reporting/plot.py", "reporting/status.py",
+                   "flagdoc.py"):
+        with open(copy / helper, "a") as f:
+            f.write("\n# another node's copy\n")
+    assert digests.source_digest(str(copy)) == before
+    with open(copy / "update" / "controller.py", "a") as f:
+        f.write("\n# another update\n")
+    assert digests.source_digest(str(copy)) != before
