@@ -226,13 +226,15 @@ def test_parity_holds_while_the_split_changes(tmp_path, ranks, extra):
     ref = reference("--max-update", 32)
     # Rank 1 turns slow after a few updates (start-up profiling makes 7-14 calls):
     # the plan must change mid-run, and the result must not. Every sample
-    # sleeps 1 ms first: the toy's own compute (microseconds) would leave the
+    # sleeps 4 ms first: the toy's own compute (microseconds) would leave the
     # start-up profile to the load of the machine (CI's once gave rank 0 88%
-    # of the batch, and 2 samples to a rank that then slowed changed nothing).
+    # of the batch, and 2 samples to a rank that then slowed changed nothing),
+    # and with 1 ms a third rank saved 6 ms of 18 against an exchange measured
+    # at 8 ms on a loaded machine: it sat out from the start, so nothing changed.
     # The slowdown is 21x: rank 0's rates swing 2-7x on a loaded machine (its
     # logging, its saves), and the re-plan must beat that noise, as it must.
-    params, log = auto_nodes(tmp_path, "auto", ranks, "--toy-sample-ms", 1,
-                             "--toy-slow-rank", 1, "--toy-slow-ms", 20,
+    params, log = auto_nodes(tmp_path, "auto", ranks, "--toy-sample-ms", 4,
+                             "--toy-slow-rank", 1, "--toy-slow-ms", 80,
                              "--toy-slow-after", 16, "--max-update", 32, *extra)
     assert "capacity plan changed" in log, log[-3000:]
     assert max_diff(ref, params) < EXACT
