@@ -1,6 +1,7 @@
 """The mutation harness (bench/mutations.py) stays meaningful: every
-mutation still applies to the source and names tests that exist, and only a
-named test failing on an assertion counts as a catch."""
+mutation still applies to the source (its text once in all of hetseq/) and
+names tests that exist, and only a named test failing on an assertion
+counts as a catch."""
 
 import os
 import re
@@ -19,8 +20,8 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p) != str(ROOT / "bench")]
 
 @pytest.mark.parametrize("name", sorted(mutations.MUTATIONS))
 def test_every_mutation_applies_and_names_tests_that_exist(name):
-    _, path, text, replacement, tests = mutations.MUTATIONS[name]
-    assert mutations.applies(path, text), f"{name}: its text is not found once in {path}"
+    _, text, replacement, tests = mutations.MUTATIONS[name]
+    assert mutations.locate(text), f"{name}: its text does not occur exactly once in hetseq/"
     assert text != replacement and tests
     for test in tests:
         file, _, function = test.partition("::")
@@ -48,3 +49,15 @@ def test_only_an_assertion_in_a_named_test_counts_as_caught(tmp_path, named, cau
     junit = tmp_path / "junit.xml"
     junit.write_text(JUNIT)
     assert mutations.verdict(str(junit), named)[0] is caught
+
+
+def test_a_mutation_is_found_wherever_its_text_moved(tmp_path):
+    """The table names no file: text that moves to another module is found
+    there, and text in two places (or none) applies nowhere."""
+    (tmp_path / "hetseq" / "sub").mkdir(parents=True)
+    (tmp_path / "hetseq" / "a.py").write_text("x = 1\n")
+    (tmp_path / "hetseq" / "sub" / "b.py").write_text("y = 2\nz = 3\n")
+    assert mutations.locate("y = 2", tmp_path) == os.path.join("hetseq", "sub", "b.py")
+    (tmp_path / "hetseq" / "a.py").write_text("x = 1\ny = 2\n")
+    assert mutations.locate("y = 2", tmp_path) is None
+    assert mutations.locate("w = 4", tmp_path) is None
