@@ -2,7 +2,7 @@
 a second machine ever slower than the best set of its ranks?
 
 Each row is a fast rank (host A) and a second rank (host B), namespace hosts
-on one machine (hetseq/testing/cluster.py) with their own addresses; host
+on one machine (tests/machinery/cluster.py) with their own addresses; host
 B's link is 1 Gbit/s or 10 Mbit/s (``tc``). Ranks sleep factor x
 ``ms`` per sample on a tiny model with ``extra_mb`` MB of parameters more (the
 gradient the exchange sums). Three jobs per row, train.py on the hosts:
@@ -26,8 +26,9 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.append(os.path.join(ROOT, "tests"))     # machinery: the test helpers
 
-from hetseq.testing import cluster as netns  # noqa: E402
+from machinery import cluster as netns  # noqa: E402
 
 WARM = 8             # updates left out of each rate (start-up, the first plan)
 # name: (per-sample factors, ms of the fast rank, link of host B, extra MB)

@@ -1,6 +1,6 @@
 """Elastic jobs under faults: HetSeq --elastic beside torchrun's elastic restarts.
 
-Three namespace hosts (hetseq/testing/cluster.py, root needed), one CPU rank
+Three namespace hosts (tests/machinery/cluster.py, root needed), one CPU rank
 each, global batch 48. The model is the float64 toy of the tests, each node
 computing 6.25 ms per sample (``--toy-sample-ms``: 100 ms for its 16 of 48,
 150 ms for 24 when a node is missing): what is measured is what a fault
@@ -51,10 +51,12 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "tests"))      # machinery: the test helpers
 
 from bench.output import emit  # noqa: E402
-from hetseq.testing import cluster as netns  # noqa: E402
-from hetseq.testing.watched import Watched  # noqa: E402
+from machinery import cluster as netns  # noqa: E402
+from machinery.watched import Watched  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = "5f0c1d2e3b4a69788796a5b4c3d2e1f0"   # generated-looking: the secret rules refuse counting runs

@@ -1,6 +1,6 @@
 """Elastic membership at 8 to 64 nodes: what grows with the node count.
 
-N namespace hosts (hetseq/testing/cluster.py, root needed) on one 1 Gbit/s
+N namespace hosts (tests/machinery/cluster.py, root needed) on one 1 Gbit/s
 switch, one CPU rank each, run the float64 toy of the tests with sleeping
 compute (--toy-sample-ms): 4 samples per node in every update, so an update
 computes for 4 x --sample-ms whatever N. What is measured is the meeting, the
@@ -44,11 +44,13 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "tests"))      # machinery: the test helpers
 
 from bench.elastic import RESUMED, ROOT, SECRET, UPDATE, job_flags, wait_until  # noqa: E402
 from bench.output import emit  # noqa: E402
-from hetseq.testing import cluster as netns  # noqa: E402
-from hetseq.testing.watched import Watched  # noqa: E402
+from machinery import cluster as netns  # noqa: E402
+from machinery.watched import Watched  # noqa: E402
 
 PORT = 29700
 PER_NODE = 4          # samples per node and update

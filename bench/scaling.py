@@ -37,10 +37,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "tests"))      # machinery: the test helpers
 
 from hetseq.bert.demo import MODEL, VOCAB_SIZE  # noqa: E402
 from hetseq.bert.model import BertConfig, BertForPreTraining  # noqa: E402
-from hetseq.testing import cluster as netns  # noqa: E402
+from machinery import cluster as netns  # noqa: E402
 
 RATES = {"100mbit": 0.1e9, "1gbit": 1e9, "10gbit": 10e9}   # bits per second
 HERE = os.path.dirname(os.path.abspath(__file__))

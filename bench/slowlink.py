@@ -1,6 +1,6 @@
 """Slow links: synchronous updates, PowerSGD and local steps on rate-limited hosts.
 
-Three namespace hosts (hetseq/testing/cluster.py, root needed), one CPU rank
+Three namespace hosts (tests/machinery/cluster.py, root needed), one CPU rank
 each, joined by links of 100 Mbit/s and of 1 Gbit/s; the default BERT on the
 demo corpus (5.4 M parameters: 22 MB of gradient per exchange in float32),
 8 sequences per rank, global batch 24.
@@ -45,10 +45,12 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "tests"))      # machinery: the test helpers
 
 from bench.output import emit  # noqa: E402
-from hetseq.testing import cluster as netns  # noqa: E402
-from hetseq.testing.watched import Watched  # noqa: E402
+from machinery import cluster as netns  # noqa: E402
+from machinery.watched import Watched  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOSTS = 3

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """What a test's train.py command costs started anew against forked from the
-test zygote (hetseq/testing/zygote.py), side by side on this machine: the
+test zygote (tests/machinery/zygote.py), side by side on this machine: the
 same toy commands (one process of 4 updates, and a job of two 1-rank nodes)
 run alternately each way, wall seconds and the machine's CPU seconds
 (/proc/stat) of each. Prints JSON with the ratios.
@@ -18,9 +18,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.append(os.path.join(ROOT, "tests"))     # machinery: the test helpers
 from output import emit  # noqa: E402
 
-from hetseq.testing.zygote import Zygote  # noqa: E402
+from machinery.zygote import Zygote  # noqa: E402
 
 TOY = [os.path.join(ROOT, "train.py"), "--task", "toy", "--user-dir",
        os.path.join(ROOT, "tests", "tasks"), "--cpu", "--no-progress-bar", "--max-update", "4",

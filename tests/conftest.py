@@ -18,7 +18,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hetseq.testing.watched import Watched  # noqa: F401,E402  (tests import it from here)
+from machinery.watched import Watched  # noqa: F401,E402  (tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ["--task", "toy", "--user-dir", str(ROOT / "tests" / "tasks")]
@@ -35,7 +35,7 @@ STRICT = os.environ.get("HETSEQ_TEST_STRICT") == "1"
 # the run fails saying by how much (docs/testing.md). 0: no limit.
 SUITE_LIMIT_S = float(os.environ.get("HETSEQ_SUITE_LIMIT_S") or 0)
 # train.py commands on this host fork from a process that imported torch once
-# (hetseq/testing/zygote.py: 6 s of CPU less per command on 2 cores);
+# (tests/machinery/zygote.py: 6 s of CPU less per command on 2 cores);
 # HETSEQ_TEST_ZYGOTE=0 starts each one from nothing instead.
 ZYGOTE = os.environ.get("HETSEQ_TEST_ZYGOTE", "1") == "1"
 _SESSION = {}
@@ -135,7 +135,7 @@ def zygote():
     if not ZYGOTE:
         return None
     if "zygote" not in _SESSION:
-        from hetseq.testing.zygote import Zygote
+        from machinery.zygote import Zygote
         _SESSION["zygote"] = Zygote()
     return _SESSION["zygote"]
 
@@ -149,7 +149,7 @@ def run_train(*args, env=None, timeout=180):
     a CompletedProcess with its text output."""
     env = child_env(env)
     if _forks(env):
-        from hetseq.testing.zygote import run
+        from machinery.zygote import run
         return run(zygote(), train_cmd(*args)[1:], RUN_DIR, env, timeout)
     return subprocess.run(train_cmd(*args), cwd=RUN_DIR, env=env, capture_output=True,
                           text=True, timeout=timeout)
@@ -193,7 +193,7 @@ def run_job(common, nodes, url=None, envs=None, timeout=180):
 
 def start_nodes(commands, cluster=None, on=None, env=None):
     """Start ``commands`` (train.py argument lists) without waiting. With a
-    namespace ``cluster`` (hetseq/testing/cluster.py), command i runs on its
+    namespace ``cluster`` (tests/machinery/cluster.py), command i runs on its
     host ``on[i]`` (default: host i)."""
     procs = []
     for index, command in enumerate(commands):
@@ -315,7 +315,7 @@ _ALONE = {}
 def alone(*argv):
     """The Controller state of one process trained with ``argv`` (nothing
     saved), trained once per distinct argv: the single-process reference."""
-    from hetseq.testing.jobs import run_alone
+    from machinery.jobs import run_alone
     key = tuple(map(str, argv))
     if key not in _ALONE:
         _ALONE[key] = run_alone([*key, "--no-save"])
@@ -336,7 +336,7 @@ def mnist_data(tmp_path_factory):
 
 
 def _cluster(size=2):
-    from hetseq.testing import cluster as netns
+    from machinery import cluster as netns
     available, why = netns.available()
     require(available, f"namespace hosts: {why}")
     netns.remove_stale()

@@ -1,4 +1,4 @@
-"""The test zygote (hetseq/testing/zygote.py) runs a command as a fresh
+"""The test zygote (tests/machinery/zygote.py) runs a command as a fresh
 ``python`` would: its arguments, folder, environment, streams and exit code."""
 
 import os
@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from hetseq.testing.zygote import Zygote, run
+from machinery.zygote import Zygote, run
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_what_the_imports_did_every_child_does_too(zygote, tmp_path):
 
 
 def test_what_the_imports_printed_every_child_prints_first(tmp_path, monkeypatch, capfd):
-    from hetseq.testing import zygote as module
+    from machinery import zygote_server as module
     (tmp_path / "noisy_module.py").write_text(
         "import os, sys\nprint('said at import')\nprint('warned', file=sys.stderr)\n"
         "os.environ['ZYGOTE_TEST_SET'] = 'by import'\n")

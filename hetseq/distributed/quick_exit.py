@@ -1,11 +1,12 @@
-"""Imported by the ranks' fork server only (launch.PRELOAD), never elsewhere.
+"""Imported by the ranks' fork server only (launch.PRELOAD): it ends with
+os._exit once the command that started it has, not with the interpreter's
+teardown of torch.
 
-The fork server holds the job's standard output and error (its ranks write
-there), so whoever reads them sees their end only when it has exited. It
-exits when the command that started it has, and the interpreter's teardown
-with torch, torch._dynamo and FSDP loaded takes 1-3 s of CPU freeing modules:
-an end with nothing to write or close comes first instead. Its ranks never
-run this: a forked rank ends with os._exit, as multiprocessing's children do.
+Why, for users: the fork server holds the job's standard output, so whatever
+reads it (``| tee log``, a CI log, ``subprocess.run``) sees the job end only
+when the server has exited; bench/quick_exit.py measures the difference.
+Its ranks never run this: a forked rank ends with os._exit, as
+multiprocessing's children do.
 """
 
 import atexit

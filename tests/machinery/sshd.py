@@ -11,7 +11,7 @@ import os
 import shutil
 import subprocess
 
-from hetseq.testing.watched import Watched
+from machinery.watched import Watched
 
 SSHD = "/usr/sbin/sshd"
 PRIVSEP = "/run/sshd"       # sshd's privilege separation directory (Debian)

@@ -20,7 +20,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from hetseq.testing import recording
+from machinery import recording
 
 
 @dataclasses.dataclass
@@ -55,7 +55,7 @@ def _build(argv, ctx):
 
 
 def _worker(rank, world, folder, jobs, timeout):
-    from hetseq.distributed import DistContext
+    from hetseq.distributed.launch import DistContext
     torch.set_num_threads(1)
     recording.register()
     dist.init_process_group(recording.BACKEND, init_method=f"file://{folder}/meet", rank=rank,
@@ -98,7 +98,7 @@ def run_jobs(world, jobs, folder, timeout=60):
 def run_alone(argv):
     """The Controller state after training with ``argv`` in this process,
     as one process (no process group)."""
-    from hetseq.distributed import DistContext
+    from hetseq.distributed.launch import DistContext
     run = _build(argv, DistContext(0, 1, 0, torch.device("cpu")))
     run.train()
     return run.controller.state_dict()

@@ -8,7 +8,7 @@ communicates goes through it: DDP's C++ reducer, FSDP2, and HetSeq's own
 calls (a Python ``torch.distributed.ProcessGroup`` subclass sees all of them,
 as PyTorch's own tests of Python process groups do).
 
-    from hetseq.testing import recording
+    from machinery import recording
     recording.register()
     dist.init_process_group(recording.BACKEND, init_method=..., rank=r, world_size=w)
     recording.mark("update 1")           # a marker between calls

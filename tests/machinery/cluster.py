@@ -16,10 +16,11 @@ hosts), and ``remove_stale`` what a killed run left behind.
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
+
+from machinery.zygote import run as run_forked
 
 PREFIX = "hetseq-net-"
 SUBNET = "10.213.0"
@@ -84,8 +85,9 @@ class VirtualCluster:
     """``with VirtualCluster(3, rate="1gbit") as cluster: cluster.popen(0, argv)``."""
 
     def __init__(self, hosts=2, rate="1gbit", zygote=None):
-        """``zygote``: a hetseq/testing/zygote.py Zygote that python commands
-        fork from (entering their host themselves) instead of starting anew."""
+        """``zygote``: a machinery/zygote.py Zygote that python commands fork
+        from (entering their host themselves, namespace_host.py) instead of
+        starting anew."""
         self.size, self.rate, self.zygote = hosts, rate, zygote
         self.tag = f"{PREFIX}{os.getpid()}-{time.monotonic_ns() % 10**6}"
         self.switch = f"{self.tag}-sw"
@@ -224,8 +226,7 @@ class VirtualCluster:
 
     def run(self, index, argv, timeout=60):
         if self._forks(argv, None):
-            from hetseq.testing.zygote import run
-            return run(self.zygote, argv[1:], os.getcwd(), os.environ, timeout, self.host(index))
+            return run_forked(self.zygote, argv[1:], os.getcwd(), os.environ, timeout, self.host(index))
         return subprocess.run(self.command(index, argv), capture_output=True, text=True,
                               timeout=timeout)
 
@@ -254,39 +255,3 @@ class VirtualCluster:
                     f.write(str(value))
             self._neighbours = None
 
-
-# <sched.h> and <sys/mount.h>
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000
-MS_RDONLY, MS_BIND, MS_REC, MS_SLAVE, MNT_DETACH = 1, 4096, 16384, 1 << 19, 2
-
-
-def enter_host(netns, hostname):
-    """In this process (a forked one: it changes namespaces for good), be on
-    a ``VirtualCluster`` host as ``VirtualCluster.command`` puts a command
-    there (``ip netns exec NETNS unshare --uts`` after ``hostname HOSTNAME``):
-    its network namespace; a mount namespace of its own where /sys shows
-    that network's interfaces and /etc/netns/NETNS/* lie over /etc/* (its
-    /etc/hosts), as iproute2's netns_switch makes it; its own hostname."""
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def check(result, what):
-        if result != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"{what} for host {hostname} ({netns}): {os.strerror(err)}")
-    fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
-    try:
-        check(libc.setns(fd, CLONE_NEWNET), "setns")
-    finally:
-        os.close(fd)
-    check(libc.unshare(CLONE_NEWNS | CLONE_NEWUTS), "unshare")
-    check(libc.mount(b"", b"/", b"none", MS_SLAVE | MS_REC, None), "mount --make-rslave /")
-    sysfs_flags = 0
-    if libc.umount2(b"/sys", MNT_DETACH) != 0 and os.statvfs("/sys").f_flag & os.ST_RDONLY:
-        sysfs_flags = MS_RDONLY        # a read-only /sys is shadowed by a read-only one
-    check(libc.mount(netns.encode(), b"/sys", b"sysfs", sysfs_flags, None), "mount /sys")
-    etc = f"/etc/netns/{netns}"
-    for name in sorted(os.listdir(etc)) if os.path.isdir(etc) else []:
-        check(libc.mount(f"{etc}/{name}".encode(), f"/etc/{name}".encode(), b"none", MS_BIND,
-                         None), f"bind {etc}/{name}")
-    socket.sethostname(hostname)

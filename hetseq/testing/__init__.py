@@ -1,1 +1,0 @@
-"""Helpers for tests and benchmarks (not used by training)."""
