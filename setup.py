@@ -25,5 +25,5 @@ setup(
                                       "hetseq-plot=hetseq.reporting.plot:main",
                                       "hetseq-launch=hetseq.launch.main:main",
                                       "hetseq-status=hetseq.reporting.status:main",
-                                      "hetseq-secret=hetseq.distributed.secret:main"]},
+                                      "hetseq-secret=hetseq.store.secret:main"]},
 )

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hetseq import cli  # noqa: E402
 from hetseq.update.controller import Controller  # noqa: E402
-from hetseq.distributed import DistContext  # noqa: E402
+from hetseq.distributed.launch import DistContext  # noqa: E402
 from hetseq.randomness import KeyedBatch, sample_keys  # noqa: E402
 from hetseq.tasks import TASKS  # noqa: E402
 from models import Bert, register  # noqa: E402  (bench/models.py)

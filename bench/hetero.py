@@ -44,7 +44,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from hetseq import cli  # noqa: E402
-from hetseq.distributed import launch  # noqa: E402
+from hetseq.distributed.launch import launch  # noqa: E402
+from hetseq.reporting.status import StatusBoard  # noqa: E402
 from hetseq.tasks import TASKS, import_user_dir  # noqa: E402
 from hetseq.run.loop import train_worker  # noqa: E402
 from output import emit  # noqa: E402
@@ -101,7 +102,7 @@ def run_job(mode, updates, world, extra=()):
     folder = tempfile.mkdtemp()
     try:
         args, job, node = cli.parse(flags(mode, updates, world, extra, folder))
-        launch(node, job.distributed_backend, train_worker, args, job, node)
+        launch(node, job.distributed_backend, train_worker, args, job, node, board=StatusBoard)
         with open(os.path.join(folder, "balance.jsonl")) as f:
             return [json.loads(line) for line in f]
     finally:

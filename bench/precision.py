@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hetseq import cli  # noqa: E402
 from hetseq.update.controller import Controller  # noqa: E402
-from hetseq.distributed import DistContext  # noqa: E402
+from hetseq.distributed.launch import DistContext  # noqa: E402
 from hetseq.tasks import TASKS, import_builtin_tasks  # noqa: E402
 from output import emit  # noqa: E402  (bench/output.py)
 

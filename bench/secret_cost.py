@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What the memory-hard key (hetseq/distributed/job_secret.py) costs a job
+"""What the memory-hard key (hetseq/store/job_secret.py) costs a job
 and an attacker, on this machine.
 
 - An offline guess against a recorded handshake: before, one SHA-256 of the
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from drift import timed  # noqa: E402  (median seconds of repeated calls)
 from output import emit  # noqa: E402
 
-from hetseq.distributed import gate, job_secret, secret, tunnel  # noqa: E402
+from hetseq.store import channel, gate, job_secret, secret  # noqa: E402
 
 
 def guess_before(guess, ns, nc):
@@ -57,11 +57,11 @@ def join_costs(repeats):
     gate_s = time.perf_counter() - opened
 
     def first():
-        tunnel.connect_as_client(address, fresh_secret(text, None))[0].close()
+        channel.connect_as_client(address, fresh_secret(text, None))[0].close()
     kept = fresh_secret(text, None)
 
     def later():
-        tunnel.connect_as_client(address, kept)[0].close()
+        channel.connect_as_client(address, kept)[0].close()
     later()
     return {"gate_opens_s": gate_s, "first_connection_s": timed(first, repeats),
             "later_connection_s": timed(later, repeats)}

@@ -43,7 +43,7 @@ from models import Bert, BertBase, register  # noqa: E402  (bench/models.py)
 from output import emit  # noqa: E402
 
 from hetseq import cli  # noqa: E402
-from hetseq.distributed import DistContext  # noqa: E402
+from hetseq.distributed.launch import DistContext  # noqa: E402
 from hetseq.randomness import KeyedBatch, sample_keys  # noqa: E402
 from hetseq.tasks import TASKS  # noqa: E402
 from hetseq.data.iterators import move_to  # noqa: E402

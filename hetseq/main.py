@@ -4,11 +4,11 @@ ranks (or its elastic member), each running hetseq/run/loop.py's Run."""
 import logging
 
 from hetseq import cli
-from hetseq.distributed import WorkerFailed, launch
-from hetseq.distributed.launch import exit_now
+from hetseq.distributed.launch import WorkerFailed, exit_now, launch
+from hetseq.elastic.node import train_elastic
 from hetseq.errors import HetSeqError
-from hetseq.reporting import setup_logging
-from hetseq.run.elastic import train_elastic
+from hetseq.logs import setup_logging
+from hetseq.reporting.status import StatusBoard
 from hetseq.run.loop import train_worker
 from hetseq.tasks import TASKS
 
@@ -24,7 +24,7 @@ def main(argv=None):
             train_elastic(args, job, node, inputs)
         else:
             launch(node, job.distributed_backend, train_worker, args, job, node, inputs,
-                   identity=job.identity())
+                   identity=job.identity(), board=StatusBoard)
     except (HetSeqError, WorkerFailed) as err:
         logger.error("%s", err)
         exit_now(err.exit_code)

@@ -12,7 +12,7 @@ from conftest import assert_ok, require_module, run_job, run_train
 from hetseq.bert import BertConfig, BertForPreTraining, hf_to_hetseq, load_hf_weights
 from hetseq.bert.preprocess import DTYPES, Settings, create_pretraining_data
 from hetseq.bert.pretraining_data import KEYS, BertH5Dataset, find_shards
-from hetseq.distributed import DistContext
+from hetseq.distributed.launch import DistContext
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)

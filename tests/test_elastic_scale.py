@@ -16,8 +16,8 @@ import types
 
 import torch
 
-from hetseq.distributed.generations import Generation
-from hetseq.distributed.health import Watchdog
+from hetseq.elastic.generations import Generation
+from hetseq.elastic.watchdog import Watchdog
 
 
 class Counting:
@@ -171,7 +171,7 @@ def test_a_member_asks_the_previous_members_only_up_to_the_first_that_answers():
     stops at the first member that answers (the leader), so a meeting of N
     members costs about N handshakes, not N x N. The member that answers
     first to itself leads, and asks everyone (who refused, who went on)."""
-    from hetseq.distributed.membership import ANSWERS, REFUSED, Membership
+    from hetseq.elastic.membership import ANSWERS, REFUSED, Membership
     members = [{"id": i} for i in "abcdefgh"]
     said = {"a": REFUSED, **{i: ANSWERS for i in "bcdefgh"}}
 
@@ -194,7 +194,7 @@ def test_a_member_waiting_at_a_node_that_went_elsewhere_follows_it():
     paused, woke, and found the job elsewhere) follows that node's word
     (``e/leader``) once it joined a generation of at least the round waited
     for, instead of waiting out the round (10 minutes at the defaults)."""
-    from hetseq.distributed.rounds import FollowRound
+    from hetseq.elastic.rounds import FollowRound
     store = torch.distributed.HashStore()
     me = types.SimpleNamespace(_where=lambda s: {"addr": "10.0.0.2", "port": 7,
                                                  "generation": 1})
@@ -220,7 +220,7 @@ def test_a_member_placed_in_a_round_it_did_not_read_enters_that_generation():
     read the outcome finds itself placed there: it enters generation 2 (the
     process group waits for it) instead of arriving late and asking for a
     generation 3."""
-    from hetseq.distributed.rounds import placed as placed_in, publish
+    from hetseq.elastic.rounds import placed as placed_in, publish
     store = torch.distributed.HashStore()
     one = Generation(1, (member("a"), member("b"), member("c")), 1, None)
     me = types.SimpleNamespace(id="b", generation=one)

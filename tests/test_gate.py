@@ -1,4 +1,4 @@
-"""The gate of a job with a secret stays open under a flood (tunnel.py);
+"""The gate of a job with a secret stays open under a flood (channel.py);
 meeting points refuse a taken port, serve IPv6 and never listen everywhere
 without a secret (meeting_point.py); sizes read from peers are bounded
 (collectives.py). That no other user of a host reaches a store with a
@@ -19,8 +19,9 @@ import types
 import pytest
 import torch
 
-from hetseq.distributed import collectives, gate, job_secret, meeting_point, tunnel
+from hetseq.distributed import collectives, meeting_point
 from hetseq.errors import PeerLost, UserError
+from hetseq.store import channel, gate, job_secret
 
 from conftest import (RUN_DIR, UPDATE_LINE, Watched, child_env, free_port, node_commands,
                       require, train_cmd)
@@ -30,7 +31,7 @@ SECRET = "c41e9a07d3b25f68e1a4c7093bd2f5e6"
 TIMEOUT = datetime.timedelta(seconds=10)
 FLOOD = 2000
 SOFT_LIMIT = 1024        # most hosts' default soft limit of open files
-HELD = 40                # sockets a flood may hold in rank 0: tunnel.HANDSHAKES (32), and slack
+HELD = 40                # sockets a flood may hold in rank 0: channel.HANDSHAKES (32), and slack
 
 
 def key(text=SECRET):
@@ -50,7 +51,7 @@ def wait_until(condition, timeout, what):
         time.sleep(0.02)
 
 
-def open_gate(handshakes=tunnel.HANDSHAKES, listener=None):
+def open_gate(handshakes=channel.HANDSHAKES, listener=None):
     """A gate on 127.0.0.1 (port) whose ``serve`` echoes one sealed frame back."""
     return echo_gate(listener, handshakes=handshakes)[0]
 
@@ -61,15 +62,15 @@ def echo_gate(listener=None, **caps):
 
     def echo(sock, send_key, receive_key, where):
         with sock:
-            tunnel._seal(sock, send_key, 0, tunnel._open(sock, receive_key, 0))
+            channel.send_frame(sock, send_key, 0, channel.receive_frame(sock, receive_key, 0))
     return listener.getsockname()[1], gate.Gate(listener, key(), echo, **caps)
 
 
-def echoed(port, patience_s=tunnel.BUSY_WAIT_S):
-    sock, send_key, receive_key, _ = tunnel.connect_as_client(("127.0.0.1", port), key(), patience_s)
+def echoed(port, patience_s=channel.BUSY_WAIT_S):
+    sock, send_key, receive_key, _ = channel.connect_as_client(("127.0.0.1", port), key(), patience_s)
     with sock:
-        tunnel._seal(sock, send_key, 0, b"ping")
-        return tunnel._open(sock, receive_key, 0)
+        channel.send_frame(sock, send_key, 0, b"ping")
+        return channel.receive_frame(sock, receive_key, 0)
 
 
 def test_a_handshake_that_trickles_is_dropped_at_its_deadline():
@@ -77,10 +78,10 @@ def test_a_handshake_that_trickles_is_dropped_at_its_deadline():
     0.2 s would otherwise hold the slot for 64 x 0.2 s."""
     port = open_gate()
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        assert tunnel._recv_exact(sock, len(tunnel.MAGIC) + tunnel.NONCE).startswith(tunnel.MAGIC)
+        assert channel._recv_exact(sock, len(channel.MAGIC) + channel.NONCE).startswith(channel.MAGIC)
         start, sent = time.monotonic(), 0
         sock.settimeout(0.2)
-        while time.monotonic() - start < tunnel.HANDSHAKE_S + 3:
+        while time.monotonic() - start < channel.HANDSHAKE_S + 3:
             try:
                 if sock.recv(1) == b"":
                     break                          # the gate closed it
@@ -90,7 +91,7 @@ def test_a_handshake_that_trickles_is_dropped_at_its_deadline():
             except ConnectionResetError:
                 break
         took = time.monotonic() - start
-    assert took < tunnel.HANDSHAKE_S + 1 and sent < tunnel.NONCE + tunnel.TAG, (took, sent)
+    assert took < channel.HANDSHAKE_S + 1 and sent < channel.NONCE + channel.TAG, (took, sent)
 
 
 def test_over_its_cap_the_gate_answers_busy_at_once_and_a_member_gets_its_turn():
@@ -101,26 +102,26 @@ def test_over_its_cap_the_gate_answers_busy_at_once_and_a_member_gets_its_turn()
     port = open_gate(handshakes=2)
     idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
     for sock in idle:                                # both hold a handshake slot
-        assert tunnel._recv_exact(sock, len(tunnel.MAGIC)) == tunnel.MAGIC
+        assert channel._recv_exact(sock, len(channel.MAGIC)) == channel.MAGIC
     threads = threading.active_count()
     over = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(50)]
     for sock in over:                                # answered and closed, no thread kept
         sock.settimeout(5)
-        assert tunnel._recv_exact(sock, len(tunnel.BUSY)) == tunnel.BUSY
+        assert channel._recv_exact(sock, len(channel.BUSY)) == channel.BUSY
         assert sock.recv(1) == b""
     assert threading.active_count() <= threads + 1
     # A member that cannot wait is told what happened, not "no secret".
     with pytest.raises(UserError, match="answered 'busy' for 0 s: its port is flooded"):
-        tunnel.check(("127.0.0.1", port), key(), f"tcp://127.0.0.1:{port}", patience_s=0.3)
+        channel.check(("127.0.0.1", port), key(), f"tcp://127.0.0.1:{port}", patience_s=0.3)
     # One that can gets in once a slot frees (the idle ones' deadline).
     start = time.monotonic()
     try:
         answer = echoed(port)
-    except tunnel.Busy as err:
+    except channel.Busy as err:
         pytest.fail(f"a member told 'busy' gave up after {time.monotonic() - start:.1f} s instead "
-                    f"of asking again for up to {tunnel.BUSY_WAIT_S} s: {err}")
+                    f"of asking again for up to {channel.BUSY_WAIT_S} s: {err}")
     assert answer == b"ping"
-    assert time.monotonic() - start < tunnel.HANDSHAKE_S + 2
+    assert time.monotonic() - start < channel.HANDSHAKE_S + 2
     for sock in idle + over:
         sock.close()
 
@@ -134,14 +135,14 @@ def test_one_address_cannot_take_every_place_in_the_handshake():
     gate.Gate(listener, key(), lambda sock, *_: sock.close(), handshakes=8, per_source=2)
     held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
     for sock in held:
-        assert tunnel._recv_exact(sock, len(tunnel.MAGIC)) == tunnel.MAGIC
+        assert channel._recv_exact(sock, len(channel.MAGIC)) == channel.MAGIC
     with socket.create_connection(("127.0.0.1", port), timeout=5) as third:
-        assert tunnel._recv_exact(third, len(tunnel.BUSY)) == tunnel.BUSY
+        assert channel._recv_exact(third, len(channel.BUSY)) == channel.BUSY
     # 127.0.0.2 is this host too: another source address.
     with socket.create_connection(("127.0.0.1", port), timeout=5,
                                   source_address=("127.0.0.2", 0)) as member:
         member.settimeout(5)
-        tunnel.handshake_as_client(member, key(), time.monotonic() + 5)
+        channel.handshake_as_client(member, key(), time.monotonic() + 5)
     for sock in held:
         sock.close()
 
@@ -168,7 +169,7 @@ def test_failed_accepts_are_waited_out_and_only_a_close_ends_the_gate(caplog):
     Only closing the listener ends the gate's accept loop."""
     listener = FailingListener(failures=4)
     before = set(threading.enumerate())
-    with caplog.at_level(logging.WARNING, logger=tunnel.__name__):
+    with caplog.at_level(logging.WARNING, logger=channel.__name__):
         port = open_gate(listener=listener)
         try:
             answer = echoed(port)
@@ -200,7 +201,7 @@ def sample(pid, peak, flood):
     while time.monotonic() < (end or give_up):
         peak.append(open_files(pid))
         if end is None and len(flood) == FLOOD:
-            end = time.monotonic() + tunnel.HANDSHAKE_S
+            end = time.monotonic() + channel.HANDSHAKE_S
         time.sleep(0.005)
 
 
@@ -241,7 +242,7 @@ def test_a_flood_of_idle_connections_neither_stops_the_job_nor_shuts_its_door():
             assert time.monotonic() < deadline and rank0.proc.poll() is None, \
                 rank0.output()[-3000:]
             time.sleep(0.05)
-        sampler.join(timeout=tunnel.HANDSHAKE_S + 5)
+        sampler.join(timeout=channel.HANDSHAKE_S + 5)
         assert max(peak) <= before + HELD, (before, max(peak))
         # The flood is still held: a member with the secret gets in.
         member = meeting_point.join_meeting_point(("127.0.0.1", port), key(), 10)
@@ -283,7 +284,7 @@ def test_a_taken_port_is_an_error_unless_a_node_of_this_job_holds_it(monkeypatch
     """A port held by another program, or by another job, is an error that
     says how to find the holder; a port held by a node of this job (the same
     secret) is not: a second node of the job on this host takes another port."""
-    monkeypatch.setattr(tunnel, "GREETING_S", 0.5)     # "another program" never greets
+    monkeypatch.setattr(channel, "GREETING_S", 0.5)     # "another program" never greets
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"
     with socket.create_server(("127.0.0.1", port)):          # another program
@@ -354,7 +355,7 @@ def test_a_relay_squatting_on_the_meeting_point_is_refused():
         squatter.close()
     # Through the relay the client still gets in (an SSH tunnel is a relay
     # too): only the meeting point's holder must be where it says.
-    assert tunnel.connect_as_client(("127.0.0.1", member_port), key())[3] == \
+    assert channel.connect_as_client(("127.0.0.1", member_port), key())[3] == \
         ("127.0.0.1", member_port)
 
 
@@ -398,11 +399,11 @@ def test_a_member_over_the_served_cap_is_told_full_and_gets_in_when_one_ends():
         with sock:
             release.wait(30)
     gate.Gate(listener, key(), hold, served=2)
-    held = [tunnel.connect_as_client(("127.0.0.1", port), key())[0] for _ in range(2)]
+    held = [channel.connect_as_client(("127.0.0.1", port), key())[0] for _ in range(2)]
     with pytest.raises(UserError, match="serves all the connections it takes"):
-        tunnel.check(("127.0.0.1", port), key(), f"tcp://127.0.0.1:{port}", patience_s=0.3)
+        channel.check(("127.0.0.1", port), key(), f"tcp://127.0.0.1:{port}", patience_s=0.3)
     threading.Timer(0.5, release.set).start()
-    sock, *_ = tunnel.connect_as_client(("127.0.0.1", port), key(), patience_s=10)
+    sock, *_ = channel.connect_as_client(("127.0.0.1", port), key(), patience_s=10)
     for each in (sock, *held):
         each.close()
 
@@ -411,10 +412,10 @@ def proof_then_reset(port, secret):
     """A client that proves the secret and resets the connection (SO_LINGER
     0) before the gate answers: the place it was given must come back."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        greeting = tunnel._recv_exact(sock, len(tunnel.MAGIC) + tunnel.SALT + tunnel.NONCE)
-        salt, ns = greeting[len(tunnel.MAGIC):-tunnel.NONCE], greeting[-tunnel.NONCE:]
-        nc = os.urandom(tunnel.NONCE)
-        sock.sendall(nc + tunnel._mac(secret.key(salt), b"client", ns, nc))
+        greeting = channel._recv_exact(sock, len(channel.MAGIC) + channel.SALT + channel.NONCE)
+        salt, ns = greeting[len(channel.MAGIC):-channel.NONCE], greeting[-channel.NONCE:]
+        nc = os.urandom(channel.NONCE)
+        sock.sendall(nc + channel._mac(secret.key(salt), b"client", ns, nc))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
@@ -433,18 +434,18 @@ def answered(verdict):
     """What a client makes of a gate (one that knows the secret) whose
     answer after the proof is ``verdict(key, nc, ns)``."""
     client, server = socket.socketpair()
-    secret, salt, ns = key(), os.urandom(tunnel.SALT), os.urandom(tunnel.NONCE)
-    server.sendall(tunnel.MAGIC + salt + ns)
+    secret, salt, ns = key(), os.urandom(channel.SALT), os.urandom(channel.NONCE)
+    server.sendall(channel.MAGIC + salt + ns)
     outcome = {}
 
     def gate():
-        nc = tunnel._recv_exact(server, tunnel.NONCE + tunnel.TAG)[:tunnel.NONCE]
+        nc = channel._recv_exact(server, channel.NONCE + channel.TAG)[:channel.NONCE]
         server.sendall(verdict(secret.key(salt), nc, ns))
     thread = threading.Thread(target=gate)
     thread.start()
     try:
-        outcome["stated"] = tunnel.handshake_as_client(client, secret, time.monotonic() + 5)[2]
-    except (tunnel.Refused, OSError) as err:
+        outcome["stated"] = channel.handshake_as_client(client, secret, time.monotonic() + 5)[2]
+    except (channel.Refused, OSError) as err:
         outcome["error"] = err
     thread.join()
     client.close()
@@ -454,7 +455,7 @@ def answered(verdict):
 
 def stating(where):
     return lambda k, nc, ns: (b"OK" + bytes([len(where)]) + where +
-                              tunnel._mac(k, b"server", nc, ns, where))
+                              channel._mac(k, b"server", nc, ns, where))
 
 
 @pytest.mark.parametrize("where", ["127.0.0.1 \u00b2".encode(), "127.0.0.1 \u0661\u0662".encode(),
@@ -464,18 +465,18 @@ def test_a_stated_address_that_is_not_one_is_refused(where):
     """The gate's stated address is a member's word, checked like any value
     from the network: no traceback, no port 12 read from Arabic digits."""
     outcome = answered(stating(where))
-    assert isinstance(outcome.get("error"), tunnel.Refused), outcome
+    assert isinstance(outcome.get("error"), channel.Refused), outcome
     assert answered(stating(b"127.0.0.1 29500")) == {"stated": ("127.0.0.1", 29500)}
 
 
 def test_full_is_believed_only_with_the_gates_proof():
     """A squatter without the secret cannot make a member wait by answering
     'full': the answer carries the gate's HMAC."""
-    forged = answered(lambda k, nc, ns: tunnel.FULL + os.urandom(tunnel.TAG))
-    assert isinstance(forged.get("error"), tunnel.Refused) and \
-        not isinstance(forged["error"], tunnel.Full), forged
-    proven = answered(lambda k, nc, ns: tunnel.FULL + tunnel._mac(k, b"full", nc, ns))
-    assert isinstance(proven.get("error"), tunnel.Full), proven
+    forged = answered(lambda k, nc, ns: channel.FULL + os.urandom(channel.TAG))
+    assert isinstance(forged.get("error"), channel.Refused) and \
+        not isinstance(forged["error"], channel.Full), forged
+    proven = answered(lambda k, nc, ns: channel.FULL + channel._mac(k, b"full", nc, ns))
+    assert isinstance(proven.get("error"), channel.Full), proven
 
 
 def test_a_member_slow_to_greet_still_holds_its_port(monkeypatch):
@@ -483,7 +484,7 @@ def test_a_member_slow_to_greet_still_holds_its_port(monkeypatch):
     of the job on that host asks again, and does not take the port for
     another job's. (The member here never greets the first knock and greets
     every later one at once.)"""
-    monkeypatch.setattr(tunnel, "GREETING_S", 1.0)
+    monkeypatch.setattr(channel, "GREETING_S", 1.0)
     port = free_port()
     listener = socket.create_server(("127.0.0.1", port))
     held, served = [], threading.Event()
@@ -495,7 +496,7 @@ def test_a_member_slow_to_greet_still_holds_its_port(monkeypatch):
             sock, _ = listener.accept()
             held.append(sock)
             try:
-                tunnel.handshake_as_server(sock, key(), time.monotonic() + 30,
+                channel.handshake_as_server(sock, key(), time.monotonic() + 30,
                                             ("127.0.0.1", port))
             except OSError:
                 pass
@@ -579,7 +580,7 @@ def test_refused_handshakes_are_one_line_per_source_and_interval(caplog):
     the count comes in one more line per interval."""
     import logging
     port = open_gate()
-    caplog.set_level(logging.WARNING, logger="hetseq.distributed.tunnel")
+    caplog.set_level(logging.WARNING, logger="hetseq.store.channel")
     sent, end = 0, time.monotonic() + 1.0
     while time.monotonic() < end:
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
@@ -596,7 +597,7 @@ def test_refused_handshakes_are_one_line_per_source_and_interval(caplog):
 
 
 def test_a_tally_logs_a_source_once_then_its_count_per_interval():
-    from hetseq.reporting import Tally
+    from hetseq.logs import Tally
     tally = Tally(seconds=0.2, sources=2)
     assert tally.add("a", "bad magic") == (True, [])
     assert [tally.add("a", f"bad {i}") for i in range(3)] == [(False, [])] * 3

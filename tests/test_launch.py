@@ -3,7 +3,7 @@ SSH servers in namespace hosts), stop them together, and keep the job
 secret out of every command line and log; hetseq-status shows the job.
 
 The SSH tests run the launcher on host A, as a user would on the first of
-their machines, against an sshd on each host (hetseq/testing/sshd.py: key
+their machines, against an sshd on each host (tests/machinery/sshd.py: key
 login only, its keys and config in the test's folder). Host D has no sshd:
 the host that cannot be reached.
 """
@@ -332,7 +332,7 @@ def test_a_killed_node_wrapper_takes_its_command_along_and_its_end_stops_the_job
 @pytest.fixture(scope="module")
 def ssh_hosts(tmp_path_factory):
     """Hosts A-D; an sshd on A, B and C (D has none: it cannot be reached)."""
-    from hetseq.testing import sshd
+    from machinery import sshd
     ok, why = sshd.available()
     require(ok, f"SSH servers: {why}")
     with _cluster(4) as cluster, \

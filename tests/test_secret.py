@@ -1,4 +1,4 @@
-"""Only invited nodes: a job secret guards the meeting point (tunnel.py), and
+"""Only invited nodes: a job secret guards the meeting point (channel.py), and
 rank 0's store listens only on the job's address."""
 
 import base64
@@ -17,8 +17,9 @@ from test_parity import COMMON, EXACT, reference
 
 from conftest import (assert_ok, final_params, finish, free_port, max_diff, node_commands,
                       start_nodes)
-from hetseq.distributed import job_secret, meeting_point, secret, tunnel
+from hetseq.distributed import meeting_point
 from hetseq.errors import UserError
+from hetseq.store import channel, job_secret, secret
 
 SECRET = "a8f3e1c97b2d4065a1e0c3b5d7f9e2a4"
 OTHER = "3c9b57e0d2a14f86b7e5c0a39d1f6284"   # valid, but not the job's
@@ -46,15 +47,15 @@ def handshake_pair(client_secret, server_secret):
 
     def server():
         try:
-            results["server"] = tunnel.handshake_as_server(b, server_secret, None,
+            results["server"] = channel.handshake_as_server(b, server_secret, None,
                                                            where=("127.0.0.1", 1))
-        except tunnel.Refused as err:
+        except channel.Refused as err:
             results["server"] = err
     thread = threading.Thread(target=server)
     thread.start()
     try:
-        results["client"] = tunnel.handshake_as_client(a, client_secret)
-    except tunnel.Refused as err:
+        results["client"] = channel.handshake_as_client(a, client_secret)
+    except channel.Refused as err:
         results["client"] = err
     thread.join()
     return a, b, results["client"], results["server"]
@@ -65,30 +66,30 @@ def test_the_handshake_proves_the_secret_both_ways_and_keys_each_direction():
     # The client's send key is the server's receive key, and the other way round.
     assert client[:2] == (server[1], server[0]) and client[0] != client[1]
     _, _, client, server = handshake_pair(key(OTHER), key(SECRET))
-    assert isinstance(client, tunnel.Refused) and isinstance(server, tunnel.Refused)
+    assert isinstance(client, channel.Refused) and isinstance(server, channel.Refused)
 
 
 def test_a_forged_replayed_or_reordered_frame_is_refused():
     a, b, (send, _, _), (_, receive) = handshake_pair(key(SECRET), key(SECRET))
-    tunnel._seal(a, send, 0, b"set key value")
-    assert tunnel._open(b, receive, 0) == b"set key value"
-    tunnel._seal(a, send, 0, b"replayed")                 # sequence number 0 again
-    with pytest.raises(tunnel.Refused):
-        tunnel._open(b, receive, 1)
+    channel.send_frame(a, send, 0, b"set key value")
+    assert channel.receive_frame(b, receive, 0) == b"set key value"
+    channel.send_frame(a, send, 0, b"replayed")                 # sequence number 0 again
+    with pytest.raises(channel.Refused):
+        channel.receive_frame(b, receive, 1)
     frame = bytearray()
     c, d = socket.socketpair()
-    tunnel._seal(c, send, 5, b"claim rank 1")
+    channel.send_frame(c, send, 5, b"claim rank 1")
     frame += d.recv(1024)
     frame[-1] ^= 1                                          # one bit changed in transit
     c.sendall(bytes(frame))
-    with pytest.raises(tunnel.Refused):
-        tunnel._open(d, receive, 5)
+    with pytest.raises(channel.Refused):
+        channel.receive_frame(d, receive, 5)
     c.sendall(struct.pack(">I", 4) + bytes(32) + b"junk")  # injected without the key
-    with pytest.raises(tunnel.Refused):
-        tunnel._open(d, receive, 6)
+    with pytest.raises(channel.Refused):
+        channel.receive_frame(d, receive, 6)
 
 
-def test_store_through_the_tunnel_and_intruders_refused_without_disturbing_it(caplog):
+def test_store_through_the_channel_and_intruders_refused_without_disturbing_it(caplog):
     url, server = serve(key(SECRET))
     member = join(url, key(SECRET))
     member.set("hetseq/who/1", "member")
@@ -239,7 +240,7 @@ def test_the_key_is_memory_hard_and_salted_with_the_job():
     _, _, client, server = handshake_pair(plain, job_a)
     assert client[:2] == (server[1], server[0])          # the gate's salt, taken from its greeting
     _, _, client, server = handshake_pair(key(OTHER), job_a)
-    assert isinstance(client, tunnel.Refused) and isinstance(server, tunnel.Refused)
+    assert isinstance(client, channel.Refused) and isinstance(server, channel.Refused)
 
 
 def test_a_drawn_secret_the_rule_refuses_is_drawn_again(monkeypatch):
@@ -264,7 +265,7 @@ def test_hetseq_secret_makes_accepted_secrets_and_private_files(tmp_path):
     for _ in range(200):           # the rule refuses none of what it makes
         assert key(secret.make()) is not None
     path = tmp_path / "job-secret"
-    run = [sys.executable, "-m", "hetseq.distributed.secret", "--file", str(path)]
+    run = [sys.executable, "-m", "hetseq.store.secret", "--file", str(path)]
     os.umask(old := os.umask(0))   # the widest umask: the file must still be 600
     try:
         assert subprocess.run(run, capture_output=True, timeout=60).returncode == 0

@@ -17,9 +17,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from hetseq.distributed import job_secret, store as job_store
 from hetseq.errors import UserError
 from hetseq.reporting import status
+from hetseq.store import job_secret, store as job_store
 
 from conftest import child_env
 

@@ -1,5 +1,5 @@
-"""The store of jobs with a secret (hetseq/distributed/store.py): served only
-through the tunnel's handshake, never on an unauthenticated listener."""
+"""The store of jobs with a secret (hetseq/store/store.py): served only
+through the channel's handshake, never on an unauthenticated listener."""
 
 import datetime
 import gc
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from hetseq.distributed import gate, job_secret, store, store_table, tunnel
-from hetseq.distributed.secret import make as make_secret
+from hetseq.store import channel, gate, job_secret, store, store_table
+from hetseq.store.secret import make as make_secret
 
 from conftest import require
 
@@ -140,7 +140,7 @@ def test_semantics_match_hashstore(served, kind):
 
 def test_large_values_span_frames_and_bounds_hold(served):
     remote = served.client()
-    value = secrets.token_bytes(3 * tunnel.CHUNK + 7)
+    value = secrets.token_bytes(3 * channel.CHUNK + 7)
     remote.set("big", value)
     assert remote.get("big") == value and served.local.get("big") == value
     with pytest.raises(ValueError):
@@ -183,7 +183,7 @@ def test_gloo_job_of_three_processes():
 RANK = r"""
 import datetime, json, os, socket, sys, time
 import torch, torch.distributed as dist
-from hetseq.distributed import gate, job_secret, store, store_table, tunnel
+from hetseq.store import channel, gate, job_secret, store, store_table
 rank, port, fd = map(int, sys.argv[1:4])
 secret = job_secret.read_secret(None, os.environ)
 timeout = datetime.timedelta(seconds=20)
@@ -210,8 +210,8 @@ print("RESULT " + json.dumps({"sum": total.item(), "group_sum": group_total.item
 
 def test_wrong_secret_gets_nothing_and_others_are_served(served, caplog):
     served.local.set("hetseq/claim/0", b"mine")
-    with caplog.at_level(logging.WARNING, logger="hetseq.distributed.tunnel"):
-        with pytest.raises(tunnel.Refused):
+    with caplog.at_level(logging.WARNING, logger="hetseq.store.channel"):
+        with pytest.raises(channel.Refused):
             store.connect(served.address, key(OTHER), 5)
         assert logged(caplog, "wrong secret")
     assert served.client().get("hetseq/claim/0") == b"mine"
@@ -356,10 +356,10 @@ def test_malformed_requests_close_only_their_connection(served, case, caplog):
     one warning; other connections and the store go on."""
     other = served.client()
     other.set("kept", b"yes")
-    sock, send_key, receive_key, _ = tunnel.connect_as_client(served.address, KEY)
+    sock, send_key, receive_key, _ = channel.connect_as_client(served.address, KEY)
     try:
-        with caplog.at_level(logging.WARNING, logger="hetseq.distributed.store"):
-            tunnel._seal(sock, send_key, 0, MALFORMED[case])
+        with caplog.at_level(logging.WARNING, logger="hetseq.store.store"):
+            channel.send_frame(sock, send_key, 0, MALFORMED[case])
             sock.settimeout(5)
             try:
                 answer = sock.recv(1 << 16)
@@ -375,9 +375,9 @@ def test_malformed_requests_close_only_their_connection(served, case, caplog):
 
 
 def test_a_forged_frame_closes_the_connection(served):
-    sock, send_key, receive_key, _ = tunnel.connect_as_client(served.address, KEY)
+    sock, send_key, receive_key, _ = channel.connect_as_client(served.address, KEY)
     try:
-        tunnel._seal(sock, key(OTHER).key(), 0, message(bytes([store.NUM_KEYS])))
+        channel.send_frame(sock, key(OTHER).key(), 0, message(bytes([store.NUM_KEYS])))
         sock.settimeout(5)
         assert sock.recv(1 << 16) == b""
     finally:
@@ -462,13 +462,13 @@ def test_another_uid_cannot_reach_the_store_without_the_handshake():
     assert report["ports"].pop(f"127.0.0.1:{control.port}").get("value") == value
     assert report["ports"] and all("value" not in seen for seen in report["ports"].values()), \
         report
-    assert all(bytes.fromhex(seen["greeting"]).startswith(tunnel.MAGIC)
+    assert all(bytes.fromhex(seen["greeting"]).startswith(channel.MAGIC)
                for seen in report["ports"].values()), report
 
 
 SERVE = r"""
 import os, socket, sys, time
-from hetseq.distributed import gate, job_secret, store, store_table, tunnel
+from hetseq.store import channel, gate, job_secret, store, store_table
 s = store.serve(socket.socket(fileno=int(sys.argv[1])), job_secret.read_secret(None, os.environ), 10)
 s.set("hetseq/claim/0", sys.argv[2])
 print("READY", flush=True)

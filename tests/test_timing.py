@@ -32,7 +32,7 @@ def test_the_clock_stops_at_the_end_of_backward():
 def _times(rank, world, init, zero, out):
     import torch.distributed as dist
 
-    from hetseq.distributed import DistContext
+    from hetseq.distributed.launch import DistContext
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=GROUP_TIMEOUT)

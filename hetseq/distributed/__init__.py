@@ -1,8 +1,8 @@
-"""Distributed start-up: topology from flags/env, rendezvous, spawning, collectives."""
+"""Start-up: which ranks this command runs, the meeting point, rendezvous,
+starting the ranks (launch.py), collectives. Only the small collectives are
+re-exported here, so that the update's importers load nothing of start-up;
+everything else is imported from its module."""
 
 from hetseq.distributed.collectives import all_gather_object, broadcast_from_main
-from hetseq.distributed.launch import DistContext, WorkerFailed, launch
-from hetseq.distributed.topology import Topology, resolve_topology
 
-__all__ = ["DistContext", "Topology", "WorkerFailed", "all_gather_object", "broadcast_from_main",
-           "launch", "resolve_topology"]
+__all__ = ["all_gather_object", "broadcast_from_main"]

@@ -20,11 +20,11 @@ import sys
 import torch
 import torch.multiprocessing as mp
 
-from hetseq.distributed import health, job_secret, meeting_point, rendezvous
+from hetseq.distributed import health, meeting_point, rendezvous
 from hetseq.distributed.topology import resolve_topology
 from hetseq.errors import HetSeqError, PeerLost
-from hetseq.reporting import NODE, rank_ranges, setup_logging
-from hetseq.reporting import status   # (the module: hetseq-status imports this package)
+from hetseq.logs import NODE, rank_ranges, setup_logging
+from hetseq.store import job_secret
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +56,13 @@ class WorkerFailed(Exception):
         self.exit_code = exit_code
 
 
-def launch(node, backend, worker, *worker_args, identity=None):
+def launch(node, backend, worker, *worker_args, identity=None, board=None):
     """Run ``worker(ctx, *worker_args)`` on every rank this node owns.
     ``node``: the NodeConfig (config.py); ``backend``: the job's
     --distributed-backend; ``identity``: what every node must agree on to
-    join (``JobConfig.identity()``).
+    join (``JobConfig.identity()``); ``board(store, hosts)``: rank 0's
+    status board in a job of several ranks (ctx.board), made by the caller
+    so that start-up does not depend on the view (reporting/status.py).
 
     Returns the worker's result when it ran in this process (one local rank).
     """
@@ -69,10 +71,10 @@ def launch(node, backend, worker, *worker_args, identity=None):
     cuda_count = torch.cuda.device_count() if not node.launch.cpu else 0
     topology = resolve_topology(node.launch, os.environ, cuda_count, backend)
     if topology.nprocs == 1:
-        return _run_rank(0, topology, node, identity, worker, worker_args)
+        return _run_rank(0, topology, node, identity, worker, worker_args, board)
     with _hosted_store(topology, secret) as topology:
         try:
-            start_ranks(_spawned_rank, (topology, node, identity, worker, worker_args),
+            start_ranks(_spawned_rank, (topology, node, identity, worker, worker_args, board),
                         topology.nprocs, topology.device_type, worker.__module__)
         except mp.ProcessExitedException as err:
             raise _exited(topology.first_rank + err.error_index, err) from None
@@ -155,9 +157,9 @@ def _hosted_store(topology, secret=None):
     del store
 
 
-def _spawned_rank(index, topology, node, identity, worker, worker_args):
+def _spawned_rank(index, topology, node, identity, worker, worker_args, board):
     try:
-        _run_rank(index, topology, node, identity, worker, worker_args)
+        _run_rank(index, topology, node, identity, worker, worker_args, board)
     except HetSeqError as err:
         logging.getLogger("hetseq").error("rank %d: %s", topology.first_rank + index, err)
         exit_now(err.exit_code)
@@ -174,7 +176,7 @@ def exit_now(code):
     os._exit(code)
 
 
-def _run_rank(index, topology, node, identity, worker, worker_args):
+def _run_rank(index, topology, node, identity, worker, worker_args, board=None):
     rank = topology.first_rank + index
     setup_logging(rank, all_ranks=node.log.log_all_ranks, node_first=index == 0)
     set_threads(topology)
@@ -188,8 +190,8 @@ def _run_rank(index, topology, node, identity, worker, worker_args):
         topology, rank, node.launch.distributed_timeout, node.launch.distributed_interface,
         identity, job_secret.read_secret(node.launch.job_secret_file, identity=identity))
     heartbeat = health.Heartbeat(store, rank)
-    if rank == 0:
-        ctx = dataclasses.replace(ctx, board=status.StatusBoard(
+    if rank == 0 and board is not None:
+        ctx = dataclasses.replace(ctx, board=board(
             store, [peers[r]["host"] for r in range(ctx.world_size)]))
     try:
         result = worker(ctx, *worker_args)

@@ -4,7 +4,7 @@ reached by the others, with messages a user can act on (an unreachable or
 busy master, a taken port, a host name that resolves to loopback).
 
 Where a store listens: only on the job's address, never on every address of
-the host; with a job secret, behind the gate (gate.py) and nowhere else. A
+the host; with a job secret, behind the gate (hetseq/store/gate.py) and nowhere else. A
 second node of one job on one host takes another port; a port held by
 anything else, a relay to a member included, is an error that names it.
 """
@@ -20,9 +20,10 @@ import urllib.parse
 
 import torch.distributed as dist
 
-from hetseq.distributed import interfaces, network, store, tunnel
-from hetseq.distributed.job_secret import JobSecret
+from hetseq.distributed import interfaces, network
 from hetseq.errors import UserError
+from hetseq.store import channel, store
+from hetseq.store.job_secret import JobSecret
 
 logger = logging.getLogger(__name__)
 
@@ -66,28 +67,28 @@ def _client_address(host, access):
 
 def _client(url, host, port, world_size, timeout, secret):
     """A store client of HOST:PORT (reachable): with a secret, the job's own
-    store through the gate (store.py: a handshake, then authenticated
+    store through the gate (hetseq/store/store.py: a handshake, then authenticated
     requests); without, c10d's TCPStore."""
-    if secret is None and tunnel.asks_for_secret((host, port)):
+    if secret is None and channel.asks_for_secret((host, port)):
         raise UserError(f"the job at {url} has a job secret and this node none: set "
                         "HETSEQ_JOB_SECRET or --job-secret-file as on the other nodes")
     try:
         if secret is not None:
-            tunnel.check((host, port), secret, url)    # a wrong secret: one clear message
+            channel.check((host, port), secret, url)    # a wrong secret: one clear message
             return store.connect((host, port), secret, timeout)
         return dist.TCPStore(host, port, world_size, False, timeout)
-    except (RuntimeError, ValueError, OSError, tunnel.Refused) as err:
+    except (RuntimeError, ValueError, OSError, channel.Refused) as err:
         raise UserError(f"could not reach {url} within {timeout.total_seconds():.0f} s: "
                         f"{str(err).splitlines()[0]}. Check that its node runs, that HOST:PORT "
                         "is its address and that no firewall blocks the port") from None
 
 
 def serve_meeting_point(url, address, port, secret, timeout_s):
-    """An elastic member's store (membership.py) on ``address``: at ``port``, or,
+    """An elastic member's store (elastic/membership.py) on ``address``: at ``port``, or,
     when another node of this same job on this host holds that port (its
     gate proves the job's secret), at a port the OS picks. A port held by
     anything else (another job, a job with another secret) is an error: the
-    nodes of this job would knock there. Returns (store, port)."""
+    nodes of this job would connect there. Returns (store, port)."""
     listener = _member_listener(url, address, port, secret)
     _LISTENERS.append(listener)
     served = store.serve(listener, secret, datetime.timedelta(seconds=timeout_s))
@@ -115,7 +116,7 @@ def _member_listener(url, address, port, secret):
 
 
 # A gate in a process busy training on a loaded host may greet later than
-# tunnel.GREETING_S, or drop a handshake that outlived its HANDSHAKE_S (a
+# channel.GREETING_S, or drop a handshake that outlived its HANDSHAKE_S (a
 # reset): asked this many times before its port counts as taken.
 HOLDER_TRIES = 3
 
@@ -128,12 +129,12 @@ def _holder(address, port, secret):
     for another job's."""
     for _ in range(HOLDER_TRIES):
         try:
-            sock, _, _, stated = tunnel.connect_as_client((address, port), secret)
+            sock, _, _, stated = channel.connect_as_client((address, port), secret)
         except ConnectionRefusedError:
             return None                 # gone: nobody holds it now
         except (TimeoutError, ConnectionError):
             continue                    # too slow for the handshake's deadlines: again
-        except (OSError, tunnel.Refused):
+        except (OSError, channel.Refused):
             return None
         sock.close()
         return stated
@@ -170,7 +171,7 @@ def _bracketed(host):
 def _serve(url, host, port, world_size, timeout, access):
     """Rank 0's store, listening only on the job's address (TCPStore alone
     would listen on every address of the host). With a secret it is the
-    job's own store behind the gate (store.py), and nothing listens on
+    job's own store behind the gate (hetseq/store/store.py), and nothing listens on
     loopback for another user of this host to reach."""
     listener = _listen(url, _listen_address(url, host, access), port)
     if access.secret is None:

@@ -35,7 +35,7 @@ import time
 
 from hetseq.distributed import interfaces
 from hetseq.errors import UserError
-from hetseq.reporting import NODE, Every
+from hetseq.logs import NODE, Every
 
 logger = logging.getLogger(__name__)
 

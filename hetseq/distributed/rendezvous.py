@@ -21,7 +21,7 @@ from hetseq.distributed import health, identity, network
 from hetseq.distributed.meeting_point import Access, file_path, master_host, open_store
 from hetseq.distributed.topology import ready_backend
 from hetseq.errors import UserError
-from hetseq.reporting import NODE, Every, rank_ranges
+from hetseq.logs import NODE, Every, rank_ranges
 
 logger = logging.getLogger(__name__)
 

@@ -22,13 +22,12 @@ import tempfile
 import threading
 import time
 
-from hetseq.distributed import secret as secrets_cli
-from hetseq.distributed import job_secret
 from hetseq.errors import UserError
-from hetseq.owned_file import read_owned
 from hetseq.launch import hostfile, plan as planning
 from hetseq.launch.nodes import RunningNode
 from hetseq.launch.transport import TRANSPORTS
+from hetseq.owned_file import read_owned
+from hetseq.store import job_secret, secret as secrets_cli
 
 ENV_FILE = ".hetseq_env"
 MAX_ENV_FILE = 1 << 20

@@ -13,8 +13,8 @@ import dataclasses
 
 from hetseq import cli, config
 from hetseq.errors import UserError
+from hetseq.logs import rank_ranges
 from hetseq.tasks import TASKS
-from hetseq.reporting import rank_ranges
 
 # The flags the launcher writes itself for every node (a user's value would
 # give two nodes the same ranks, or a node a wrong world).

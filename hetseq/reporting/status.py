@@ -32,10 +32,9 @@ import time
 
 import torch.distributed as dist
 
-from hetseq.distributed import job_secret, store as job_store
-from hetseq.distributed import tunnel
 from hetseq.errors import UserError
 from hetseq.reporting.progress import format_duration
+from hetseq.store import channel, job_secret, store as job_store
 
 logger = logging.getLogger(__name__)
 
@@ -100,13 +99,13 @@ def open_store(url, secret, timeout_s=CONNECT_S):
                         "running, and is this its --distributed-init-method?") from None
     try:
         if secret is None:
-            if tunnel.asks_for_secret((host, port)):
+            if channel.asks_for_secret((host, port)):
                 raise UserError(f"the job at {url} has a job secret: give it with "
                                 "--job-secret-file PATH or HETSEQ_JOB_SECRET")
             return dist.TCPStore(host, port, None, False, timeout)
-        tunnel.check((host, port), secret, url, patience_s=timeout_s)
+        channel.check((host, port), secret, url, patience_s=timeout_s)
         return job_store.connect((host, port), secret, timeout)
-    except (RuntimeError, OSError, tunnel.Refused) as err:
+    except (RuntimeError, OSError, channel.Refused) as err:
         raise UserError(f"could not read the job at {url}: {str(err).splitlines()[0]}") from None
 
 

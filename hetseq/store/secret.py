@@ -22,7 +22,7 @@ def make():
     """A new secret that job_secret.weakness accepts: about one draw in five
     million holds a run of 8 equal digits, which the rule refuses in a
     typed secret; it is drawn again (the entropy lost is negligible)."""
-    from hetseq.distributed.job_secret import weakness
+    from hetseq.store.job_secret import weakness
     while True:
         text = secrets.token_hex(BYTES)
         if weakness(text.encode()) is None:

@@ -1,6 +1,6 @@
-"""The wire protocol of the job's store (store.py), inside tunnel.py's sealed
+"""The wire protocol of the job's store (store.py), inside channel.py's sealed
 frames: a message is a 4-byte big-endian length and its body, split over as
-many frames as tunnel.CHUNK needs. A request body is an op code (1 byte) and
+many frames as channel.CHUNK needs. A request body is an op code (1 byte) and
 the op's fields; a response body is a status byte (OK, TIMEOUT, INVALID) and
 the result's fields. Fields: a key or value is a 4-byte length and its
 bytes, a list a 4-byte count and its items, an integer 8 bytes signed, a
@@ -14,7 +14,7 @@ message at most MAX_MESSAGE (from its length header).
 
 import struct
 
-from hetseq.distributed import tunnel
+from hetseq.store import channel
 
 MAX_KEY = 4 << 10
 MAX_VALUE = 64 << 20
@@ -107,8 +107,8 @@ class Reader:
 def send_message(sock, key, seq, body):
     """Send ``body`` as one message over sealed frames; returns the next seq."""
     data = struct.pack(">I", len(body)) + body
-    for start in range(0, len(data), tunnel.CHUNK):
-        tunnel._seal(sock, key, seq, data[start:start + tunnel.CHUNK])
+    for start in range(0, len(data), channel.CHUNK):
+        channel.send_frame(sock, key, seq, data[start:start + channel.CHUNK])
         seq += 1
     return seq
 
@@ -116,8 +116,8 @@ def send_message(sock, key, seq, body):
 def receive_message(sock, key, seq):
     """(body, next seq) of the next message; body None at a clean end.
     Raises Malformed for a message over MAX_MESSAGE (read from its header,
-    before gathering it), tunnel.Refused for a forged frame, OSError."""
-    first = tunnel._open(sock, key, seq)
+    before gathering it), channel.Refused for a forged frame, OSError."""
+    first = channel.receive_frame(sock, key, seq)
     if not first:
         return None, seq
     seq += 1
@@ -128,7 +128,7 @@ def receive_message(sock, key, seq):
         raise Malformed(f"a message of {total} bytes (at most {MAX_MESSAGE})")
     body = bytearray(first[4:])
     while len(body) < total:
-        more = tunnel._open(sock, key, seq)
+        more = channel.receive_frame(sock, key, seq)
         if not more:
             raise ConnectionError("connection closed mid-message")
         seq += 1

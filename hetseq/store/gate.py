@@ -1,6 +1,6 @@
 """The gate: the listener on the job's address that takes each connection
-through tunnel.py's handshake before the job's store serves it, and stays
-open under a flood (tunnel.py has the handshake, the caps' numbers and the
+through channel.py's handshake before the job's store serves it, and stays
+open under a flood (channel.py has the handshake, the caps' numbers and the
 client's side).
 
 - at most HANDSHAKES handshakes at once, PER_SOURCE from one address, each
@@ -19,9 +19,9 @@ import socket
 import threading
 import time
 
-from hetseq.distributed.tunnel import (BUSY, HANDSHAKE_S, HANDSHAKES, PAUSES_S, PER_SOURCE,
+from hetseq.store.channel import (BUSY, HANDSHAKE_S, HANDSHAKES, PAUSES_S, PER_SOURCE,
                                        SERVED, Refused, handshake_as_server)
-from hetseq.reporting import Tally
+from hetseq.logs import Tally
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
-"""An authenticated door to the job's store, for jobs with a secret.
+"""The authenticated channel to the job's store, for jobs with a secret.
 
 c10d's TCPStore has no authentication: anyone who reaches its port can read
 and write every key (rank claims, the job identity, gloo's addresses). With a
 job secret the store is the job's own (store.py), reached only through this
-door:
+channel:
 
     rank k's RemoteStore == handshake, then sealed frames over the job's network ==>
     Gate on HOST:PORT (the job's interface only) -> the serving process's Table
@@ -31,8 +31,8 @@ import socket
 import struct
 import time
 
-from hetseq.distributed.job_secret import SALT
 from hetseq.errors import UserError
+from hetseq.store.job_secret import SALT
 
 MAGIC = b"HETSEQ-SECRET-2\n"
 # The gate's answer when HANDSHAKES handshakes are already in progress: as
@@ -198,12 +198,13 @@ def connect_as_client(address, secret, patience_s=BUSY_WAIT_S):
         return sock, send_key, receive_key, stated
 
 
-def _seal(sock, key, seq, data):
+def send_frame(sock, key, seq, data):
+    """Send ``data`` (at most CHUNK bytes) as frame ``seq``, sealed with ``key``."""
     sock.sendall(struct.pack(">I", len(data)) + _mac(key, struct.pack(">Q", seq), data) + data)
 
 
-def _open(sock, key, seq):
-    """The next frame's data, or b"" at a clean end; raises Refused if forged.
+def receive_frame(sock, key, seq):
+    """Frame ``seq``'s data, or b"" at a clean end; raises Refused if forged.
     Its length is checked (at most CHUNK) before anything is read into memory."""
     head = sock.recv(4, socket.MSG_WAITALL)
     if not head:

@@ -7,13 +7,14 @@ import datetime
 
 import torch.distributed as dist
 
-from hetseq.distributed import health, meeting_point, network
+from hetseq.distributed import meeting_point, network
+from hetseq.elastic.watchdog import Watchdog
 
 
 class Place:
     """One process's place in a generation: rank ``first_rank() + local``,
     ``local`` being its index among its node's processes. The node's process
-    0 (its voice, run/elastic.py) meets for the node and reaches the
+    0 (elastic/node.py) meets for the node and reaches the
     leader's store through its Membership; the node's other processes
     connect to that store themselves (``Place.joining``)."""
 
@@ -21,12 +22,12 @@ class Place:
         self.generation, self.local = generation, local
         self.binding, self.timeout_s = binding, timeout_s
         self.rank = generation.first_rank() + local
-        self.watch = None         # this process's health.Watchdog, once it starts
+        self.watch = None         # this process's Watchdog, once it starts
 
     @classmethod
     def joining(cls, generation, local, binding, timeout_s, secret):
         """A place of one of the node's other processes: ``generation`` as
-        the voice sent it (no store), with a connection of its own."""
+        the node's process 0 sent it (no store), with a connection of its own."""
         leader = generation.members[0]
         store = meeting_point.join_meeting_point((leader["addr"], leader["port"]), secret,
                                               timeout_s)
@@ -52,14 +53,14 @@ class Place:
         return self.rank == 0 and self.store.check(["e/join"])
 
     def watchdog(self, timeout_s):
-        """This process's heartbeats (health.Watchdog, on a connection of
-        its own to the leader's store); None when --heartbeat-timeout is 0."""
+        """This process's heartbeats (a Watchdog, on a connection of its
+        own to the leader's store); None when --heartbeat-timeout is 0."""
         if not timeout_s:
             return None
         gen = self.generation
-        self.watch = health.Watchdog(gen.store.clone(), self.rank, gen.addresses(),
-                                     self.binding.address, timeout_s, prefix=f"e/{gen.number}",
-                                     spare={m["port"] for m in gen.members})
+        self.watch = Watchdog(gen.store.clone(), self.rank, gen.addresses(),
+                              self.binding.address, timeout_s, prefix=f"e/{gen.number}",
+                              spare={m["port"] for m in gen.members})
         return self.watch
 
     def over(self):

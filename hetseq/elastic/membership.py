@@ -8,7 +8,7 @@ ranks, lineage, whose state) are in generations.py; this module runs the
 rounds over the network.
 
 Meeting points. Every member serves a store of its own (behind the job
-secret's gate, tunnel.py) on its job address, at the URL's port when that is
+secret's gate, channel.py) on its job address, at the URL's port when that is
 free there (so ``tcp://ANY_MEMBER:PORT`` finds the job), else at a port the
 OS picks. The member whose store the others meet at is the *leader*, and the
 leader is always rank 0. The first leader is the node that serves the URL's
@@ -44,13 +44,14 @@ import socket
 import time
 import uuid
 
-from hetseq.distributed import identity, interfaces, meeting_point, network, tunnel
-from hetseq.distributed.generations import Generation
-from hetseq.distributed import rounds
-from hetseq.distributed.rounds import (POLL_S, SETTLE_S, FollowRound, LeadRound, Moved,
-                                         NoRound, describe)
+from hetseq.distributed import identity, interfaces, meeting_point, network
+from hetseq.elastic import rounds
+from hetseq.elastic.generations import Generation
+from hetseq.elastic.rounds import (POLL_S, SETTLE_S, FollowRound, LeadRound, Moved, NoRound,
+                                   describe)
 from hetseq.errors import UserError
-from hetseq.reporting import NODE
+from hetseq.logs import NODE
+from hetseq.store import channel
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class Membership:
         # wait SETTLE_S for them. A member slow to answer is still waited for.
         self.unreachable = set()
         # Every member's store holds the job's identity (JobConfig.identity()),
-        # so that a node with other flags or code is refused wherever it knocks.
+        # so that a node with other flags or code is refused wherever it connects.
         self.identity, self.who = job_identity, f"{socket.gethostname()} pid {os.getpid()}"
         if job_identity is not None:
             identity.present(self.store, job_identity, 0, url, self.who, time.monotonic())
@@ -135,7 +136,7 @@ class Membership:
         if address == self._address():
             return ANSWERS
         try:
-            tunnel.check(address, self.secret, f"tcp://{address[0]}:{address[1]}")
+            channel.check(address, self.secret, f"tcp://{address[0]}:{address[1]}")
             return ANSWERS
         except ConnectionRefusedError:
             return REFUSED
@@ -387,6 +388,6 @@ class Membership:
         """Ranks of this generation that the heartbeats found lost: their
         members (a node's ranks are lost together). Never this node: one of
         its processes may find another one silent (starved of CPU), but a
-        process of its own that ended is known for sure (run/elastic.py)."""
+        process of its own that ended is known for sure (elastic/node.py)."""
         gen = self.generation
         self.lost = {gen.members[gen.member_of(r)]["id"] for r in ranks} - {self.id}

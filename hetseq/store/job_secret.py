@@ -1,5 +1,5 @@
 """The job secret: where it is read from, what it must look like, and the
-key the handshake (tunnel.py) derives from it.
+key the handshake (channel.py) derives from it.
 
 A recorded handshake lets anyone test guesses of the secret offline. Two
 things make that hopeless:
@@ -28,7 +28,7 @@ from hetseq.errors import UserError
 from hetseq.owned_file import read_owned
 
 SECRET_VARIABLE = "HETSEQ_JOB_SECRET"
-MAKE_ONE = "hetseq-secret"   # hetseq/distributed/secret.py; also python -m hetseq.distributed.secret
+MAKE_ONE = "hetseq-secret"   # hetseq/store/secret.py; also python -m hetseq.store.secret
 MAX_FILE = 4096
 
 # --- the key --------------------------------------------------------------------
@@ -114,7 +114,7 @@ def secret_text(path, env=os.environ):
     why = weakness(text)
     if why is not None:
         raise UserError(f"{where}: the secret could be guessed ({why}); {RULE}. Make one "
-                        f"with: {MAKE_ONE} (or python -m hetseq.distributed.secret)")
+                        f"with: {MAKE_ONE} (or python -m hetseq.store.secret)")
     return text
 
 

@@ -6,7 +6,7 @@ import re
 import threading
 import time
 
-from hetseq.distributed.store_wire import (ADD, APPEND, CHECK, COMPARE_SET, DELETE_KEY, GET,
+from hetseq.store.store_wire import (ADD, APPEND, CHECK, COMPARE_SET, DELETE_KEY, GET,
                                            MAX_VALUE, MULTI_GET, MULTI_SET, NUM_KEYS, SET,
                                            WAIT)
 

@@ -1,6 +1,6 @@
 """The rules of an elastic job's generations, as pure functions (no network).
 
-distributed/membership.py runs the rounds; this module decides, from what the
+membership.py runs the rounds; this module decides, from what the
 round's participants said about themselves, whether a round may close, who
 gets which rank, and whose state the next generation continues from. Every
 rule is here so that it can be read, and tested, in one place.

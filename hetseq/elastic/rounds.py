@@ -1,6 +1,6 @@
 """A round of an elastic job, as its leader runs it (LeadRound) and as the
 others wait for it (FollowRound); what a store says of its rounds
-(placed, full, next_number). distributed/membership.py finds the leader
+(placed, full, next_number). membership.py finds the leader
 and arrives.
 
 The leader waits at its own store for a quorum of the previous generation
@@ -19,11 +19,11 @@ import logging
 import re
 import time
 
-from hetseq.distributed import generations
-from hetseq.distributed.tunnel import GREETING_S
-from hetseq.reporting import NODE
+from hetseq.elastic import generations
+from hetseq.logs import NODE
+from hetseq.store.channel import GREETING_S
 
-logger = logging.getLogger("hetseq.distributed.membership")
+logger = logging.getLogger("hetseq.elastic.membership")
 
 SETTLE_S = 3.0     # a round with enough members closes when nobody new came for this long
 POLL_S = 0.05

@@ -1,8 +1,8 @@
 """The job's key-value store for jobs with a secret, served only through the
-authenticated channel of tunnel.py.
+authenticated channel (channel.py).
 
 Why not c10d's TCPStore: it has no authentication, and a TCP listener on
-127.0.0.1 cannot be limited to one uid without root. Putting the tunnel's gate
+127.0.0.1 cannot be limited to one uid without root. Putting the gate
 in front of a loopback TCPStore (and a loopback relay in front of each client)
 still leaves two unauthenticated listeners on every host of the job: any local
 user could connect to them and read or rewrite rank claims, the elastic
@@ -11,7 +11,7 @@ membership and gloo's addresses. So with a secret no TCPStore runs at all:
     rank 0:  Table (a dict in memory, store_table.py) <- LocalStore (its own view, no network)
                    ^
                    | serve_connection(table): one thread per connection
-             Gate on HOST:PORT (gate.py, tunnel.py: handshake, then sealed frames)
+             Gate on HOST:PORT (gate.py, channel.py: handshake, then sealed frames)
                    ^
     rank k:  RemoteStore (a torch.distributed.Store written in Python): its own
              TCP connection, handshake_as_client, then sealed requests
@@ -20,7 +20,7 @@ Both stores are ``torch.distributed.Store`` subclasses, so gloo, PrefixStore
 and HetSeq's own code use them as they use a TCPStore.
 
 The data (store_table.py) has c10d's semantics; the protocol
-(store_wire.py) runs inside tunnel's sealed frames, one request in flight
+(store_wire.py) runs inside the channel's sealed frames, one request in flight
 per connection, every length bounded before anything is gathered, nothing
 unpickled. A request that breaks it closes that connection with one WARNING
 naming the peer; other connections go on.
@@ -47,9 +47,9 @@ import threading
 
 import torch.distributed as dist
 
-from hetseq.distributed import gate, tunnel
-from hetseq.distributed.store_table import Gone, Table, WaitTimeout, execute
-from hetseq.distributed.store_wire import (ADD, APPEND, CHECK, COMPARE_SET, DELETE_KEY, GET,
+from hetseq.store import channel, gate
+from hetseq.store.store_table import Gone, Table, WaitTimeout, execute
+from hetseq.store.store_wire import (ADD, APPEND, CHECK, COMPARE_SET, DELETE_KEY, GET,
                                            INVALID, MAX_KEY, MAX_KEYS, MAX_MESSAGE, MAX_VALUE,
                                            MULTI_GET, MULTI_SET, NUM_KEYS, OK, REQUEST, RESPONSE,
                                            SET, TIMEOUT, WAIT, Malformed, Reader, blob, encode,
@@ -104,7 +104,7 @@ def serve_connection(table):
                 if request is None:
                     return
                 send_seq = send_message(sock, send_key, send_seq, _answer(table, request, sock))
-        except (Malformed, tunnel.Refused) as err:
+        except (Malformed, channel.Refused) as err:
             logger.warning("closed a store connection from %s: %s", where, err)
         except (Gone, OSError):
             pass
@@ -252,7 +252,7 @@ class LocalStore(_Front):
 class RemoteStore(_Front):
     """A client of the store served at ``address``: one authenticated
     connection; one request in flight at a time (a lock), a clone for
-    concurrent use. Raises tunnel.Refused when the server does not share the
+    concurrent use. Raises channel.Refused when the server does not share the
     secret, DistNetworkError when it cannot be reached or the connection is
     lost, DistStoreError when a wait or an answer takes longer than allowed."""
 
@@ -266,19 +266,19 @@ class RemoteStore(_Front):
         self._send_seq = self._receive_seq = 0
 
     def _connect(self):
-        """An authenticated connection (tunnel.connect_as_client: it asks a busy
+        """An authenticated connection (channel.connect_as_client: it asks a busy
         gate again for a while); Refused passes through, other failures are
         DistNetworkError like a TCPStore that cannot reach its server."""
         patience = _seconds(self.timeout)
-        patience = tunnel.BUSY_WAIT_S if patience is None else min(patience, tunnel.BUSY_WAIT_S)
+        patience = channel.BUSY_WAIT_S if patience is None else min(patience, channel.BUSY_WAIT_S)
         try:
-            sock, send_key, receive_key, _ = tunnel.connect_as_client(
+            sock, send_key, receive_key, _ = channel.connect_as_client(
                 self.address, self._secret, patience)
         except OSError as err:
             raise dist.DistNetworkError(f"could not reach the store at {self._where()}: "
                                         f"{err}") from None
         # Blocking from here on: _limit_socket bounds each call instead, since
-        # tunnel._open's recv(MSG_WAITALL) needs a blocking socket.
+        # channel.receive_frame's recv(MSG_WAITALL) needs a blocking socket.
         sock.settimeout(None)
         _tune(sock)
         return sock, send_key, receive_key
@@ -308,7 +308,7 @@ class RemoteStore(_Front):
     def _exchange(self, body, limit):
         """Send one request and receive its response, within ``limit`` seconds
         per socket operation (SO_RCVTIMEO/SO_SNDTIMEO on a blocking socket:
-        tunnel._open's MSG_WAITALL needs one). Any failure ends the connection:
+        channel.receive_frame's MSG_WAITALL needs one). Any failure ends the connection:
         a late answer would be read as the next request's."""
         if self._lost is not None:
             raise dist.DistNetworkError(f"lost the connection to the store at {self._where()}: "
@@ -325,7 +325,7 @@ class RemoteStore(_Front):
             self._lose("no answer in time")
             raise dist.DistStoreError(f"the store at {self._where()} did not answer within "
                                       f"{limit:.0f} s") from None
-        except (OSError, tunnel.Refused, Malformed) as err:
+        except (OSError, channel.Refused, Malformed) as err:
             self._lose(str(err) or type(err).__name__)
             raise dist.DistNetworkError(f"lost the connection to the store at {self._where()}: "
                                         f"{self._lost}") from None
@@ -374,7 +374,7 @@ def _limit_socket(sock, seconds):
 
 def serve(listener, secret, timeout=DEFAULT_TIMEOUT):
     """The store of a job with a secret, served on ``listener`` (a listening
-    socket on the job's address) behind the tunnel's gate; the returned
+    socket on the job's address) behind the gate; the returned
     LocalStore is this process's own view. Keep it referenced for the job."""
     store = LocalStore(Table(), timeout)
     store.gate = gate.Gate(listener, secret, serve_connection(store.table))

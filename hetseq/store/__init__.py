@@ -1,0 +1,3 @@
+"""The job's authenticated store (jobs with a secret): the HMAC channel, the
+gate in front of it, the store's data and protocol, the job secret and its
+rules, hetseq-secret."""
