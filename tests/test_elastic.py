@@ -5,7 +5,7 @@ the toy is float64 with SGD, so EXACT (1e-10) leaves room for the order of
 summation only (test_parity.py), far inside the issue's 1e-5.
 
 The namespace hosts are three Linux network namespaces joined by a 1 Gbit/s
-switch (hetseq/testing/cluster.py). A host is "switched off" by cutting its
+switch (tests/machinery/cluster.py). A host is "switched off" by cutting its
 link and killing its processes: nothing tells the survivors, who notice when
 their collective passes --distributed-timeout (10 s here).
 """
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from hetseq import cli
-from hetseq.distributed.generations import (Generation, choose_source, has_quorum, on_line,
+from hetseq.elastic.generations import (Generation, choose_source, has_quorum, on_line,
                                              ordered)
 from hetseq.errors import UserError
 
@@ -103,18 +103,18 @@ def test_elastic_flags_are_checked(extra, words):
 
 
 def test_cutting_a_members_address_ends_a_blocked_receive_at_once():
-    """health.cut: what the heartbeats do to a frozen member's connections."""
-    from hetseq.distributed import health
+    """watchdog.cut: what the heartbeats do to a frozen member's connections."""
+    from hetseq.elastic import watchdog
     with socket.create_server(("127.0.0.1", 0)) as server:
         client = socket.create_connection(server.getsockname())
         accepted, _ = server.accept()
         got = {}
         waiting = threading.Thread(target=lambda: got.update(data=accepted.recv(10)))
         waiting.start()
-        assert health.cut("127.0.0.2") == 0                 # another address: untouched
+        assert watchdog.cut("127.0.0.2") == 0                 # another address: untouched
         waiting.join(0.2)
         assert waiting.is_alive()
-        assert health.cut("127.0.0.1") == 2                 # both ends are this process's
+        assert watchdog.cut("127.0.0.1") == 2                 # both ends are this process's
         waiting.join(5)
         assert not waiting.is_alive() and got["data"] == b""
         client.close()
@@ -126,7 +126,7 @@ def test_a_watchdog_that_stalled_itself_gives_every_member_a_fresh_window():
     wakes, every other beat old: its watchdog must not take that for their
     silence (it would cut them and never find the generation they went on
     in: seen with test_a_paused_meeting_point_rejoins_the_job_...)."""
-    from hetseq.distributed.health import Silence
+    from hetseq.elastic.watchdog import Silence
     silence = Silence(3, 5.0, now=0.0)
     assert silence.lost([1, 1, 1], 1.0) == []
     silence.woke(1.0, 1.5)                                  # an ordinary half-second wait
@@ -155,7 +155,7 @@ def test_a_silent_leaders_store_tells_the_leader_lost_after_one_timeout():
     leader's silence: told then, not a second timeout later (which let
     the collective's --distributed-timeout end the generation first, and
     the next meeting then waited on the lost leader's store)."""
-    from hetseq.distributed.health import Watchdog
+    from hetseq.elastic.watchdog import Watchdog
     store, timeout_s = SilentStore(), 3.0
     # The leader's address has no connection here: cutting it closes nothing.
     watchdog = Watchdog(store, 1, ["10.255.255.1", "127.0.0.1"], "127.0.0.1", timeout_s)
@@ -221,7 +221,7 @@ def test_a_round_needs_a_majority_of_the_previous_generation():
 
 
 def test_a_node_of_several_ranks_places_its_ranks_after_the_members_before_it():
-    from hetseq.distributed.generations import MAX_RANKS, well_formed
+    from hetseq.elastic.generations import MAX_RANKS, well_formed
     members = ({"id": "a", "ranks": 2, "holder": 1}, {"id": "b"}, {"id": "c", "ranks": 4})
     gen = Generation(3, members, 2, None, source=0)
     assert gen.world_size == 7 and gen.first_rank() == 3 and gen.first_rank(1) == 2
@@ -246,7 +246,7 @@ def test_a_round_does_not_wait_for_a_member_whose_store_refused():
     (Membership.unreachable): the leader closes the round as soon as the
     others arrived, not SETTLE_S after them."""
     import types
-    from hetseq.distributed.rounds import SETTLE_S, LeadRound
+    from hetseq.elastic.rounds import SETTLE_S, LeadRound
     line = ["1-a"]
     held = [{"id": i, "host": i, "addr": "10.0.0.1", "port": 1, "pid": 1, "updates": 10,
              "lineage": line, "ranks": 1, "holder": 0, "generation": 1} for i in "abc"]
@@ -294,7 +294,7 @@ def test_a_round_closes_at_its_deadline_with_whoever_came():
     quorum of a first generation that has none). Too few nodes stop it with
     a line, first generation included."""
     import types
-    from hetseq.distributed.rounds import SETTLE_S, LeadRound
+    from hetseq.elastic.rounds import SETTLE_S, LeadRound
     assert SETTLE_S > 1.0
     fresh = [{"id": i, "host": i, "addr": "10.0.0.1", "port": 1, "pid": 1, "updates": -1,
               "lineage": [], "ranks": 1, "holder": 0, "generation": None} for i in "ab"]
@@ -327,7 +327,7 @@ def test_a_member_whose_port_refuses_is_told_apart_from_a_slow_one():
     that accepts but does not greet (a loaded host, a paused process) is
     only silent: the round still waits for it."""
     import types
-    from hetseq.distributed.membership import REFUSED, SILENT, Membership
+    from hetseq.elastic.membership import REFUSED, SILENT, Membership
     me = types.SimpleNamespace(_address=lambda: ("127.0.0.1", 1), secret=SECRET)
     closed = free_port()                       # nothing listens there
     assert Membership._answers(me, {"addr": "127.0.0.1", "port": closed}) == REFUSED
@@ -381,7 +381,7 @@ def test_overlapped_rounds_go_back_to_the_last_exchange_that_arrived(tmp_path):
     resume and finish. The weights are those of a fixed 2-rank job that
     settled at update 5 (its --max-update) and resumed to the end, to
     float64's summation order."""
-    from hetseq.testing.jobs import run_jobs
+    from machinery.jobs import run_jobs
     url = f"tcp://127.0.0.1:{free_port()}"
     # A waits 6 s, not 10, for a second node before it saves and stops.
     rounds = ["--local-steps", 2, "--outer-overlap", "--outer-momentum", 0.5,
@@ -426,7 +426,7 @@ def test_a_member_lost_inside_a_round_ends_the_generation_between_inner_steps(tm
     while not (trains.exists() and len(trains.read_text().splitlines()) >= 3):
         assert time.monotonic() < deadline, "the second node did not train 3 inner steps in 60 s"
         time.sleep(0.05)
-    nodes[victim].proc.kill()     # one process: the node's voice is its rank
+    nodes[victim].proc.kill()     # one process: the node's first process is its rank
     nodes[victim].finish(30)
     inner = len((tmp_path / f"{'ab'[leader]}-trains.0").read_text().splitlines())
     code, out = nodes[leader].finish(120)
@@ -445,7 +445,7 @@ def test_a_member_lost_at_the_last_barrier_leaves_the_others_finished(monkeypatc
     of the group and leave the meeting point, and finish (no traceback);
     when it did not (lost while it saved), the failure stands."""
     from types import SimpleNamespace
-    from hetseq.run import elastic
+    from hetseq.elastic import node as elastic
     done, error = [], "[gloo/transport/tcp/pair.cc:553] Connection closed by peer"
 
     def barrier():
@@ -637,8 +637,9 @@ def test_two_rounds_of_one_generation_meet_at_the_lower_ranked_leader(fooled):
     each Membership serves its own store on 127.0.0.1.)"""
     import threading
     import types
-    from hetseq.distributed import job_secret, membership
-    from hetseq.distributed.secret import make
+    from hetseq.elastic import membership
+    from hetseq.store import job_secret
+    from hetseq.store.secret import make
     secret = job_secret.read_secret(None, {job_secret.SECRET_VARIABLE: make()})
     launch = types.SimpleNamespace(distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
                                    distributed_timeout=10.0, distributed_interface=None)

@@ -9,7 +9,6 @@ applied; then the run checks the ranks' agreement, re-plans the split if a
 rank's speed changed, and reports.
 """
 
-import collections
 import itertools
 import logging
 import time
@@ -17,14 +16,14 @@ import time
 from hetseq import randomness
 from hetseq.data.splits import Splits
 from hetseq.distributed import broadcast_from_main
+from hetseq.elastic.seam import FIXED
 from hetseq.errors import HetSeqError, UserError
 from hetseq.optim.lr_scheduler import planned_updates
-from hetseq.plan import capacity, rebalance
+from hetseq.plan import capacity, rebalance, startup
 from hetseq.plan import links as exchange_links
 from hetseq.reporting.report import Reporter
 from hetseq.run import checkpoint
 from hetseq.run.checkpoint import Component
-from hetseq.run.elastic import GenerationOver, Reconfigure
 from hetseq.run.events import Events
 from hetseq.run.validation import Validation
 from hetseq.tasks import TASKS, Task, import_builtin_tasks, import_user_dir
@@ -55,13 +54,13 @@ def build_task(args, inputs):
 
 class Run:
     """One rank's training run. ``args``: the flags (for the task); ``job``
-    and ``node``: the JobConfig and NodeConfig (config.py). An elastic
-    member's run (hetseq/run/elastic.py) also gets ``restore`` = (rank, make):
-    where its state comes from, and its ``membership``."""
+    and ``node``: the JobConfig and NodeConfig (config.py); ``seam``: its
+    one door to membership (elastic/seam.py: an elastic member's, or one
+    that does nothing)."""
 
-    def __init__(self, args, job, node, ctx, inputs=None, restore=None, membership=None):
+    def __init__(self, args, job, node, ctx, inputs=None, seam=FIXED):
         self.job, self.node, self.ctx = job, node, ctx
-        self.membership = membership
+        self.seam = seam
         # The model's initial weights, the same on every rank. No draw made
         # while training comes from these generators (randomness.py keys them
         # by sample), so seeding them again each elastic generation changes none.
@@ -80,30 +79,21 @@ class Run:
                                    self.controller.members)
         components = {CONTROLLER.name: self.controller, TRAIN_ITERATOR.name: self.train_data,
                       PLAN.name: self.balance, METERS.name: self.report.meters}
-        # What a resume leaves out: the --reset-* flags' keys; an elastic
-        # member always re-plans (the saved split was for other members).
-        skip = Component.left_out(job.checkpoint) | ({PLAN.name} if membership else set())
+        # What a resume leaves out: the --reset-* flags' keys, and the split
+        # of the batch where the seam re-plans (it was for other members).
+        skip = Component.left_out(job.checkpoint) | ({PLAN.name} if seam.replans else set())
         self.checkpointer = checkpoint.Checkpointer(
             job.checkpoint, node.save, ctx, components, skip=skip,
-            flags=checkpoint.plain_args(args),
-            elastic=membership.record() if membership is not None else None)
-        resumed = self.checkpointer.restore(restore)
+            flags=checkpoint.plain_args(args), entries=seam.entries())
+        resumed = self.checkpointer.restore(seam.source)
         if resumed:
             logger.info("resumed from %s: epoch %d, %d updates done", resumed,
                         self.train_data.epoch, self.controller.num_updates)
         self.agreement.due(self.controller.num_updates, now=True)
         self.events = Events(job.training, job.checkpoint)
         self._plan_schedule()
-        # The data position of the last completed update (an elastic member's
-        # snapshot), and of the update under way once its batches are drawn.
-        # (updates, data position) at the last two completed updates (rounds):
-        # a snapshot goes back to one of them (--outer-overlap: two rounds).
-        self._completed = collections.deque(
-            [(self.controller.num_updates, self.train_data.state_dict())], maxlen=2)
-        self._drawn = None
         self._validated = None       # (update, metric) of the last validation
-        self._left = None            # sitting out (--elastic): the state of the update it left
-        self._reconfigure = False
+        seam.attach(self.controller, self.train_data, self._local_state)
 
     def _plan_training(self):
         """Every rank's share of the global batch (measured with --capacity
@@ -111,7 +101,7 @@ class Run:
         rank's iterator over the training split."""
         job, ctx, controller = self.job, self.ctx, self.controller
         dataset = self.splits.load(job.training.train_subset)
-        plan, devices, links = capacity.make_plan(
+        plan, devices, links = startup.make_plan(
             job.capacity, self.node.shares, ctx, controller, dataset,
             self.task.collater(dataset), ctx.local_world_size, elastic=job.elastic.elastic)
         per_update = controller.updates_per_exchange()
@@ -197,26 +187,22 @@ class Run:
         started, steps = None, 0      # the update's (--local-steps: the round's) start
         for chunk in _chunks(data.next_epoch_itr(), update_freq):
             started, steps = started or time.perf_counter(), steps + 1
-            self._drawn = data.state_dict()
+            signal = self.seam.begin_update()
             result = controller.train_step([micro for step in chunk for micro in step], dummy,
-                                           checksum=self.agreement.pending,
-                                           signal=float(self._join_waiting()),
+                                           checksum=self.agreement.pending, signal=signal,
                                            boundary=self._boundary())
             if result is None:        # inside a round of --local-steps
-                if self.membership is not None and self.membership.over():
-                    raise GenerationOver()
+                self.seam.raise_if_over()
                 continue
             self.after_update(result, time.perf_counter() - started, steps)
             started, steps = None, 0
-            self._completed.append((controller.num_updates, self._drawn))
             after = self.events.after(controller.num_updates)
             if after.ends:
                 break
             metric = self.validate(epoch) if after.validates else None
             if after.saves:
                 self._save(None, metric)
-            if self._reconfigure:
-                raise Reconfigure()
+            self.seam.raise_if_joining()
         self.report.end_epoch(epoch, controller.num_updates)
 
     def _boundary(self):
@@ -227,43 +213,22 @@ class Run:
         return (data.samples_in_epoch in (0, data.dataset_size)
                 or bool(self.events.after(self.controller.num_updates + 1)))
 
-    def _join_waiting(self):
-        return self.membership is not None and self.membership.join_waiting()
-
-    def snapshot(self):
-        """The state of the last update this rank completed, without a
-        collective (--elastic: the process group may be broken). The
-        optimizer steps only after the update's collectives, so the model is
-        either at the last completed update or one further, when this rank
-        finished an update the others did not (under --local-steps an
-        update is a round: one cut short is undone, Controller.state_dict).
-        A rank that sits out offers the state of the last update it took
-        part in (its model has not moved since: update/members.py): behind
-        the members', never ahead."""
-        return self._left if self.controller.members.sitting else self._now()
-
-    def _now(self):
-        """The state of the last update this rank completed (``snapshot``)."""
-        state = self.controller.state_dict(local=True)
-        # Not one of them: an update this rank completed and the others did
-        # not (it holds one more); the position after the batch it drew.
-        position = dict(self._completed).get(self.controller.num_updates, self._drawn)
+    def _local_state(self, position, controller_state):
+        """This rank's state in the checkpoint format at data ``position``,
+        with no collective (an elastic snapshot: the group may be broken)."""
         return self.checkpointer.local_state({TRAIN_ITERATOR.name: position,
-                                              CONTROLLER.name: state})
+                                              CONTROLLER.name: controller_state})
 
     def after_update(self, result, wall_time, steps=1):
         """Ranks kept equal, the split re-planned if a rank's speed changed,
         the update reported (``steps``: updates it covers, a round's inner steps)."""
         update = self.controller.num_updates
-        self._reconfigure = any(result.ranks.signal)
         self.agreement.check(result.ranks.checksum, update)
         self.agreement.due(update)
         plan = self.balance.plan      # the split this update ran with
         self.balance.observe(update, result.ranks.seconds, result.ranks.samples,
                              result.ranks.wall)
-        if self.membership is not None:   # an elastic member leaving the exchange: its offer
-            sitting = self.controller.members.sitting
-            self._left = (self._left or self._now()) if sitting else None
+        self.seam.completed(result)   # after observe: a rank now left out keeps this update
         self.report.update(result, update, wall_time, plan.batch_sizes, steps)
 
     def validate(self, epoch):

@@ -1,12 +1,13 @@
 """An elastic node (--elastic): train in generations, carry the state across.
+Each generation's Run talks to it through one seam (seam.py).
 
 A node is one member of the job and runs --distributed-gpus processes (its
 ranks: consecutive, joining and leaving together). Its process 0, the
-node's *voice*, meets for the node (distributed/membership.py says how the
+node's *first process*, meets for the node (membership.py says how the
 members meet); the node's other processes follow it over a pipe each: for
-every generation the voice sends them where they stand, and each sends back
+every generation the first process sends them where they stand, and each sends back
 how its part ended and what state it holds. A node of one process is its
-voice alone.
+first process alone.
 
 Each generation starts a process group and a fresh ``Run`` on every rank,
 whose state comes from one rank: the one holding the most completed updates
@@ -16,14 +17,14 @@ holds that state, so the job continues on the same trajectory:
 - a member lost (killed, frozen, cut off): the survivors' collective fails
   (at once when it was killed; within --heartbeat-timeout when it froze or
   was cut off, since its heartbeats stop and the survivors cut their
-  connections to its host, health.Watchdog; else after
+  connections to its host, watchdog.py; else after
   --distributed-timeout), each rank takes a *snapshot* of the last update
   it completed, and the members meet again;
 - a node asking to join: rank 0 sees it in its store and says so in the
   update's stats; after that update every rank snapshots and the members
   meet again, the newcomer included;
 - too few nodes (below --min-nodes) for --distributed-timeout: each node
-  writes its voice's snapshot to its own --save-dir and stops (exit 3);
+  writes its first process's snapshot to its own --save-dir and stops (exit 3);
   starting the nodes again resumes from the newest of them;
 - one of a node's processes ends on its own (a crash, a kill): the node
   leaves the job, with that process's exit code.
@@ -48,31 +49,24 @@ import socket
 import torch
 import torch.distributed as dist
 
-from hetseq.distributed import health, job_secret, rendezvous
-from hetseq.distributed.generations import choose_source
+from hetseq.distributed import health, rendezvous
 from hetseq.distributed.launch import (PRELOAD, DistContext, WorkerFailed, device_of, exit_now,
                                        set_threads, start_linked)
-from hetseq.distributed.membership import JobDone, Membership, TooFew
-from hetseq.distributed.place import Place
 from hetseq.distributed.topology import resolve_elastic
+from hetseq.elastic.generations import choose_source
+from hetseq.elastic.membership import JobDone, Membership, TooFew
+from hetseq.elastic.place import Place
+from hetseq.elastic.seam import RECORD, Elastic, GenerationOver, Reconfigure
 from hetseq.errors import HetSeqError, PeerLost, UserError
-from hetseq.reporting import NODE, rank_ranges, setup_logging
+from hetseq.logs import NODE, rank_ranges, setup_logging
 from hetseq.reporting import status
+from hetseq.store import job_secret
 from hetseq.run import checkpoint_files
+from hetseq.run.loop import Run
 from hetseq.update.controller import CONTROLLER, UPDATES
 
-logger = logging.getLogger("hetseq.run.elastic")
+logger = logging.getLogger("hetseq.elastic.node")
 FINISHED_S = 5.0     # how long a rank whose last barrier failed asks rank 0's store
-
-
-class Reconfigure(Exception):
-    """Raised at an update boundary when a node asked to join."""
-
-
-class GenerationOver(Exception):
-    """Raised between inner steps of --local-steps when the heartbeats know
-    the generation is over: the round would be trained again anyway, and
-    its end would only come (and fail) a round's compute later."""
 
 
 class TooFewNodes(PeerLost):
@@ -91,13 +85,13 @@ class Ended:
 
 
 def train_elastic(args, job, node, inputs):
-    """Train this node's ranks across generations, as its voice."""
+    """Train this node's ranks across generations, as its first process."""
     secret = job_secret.read_secret(node.launch.job_secret_file, identity=job.identity())
     if secret is None:
         raise UserError("--elastic needs a job secret, since nodes join by themselves: set "
                         f"HETSEQ_JOB_SECRET or --job-secret-file on every node ({job_secret.MAKE_ONE} "
                         "makes one)")
-    # This process trains the voice's rank: it imports what the first update
+    # This process trains the first process's rank: it imports what the first update
     # needs (about 1.5 s of CPU) before it meets, not while members wait
     # for it in a new generation.
     for module in PRELOAD:
@@ -107,11 +101,11 @@ def train_elastic(args, job, node, inputs):
     membership = Membership(node.launch, topology.backend, secret, job.elastic.min_nodes,
                             job.elastic.max_nodes, job.identity(), ranks=topology.nprocs)
     work = (args, job, node, inputs, topology)
-    followers = [start_linked(local, _follow, (*work, membership.binding, secret),
+    followers = [start_linked(local, _follow_first_process, (*work, membership.binding, secret),
                               topology.device_type, "hetseq.run.loop")
                  for local in range(1, topology.nprocs)]
     try:
-        _speak(membership, followers, *work)
+        _lead_node(membership, followers, *work)
     finally:
         for process, conn in followers:
             conn.close()              # a follower still waiting reads the end of the pipe
@@ -120,13 +114,13 @@ def train_elastic(args, job, node, inputs):
                 process.kill()
 
 
-def _speak(membership, followers, args, job, node, inputs, topology):
-    """The voice's loop: meet for the node, tell its followers where they
+def _lead_node(membership, followers, args, job, node, inputs, topology):
+    """The first process's loop: meet for the node, tell its followers where they
     stand, train its own rank."""
     set_threads(topology)
     device = device_of(topology, 0)
     state = _own_checkpoint(node.save)
-    ends = [_ended(False, state)] + [_hear(local, f) for local, f in enumerate(followers, 1)]
+    ends = [_ended(False, state)] + [_end_of(local, f) for local, f in enumerate(followers, 1)]
     while True:
         holder = _newest(ends)
         try:
@@ -143,15 +137,15 @@ def _speak(membership, followers, args, job, node, inputs, topology):
             conn.send(dataclasses.replace(generation, store=None))
         place = Place(generation, 0, membership.binding, node.launch.distributed_timeout)
         ended, state = _serve(place, state, device, args, job, node, inputs, topology)
-        ends = [ended] + [_hear(local, f) for local, f in enumerate(followers, 1)]
+        ends = [ended] + [_end_of(local, f) for local, f in enumerate(followers, 1)]
         if ended.finished:
             return
         membership.mark_lost({rank for end in ends for rank in end.lost})
 
 
-def _follow(local, conn, args, job, node, inputs, topology, binding, secret):
-    """Process ``local`` (1 and up) of a node: train where the voice says,
-    each generation, until the job ends or the voice does."""
+def _follow_first_process(local, conn, args, job, node, inputs, topology, binding, secret):
+    """Process ``local`` (1 and up) of a node: train where the first process says,
+    each generation, until the job ends or the first process does."""
     from hetseq.tasks import import_builtin_tasks, import_user_dir
     try:
         import_builtin_tasks()
@@ -163,7 +157,7 @@ def _follow(local, conn, args, job, node, inputs, topology, binding, secret):
         while True:
             try:
                 generation = conn.recv()
-            except EOFError:          # the voice ended: the job, or this node, is over
+            except EOFError:          # the first process ended: the job, or this node, is over
                 return
             place = Place.joining(generation, local, binding, node.launch.distributed_timeout,
                                   secret)
@@ -176,8 +170,9 @@ def _follow(local, conn, args, job, node, inputs, topology, binding, secret):
         exit_now(err.exit_code)
 
 
-def _hear(local, follower):
-    """What follower ``local`` said; WorkerFailed when it ended instead."""
+def _end_of(local, follower):
+    """How follower ``local``'s part ended (what it sent); WorkerFailed when
+    it ended instead."""
     process, conn = follower
     try:
         return conn.recv()
@@ -201,7 +196,6 @@ def _newest(ends):
 def _serve(place, state, device, args, job, node, inputs, topology):
     """This process's part of ``place``'s generation: (Ended, the state it
     holds now). ``state``: what it held before (the source's goes to all)."""
-    from hetseq.run.loop import Run
     setup_logging(place.rank, all_ranks=node.log.log_all_ranks, node_first=place.local == 0)
     gen = place.generation
     board = status.StatusBoard(place.store, [m["host"] for m in gen.members for _ in
@@ -210,14 +204,14 @@ def _serve(place, state, device, args, job, node, inputs, topology):
     ctx = DistContext(place.rank, place.world_size, device.index or 0, device, topology.backend,
                       topology.nprocs, node.launch.distributed_timeout, board)
     run, mine, watch = None, state, None
+    seam = Elastic(place, lambda: mine)
     try:
         place.process_group(topology.backend)
         watch = place.watchdog(job.elastic.heartbeat_timeout)
-        source = (gen.source_rank, lambda: mine, gen.members[gen.source]["lineage"])
-        run = Run(args, job, node, ctx, inputs, source, place)
+        run = Run(args, job, node, ctx, inputs, seam)
         run.train()
     except Reconfigure:
-        state = run.snapshot()
+        state = seam.snapshot()
     except (RuntimeError, GenerationOver) as err:
         if isinstance(err, RuntimeError) and not health.is_communication_error(err):
             raise
@@ -226,10 +220,10 @@ def _serve(place, state, device, args, job, node, inputs, topology):
         why = f"a collective failed ({str(err).strip().splitlines()[0][:160]})" \
             if isinstance(err, RuntimeError) else "the heartbeats told it between inner steps"
         logger.warning("generation %d ended: %s", gen.number, why)
-        state = run.snapshot() if run is not None else state
+        state = seam.snapshot() if run is not None else state
     else:
         updates = run.controller.num_updates
-        run = mine = None         # the model and states go before the group does
+        run = seam = mine = None  # the model and states go before the group does
         _leave(place, updates, watch)
         if place.local == 0:
             ranks = range(place.rank, place.rank + topology.nprocs)
@@ -239,7 +233,7 @@ def _serve(place, state, device, args, job, node, inputs, topology):
         return Ended(True, updates, [], []), None
     lost = _stop(watch)
     # Objects holding the process group (DDP) go before the group does.
-    run = mine = None
+    run = seam = mine = None
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -266,7 +260,7 @@ def _updates(state):
 def _line(state):
     """(lineage, members) that a carried state names: the chain of
     generations that trained it, and where their members served."""
-    record = (state or {}).get("elastic") or {}
+    record = (state or {}).get(RECORD) or {}
     return record.get("lineage", []), record.get("members", [])
 
 
@@ -297,7 +291,7 @@ def _finished(place):
 
 def _leave(place, updates, watch):
     """The end of the job: every rank passes one barrier and lets go of the
-    group; rank 0 serves the store (it is the leader's voice), so it tells a
+    group; rank 0 serves the store (it is the leader's first process), so it tells a
     node still waiting to join that the job is over and waits until the
     others left it. Heartbeats stop only after the barrier: a rank still
     saving or exporting would otherwise find the others silent and cut them."""
