@@ -28,7 +28,8 @@ class Registry:
                     other = self._entries[self._aliases[key]]
                     raise ValueError(
                         f"{self.kind} name '{key}' is already registered by "
-                        f"{other.__module__}.{other.__qualname__}; pick another name")
+                        f"{other.__module__}.{other.__qualname__}; pick another name "
+                        f"(registered {self.kind}s: {', '.join(self.names())})")
             self._entries[name] = cls
             for key in (name, *aliases):
                 self._aliases[key] = name

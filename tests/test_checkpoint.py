@@ -23,7 +23,7 @@ def test_resume_mid_epoch_is_bit_exact(mnist_data, tmp_path):
     or 5 and then the same command again, which resumes: the same bits.
     768 samples / 24 per update: 32 updates an epoch, so update 5 is
     mid-epoch. The three jobs run in turn in one process group."""
-    from hetseq.testing.jobs import run_jobs
+    from machinery.jobs import run_jobs
 
     def job(folder, updates):
         common = [*MNIST, "--data", mnist_data, "--optimizer", "adam", "--lr", 0.001,
@@ -372,7 +372,7 @@ class Counter:
 
 def test_checkpointer_takes_named_components_not_the_run(tmp_path):
     from hetseq import cli
-    from hetseq.distributed import DistContext
+    from hetseq.distributed.launch import DistContext
     _, job, node = cli.parse([*TOY, "--save-dir", str(tmp_path)])
     ctx = DistContext(0, 1, 0, torch.device("cpu"))
 
@@ -397,21 +397,22 @@ def test_an_elastic_state_keeps_its_lineage_and_another_line_is_refused(tmp_path
     received as a generation's source must carry the lineage the round
     agreed on, or every rank refuses it."""
     from hetseq import cli
-    from hetseq.distributed import DistContext
+    from hetseq.distributed.launch import DistContext
+    from hetseq.elastic.seam import on_line
     _, job, node = cli.parse([*TOY, "--save-dir", str(tmp_path)])
     ctx = DistContext(0, 1, 0, torch.device("cpu"))
     line = {"lineage": ["1-aa", "2-bb"], "members": [{"addr": "10.0.0.1", "port": 29500}]}
     saver = checkpoint.Checkpointer(job.checkpoint, node.save, ctx, {"model": Counter(7)},
-                                    elastic=line)
+                                    entries={"elastic": line})
     saver.save(updates=5, data_epoch=1)
     state = checkpoint_files.load(str(tmp_path / "checkpoint_last.pt"))
     assert state["elastic"] == line and saver.local_state()["elastic"] == line
     model = Counter()
     taker = checkpoint.Checkpointer(job.checkpoint, node.save, ctx, {"model": model})
-    assert taker.restore((0, lambda: state, ["1-aa", "2-bb"])) == "the state of rank 0"
+    assert taker.restore((0, lambda: state, on_line(["1-aa", "2-bb"]))) == "the state of rank 0"
     assert model.value == 7
     with pytest.raises(UserError, match="not on this job's line"):
-        taker.restore((0, lambda: state, ["1-aa", "2-xx"]))
+        taker.restore((0, lambda: state, on_line(["1-aa", "2-xx"])))
 
 
 SGD = ["--optimizer", "sgd", "--lr", 0.05, "--lr-scheduler", "fixed", "--clip-norm", 0,
@@ -451,12 +452,12 @@ PREVIOUS_FLAGS = {
 
 def test_every_key_of_a_checkpoint_is_declared_once():
     """The keys of the previous release's checkpoints are all declared
-    (checkpoint.Component), by the modules that write them, and --reset-*
+    (hetseq/state.py's Component), by the modules that write them, and --reset-*
     leave out what their help says."""
     import hetseq.run.loop  # noqa: F401
-    import hetseq.update.local_steps  # noqa: F401  (declares its keys)
-    from hetseq.config import CheckpointConfig
-    from hetseq.run.checkpoint import Component
+    import hetseq.update.modes.local_steps  # noqa: F401  (declares its keys)
+    from hetseq.run.checkpoint import CheckpointConfig
+    from hetseq.state import Component
     from hetseq.update.controller import CONTROLLER
     for name in PREVIOUS_FLAGS:
         state = torch.load(PREVIOUS / name, weights_only=True)
@@ -476,7 +477,7 @@ def test_checkpoints_of_the_previous_release_resume_exactly(tmp_path):
     """Each saved state (model, optimizer, schedule, data position, the
     rounds' outer optimizer and every rank's own optimizer) loads, and 4 more
     updates from it equal 8 updates in one go."""
-    from hetseq.testing.jobs import run_jobs
+    from machinery.jobs import run_jobs
     jobs = []
     for name, flags in PREVIOUS_FLAGS.items():
         common = [*EXACT_SGD, *flags, "--seed", 3, "--max-update", 8]

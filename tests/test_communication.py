@@ -1,5 +1,5 @@
 """What each update sends, counted: every collective a rank issues is recorded
-(hetseq/testing/recording.py) and pinned here against the README's promises.
+(tests/machinery/recording.py) and pinned here against the README's promises.
 
 - The stats (loss, counts, logs, per-rank slots) travel in ONE float64
   all-reduce per update.
@@ -20,8 +20,8 @@ import dataclasses
 
 import pytest
 
-from hetseq.testing.jobs import run_jobs
-from hetseq.testing.recording import seen_from_both_ends
+from machinery.jobs import run_jobs
+from machinery.recording import seen_from_both_ends
 from hetseq.update.stats import RankReport
 
 from conftest import EXACT_SGD

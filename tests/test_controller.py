@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from hetseq import cli
-from hetseq.distributed import DistContext
+from hetseq.distributed.launch import DistContext
 from hetseq.errors import UserError
 from hetseq.tasks import Task
 from hetseq.update.controller import Controller

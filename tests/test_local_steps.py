@@ -13,7 +13,7 @@ import torch
 
 from hetseq import cli
 from hetseq.errors import UserError
-from hetseq.testing.jobs import run_jobs
+from machinery.jobs import run_jobs
 
 from conftest import (EXACT, GROUP_TIMEOUT, TOY, alone, assert_ok, final_params, max_diff, run_job,
                       start_ranks)
@@ -119,7 +119,7 @@ def test_overlap_alone_follows_the_local_trajectory():
 
 def _codec_worker(rank, world, folder, name, out):
     import torch.distributed as dist
-    from hetseq.distributed.compress import CODECS
+    from hetseq.update.compress import CODECS
     dist.init_process_group("gloo", init_method=f"file://{folder}/meet", rank=rank,
                             world_size=world, timeout=GROUP_TIMEOUT)
     torch.manual_seed(rank)
@@ -267,8 +267,8 @@ def test_an_elastic_snapshot_inside_a_round_goes_back_to_its_start():
     update count of the round's start, and the outer step's state of the
     round before; one taken at a round's end holds that round."""
     import copy
-    from hetseq.distributed import DistContext
-    from hetseq.update.local_steps import OPTIMIZERS, ROUNDS
+    from hetseq.distributed.launch import DistContext
+    from hetseq.update.modes.local_steps import OPTIMIZERS, ROUNDS
     from conftest import build_controller, keyed
     flags = [*COMMON, "--local-steps", 3, "--momentum", 0.9, "--elastic",
              "--global-batch-size", 8, "--distributed-init-method", "tcp://127.0.0.1:1"]
@@ -297,8 +297,8 @@ def test_an_overlapped_snapshot_goes_back_to_the_last_round_whose_exchange_arriv
     update count of R+1's start); when R's exchange failed, the state of a
     run that settled at the end of R-1 (two rounds of history)."""
     from concurrent.futures import Future
-    from hetseq.distributed import DistContext
-    from hetseq.update.local_steps import ROUNDS
+    from hetseq.distributed.launch import DistContext
+    from hetseq.update.modes.local_steps import ROUNDS
     from conftest import build_controller, keyed
     flags = [*COMMON, "--local-steps", 2, "--outer-overlap", "--outer-momentum", 0.5,
              "--momentum", 0.9, "--elastic", "--global-batch-size", 8,
@@ -342,7 +342,7 @@ def test_a_rank_stopping_on_its_own_error_lets_the_round_it_sent_complete(caplog
     import threading
     import types
     from concurrent.futures import Future
-    from hetseq.distributed import DistContext
+    from hetseq.distributed.launch import DistContext
     from hetseq.run.loop import Run
     from conftest import build_controller
     flags = [*COMMON, "--local-steps", 2, "--outer-overlap", "--elastic",
@@ -367,20 +367,24 @@ def test_a_rank_stopping_on_its_own_error_lets_the_round_it_sent_complete(caplog
 
 
 def test_a_snapshot_takes_the_data_position_of_the_update_it_went_back_to():
-    """Run.snapshot: the position at the update the controller went back to,
-    one of the last two completed (--outer-overlap may go back two rounds);
-    an update this rank completed and the others did not: the position
-    after the batch it drew."""
-    import collections
+    """Elastic.snapshot (elastic/seam.py): the position at the update the
+    controller went back to, one of the last two completed (--outer-overlap
+    may go back two rounds); an update this rank completed and the others
+    did not: the position after the batch it drew."""
     import types
-    from hetseq.run.loop import Run
-    run = types.SimpleNamespace(
-        _completed=collections.deque([(2, "after 2"), (4, "after 4")], maxlen=2),
-        _drawn="after 5", controller=types.SimpleNamespace(
-            num_updates=None, members=types.SimpleNamespace(sitting=False)),
-        checkpointer=types.SimpleNamespace(local_state=lambda state: state))
-    run.controller.state_dict = lambda local: {"num_updates": run.controller.num_updates}
-    run._now = lambda: Run._now(run)
+    from hetseq.elastic.seam import Elastic
+    seam = Elastic(types.SimpleNamespace(join_waiting=lambda: False), held=None)
+    controller = types.SimpleNamespace(num_updates=2, members=types.SimpleNamespace(sitting=False))
+    controller.state_dict = lambda local: {"num_updates": controller.num_updates}
+    data = types.SimpleNamespace(position="after 2")
+    data.state_dict = lambda: data.position
+    seam.attach(controller, data, lambda position, state: {"train_iterator": position})
+    data.position = "after 4"           # the round of updates 3 and 4, completed
+    seam.begin_update()
+    controller.num_updates = 4
+    seam.completed(types.SimpleNamespace(ranks=types.SimpleNamespace(signal=[0.0])))
+    data.position = "after 5"           # update 5, drawn (completed by this rank alone)
+    seam.begin_update()
     for updates, position in ((2, "after 2"), (4, "after 4"), (5, "after 5")):
-        run.controller.num_updates = updates
-        assert Run.snapshot(run)["train_iterator"] == position
+        controller.num_updates = updates
+        assert seam.snapshot()["train_iterator"] == position

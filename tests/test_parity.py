@@ -12,7 +12,7 @@ fixed), a sample counted twice or missed, all lie far above it.
 import pytest
 import torch
 
-from hetseq.testing.jobs import run_jobs
+from machinery.jobs import run_jobs
 
 from conftest import (EXACT, EXACT_SGD, GROUP_TIMEOUT, alone, assert_ok, build_controller,
                       final_params, leave_process_group, max_diff, rank_queue, run_job,
@@ -152,7 +152,7 @@ def test_compiled_model_on_two_uneven_ranks_matches_one_process(two_ranks, mode)
 def test_compile_traces_the_forward_and_keeps_the_parameter_names():
     """The parity above would also pass if --compile compiled nothing."""
     from torch._dynamo.utils import counters
-    from hetseq.distributed import DistContext
+    from hetseq.distributed.launch import DistContext
     counters.clear()
     controller, task = build_controller([*COMMON, "--compile"],
                                         DistContext(0, 1, 0, torch.device("cpu"), "gloo"))
@@ -204,7 +204,7 @@ def test_nodes_with_different_process_counts_match(tmp_path):
 def _count_collectives(rank, world, init, plain, out):
     """One rank: three updates of a 3 + 1 split, counting Python-level collectives."""
     import torch.distributed as dist
-    from hetseq.distributed import DistContext
+    from hetseq.distributed.launch import DistContext
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=GROUP_TIMEOUT)

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from hetseq.testing.jobs import run_jobs
+from machinery.jobs import run_jobs
 
 from conftest import EXACT_SGD, MNIST, TOY, assert_ok, max_diff, run_job, run_train
 

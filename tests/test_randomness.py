@@ -225,7 +225,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def split_runs(models, tmp_path_factory):
-    from hetseq.testing.jobs import run_jobs
+    from machinery.jobs import run_jobs
     jobs = [(f"{task} {a}+{b}", [[*models[task], "--max-sentences", a],
                                  [*models[task], "--max-sentences", b]])
             for task, a, b in (("bert", 6, 2), ("bert", 4, 4), ("glue", 6, 2))]
@@ -237,7 +237,7 @@ def kernel_split_runs(models, tmp_path_factory):
     """The 6+2 splits with every draw made inside the Triton kernels (on a
     CPU in Triton's interpreter: conftest sets TRITON_INTERPRET=1)."""
     require_module("triton")
-    from hetseq.testing.jobs import run_jobs
+    from machinery.jobs import run_jobs
     jobs = [(f"{task} 6+2", [[*models[task], "--max-sentences", 6],
                              [*models[task], "--max-sentences", 2]]) for task in ("bert", "glue")]
     with pytest.MonkeyPatch.context() as patch:
@@ -251,7 +251,7 @@ _ALONE = {}
 
 def alone(argv):
     """One process of 8 through the torch path (the reference), once per argv."""
-    from hetseq.testing.jobs import run_alone
+    from machinery.jobs import run_alone
     key = tuple(map(str, argv))
     if key not in _ALONE:
         with pytest.MonkeyPatch.context() as patch:

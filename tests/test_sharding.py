@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from hetseq.testing.jobs import run_jobs
+from machinery.jobs import run_jobs
 
 from test_parity import EXACT
 
@@ -87,7 +87,7 @@ def _load_fresh_state(rank, world, init, zero, state, out):
     """Rank ``rank``: load ``state`` (an optimizer that never stepped) under
     --zero ``zero``, then three updates of a 3 + 1 split."""
     import torch.distributed as dist
-    from hetseq.distributed import DistContext
+    from hetseq.distributed.launch import DistContext
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=GROUP_TIMEOUT)
@@ -114,7 +114,7 @@ ADADELTA = [*TOY, "--optimizer", "adadelta", "--lr", "1.0", "--lr-scheduler", "f
 def test_an_optimizer_saved_before_its_first_step_resumes_in_every_mode(tmp_path, zero):
     """Adadelta holds no state until it steps: a checkpoint made then loads
     under --zero 1/2/3 on 2 ranks and trains as one process would."""
-    from hetseq.distributed import DistContext
+    from hetseq.distributed.launch import DistContext
     alone, task = build_controller(ADADELTA, DistContext(0, 1, 0, torch.device("cpu")))
     state = unpack(portable(alone.state_dict()))     # a copy, as a checkpoint file holds
     assert state["optimizer"]["state"] == {}
@@ -175,7 +175,7 @@ def _full_state_both_ways(rank, world, init, out):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict)
-    from hetseq.distributed import DistContext
+    from hetseq.distributed.launch import DistContext
     from hetseq.update.full_state import full_options as _full, gather as _full_state
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
@@ -261,7 +261,7 @@ def _state_bytes(rank, world, init, out):
     """Rank ``rank``: the state its Controller holds under each mode, estimated
     before the first step (no optimizer state yet) and counted after it."""
     import torch.distributed as dist
-    from hetseq.distributed import DistContext
+    from hetseq.distributed.launch import DistContext
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=GROUP_TIMEOUT)

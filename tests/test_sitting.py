@@ -9,7 +9,7 @@ import pytest
 from hetseq.plan.capacity import Plan, fastest_split
 from hetseq.plan.links import Links, best_plan, who_pays, why_sitting
 from hetseq.plan.rebalance import Rebalancer
-from hetseq.testing.jobs import run_jobs
+from machinery.jobs import run_jobs
 
 from conftest import EXACT, TOY, assert_ok, final_params, max_diff, run_job
 from test_parity import COMMON, params, reference

@@ -1,5 +1,5 @@
-"""Checkpoints of a run: what they hold (components and their keys), when
-rank 0 saves, and how a run resumes. The files themselves, written
+"""Checkpoints of a run: what they hold (components, their keys declared in
+hetseq/state.py), when rank 0 saves, and how a run resumes. The files themselves, written
 atomically and read safely, are checkpoint_files.py's.
 
 Sharded state (--zero 1/2/3) is gathered to rank 0 and saved in the same
@@ -22,44 +22,10 @@ import torch
 
 from hetseq.errors import UserError
 from hetseq.run import checkpoint_files as files
+from hetseq.sections import Section, flag, section
+from hetseq.state import Component
 
 logger = logging.getLogger(__name__)
-
-RESETS = ("optimizer", "lr-scheduler", "dataloader", "meters")   # the --reset-* flags
-
-
-class Component:
-    """A named part of a checkpoint. Each key a checkpoint holds is declared
-    once, by the module that writes it: ``CONTROLLER = Component("controller")``,
-    then ``OPTIMIZER = CONTROLLER.key("optimizer", reset="optimizer")``; its
-    code and every reader use the names these return. ``reset``: the
-    --reset-* flag (of RESETS) that leaves the key out on resume."""
-
-    declared = {}   # "name" or "name.key" -> its reset flag (None: always loaded)
-
-    def __init__(self, name, reset=None):
-        self.name = name
-        self._declare(name, reset)
-
-    def key(self, name, reset=None):
-        """A key of this component's state; returns ``name``."""
-        self._declare(f"{self.name}.{name}", reset)
-        return name
-
-    @classmethod
-    def _declare(cls, path, reset):
-        if reset is not None and reset not in RESETS:
-            raise ValueError(f"checkpoint key {path}: reset '{reset}' is none of {RESETS}")
-        if path in cls.declared:
-            raise ValueError(f"checkpoint key {path} is declared twice")
-        cls.declared[path] = reset
-
-    @classmethod
-    def left_out(cls, cfg):
-        """The keys a resume leaves out under the CheckpointConfig's --reset-* flags."""
-        return {path for path, reset in cls.declared.items()
-                if reset is not None and getattr(cfg, "reset_" + reset.replace("-", "_"))}
-
 
 # The checkpoint's own entries: the run's flags for people to read, every
 # rank's random generators, the best validation metric, the elastic lineage.
@@ -68,38 +34,51 @@ for _name in ("format", "args", "best", "elastic"):
 RNG = Component("rng", reset="dataloader").name
 
 
-def add_args(group):
-    group.add_argument("--save-dir", metavar="DIR",
-                       help="where checkpoints, balance.jsonl and TensorBoard go (default: "
-                            "checkpoints/<task>)")
-    group.add_argument("--restore-file", default="checkpoint_last.pt", metavar="FILE",
-                       help="checkpoint to resume from, relative to --save-dir unless absolute "
-                            "(default: checkpoint_last.pt; a missing file starts afresh)")
-    group.add_argument("--save-interval", type=int, default=1, metavar="N",
-                       help="save every N epochs (default: 1)")
-    group.add_argument("--save-interval-updates", type=int, default=0, metavar="N",
-                       help="also save every N updates, mid-epoch (0: off)")
-    group.add_argument("--keep-interval-updates", type=int, default=-1, metavar="N",
-                       help="keep only the last N checkpoints of --save-interval-updates "
-                            "(-1: all; 0: none, only checkpoint_last.pt and _best)")
-    group.add_argument("--keep-last-epochs", type=int, default=-1, metavar="N",
-                       help="keep only the last N checkpoint<EPOCH>.pt (-1: all; 0: none, "
-                            "only checkpoint_last.pt and _best)")
-    group.add_argument("--no-save", action="store_true", help="do not write checkpoints")
-    group.add_argument("--no-epoch-checkpoints", action="store_true",
-                       help="keep only checkpoint_last.pt (and _best), not checkpoint<EPOCH>.pt")
-    group.add_argument("--best-checkpoint-metric", default="loss", metavar="NAME",
-                       help="validation metric that picks checkpoint_best.pt "
-                            "(default: %(default)s)")
-    group.add_argument("--maximize-best-checkpoint-metric", action="store_true", default=None,
-                       help="a larger --best-checkpoint-metric is better; without the flag, "
-                            "larger is better for every metric but a loss (accuracy, f1, ...)")
-    group.add_argument("--export-hf", metavar="DIR",
-                       help="at the end of training, write the model (the best checkpoint's "
-                            "when there is one) as a Hugging Face folder (tasks bert, glue)")
-    for part in RESETS:
-        group.add_argument(f"--reset-{part}", action="store_true",
-                           help=f"on resume, do not load the {part.replace('-', ' ')} state")
+def _reset(part):
+    return flag(False, action="store_true",
+                help=f"on resume, do not load the {part.replace('-', ' ')} state")
+
+
+@section
+class CheckpointConfig(Section):
+    """When a run saves, what it keeps and what a resume loads (the job's;
+    where a node keeps its files is its SaveConfig, config.py)."""
+    save_interval: int = flag(1, type=int, metavar="N", help="save every N epochs (default: 1)")
+    save_interval_updates: int = flag(0, type=int, metavar="N",
+                                      help="also save every N updates, mid-epoch (0: off)")
+    keep_interval_updates: int = flag(-1, type=int, metavar="N",
+                                      help="keep only the last N checkpoints of "
+                                           "--save-interval-updates (-1: all; 0: none, only "
+                                           "checkpoint_last.pt and _best)")
+    keep_last_epochs: int = flag(-1, type=int, metavar="N",
+                                 help="keep only the last N checkpoint<EPOCH>.pt (-1: all; 0: "
+                                      "none, only checkpoint_last.pt and _best)")
+    no_epoch_checkpoints: bool = flag(False, action="store_true",
+                                      help="keep only checkpoint_last.pt (and _best), not "
+                                           "checkpoint<EPOCH>.pt")
+    best_checkpoint_metric: str = flag("loss", metavar="NAME",
+                                       help="validation metric that picks checkpoint_best.pt "
+                                            "(default: %(default)s)")
+    maximize_best_checkpoint_metric: bool = flag(
+        None, action="store_true",
+        help="a larger --best-checkpoint-metric is better; without the flag, larger is "
+             "better for every metric but a loss (accuracy, f1, ...)")
+    export_hf: str | None = flag(None, metavar="DIR",
+                                 help="at the end of training, write the model (the best "
+                                      "checkpoint's when there is one) as a Hugging Face folder "
+                                      "(tasks bert, glue)")
+    # One per part of state.RESETS (Component.left_out reads them by name).
+    reset_optimizer: bool = _reset("optimizer")
+    reset_lr_scheduler: bool = _reset("lr-scheduler")
+    reset_dataloader: bool = _reset("dataloader")
+    reset_meters: bool = _reset("meters")
+
+    @classmethod
+    def from_args(cls, args):
+        maximize = args.maximize_best_checkpoint_metric
+        if maximize is None:     # as Hugging Face: larger is better but for a loss
+            maximize = not args.best_checkpoint_metric.endswith("loss")
+        return super().from_args(args, maximize_best_checkpoint_metric=maximize)
 
 
 def rng_state():
@@ -169,16 +148,17 @@ class Checkpointer:
 
     ``cfg`` is the job's CheckpointConfig, ``save`` this node's SaveConfig
     (rank 0's decides where the job's checkpoints go), ``flags`` the plain
-    flags a checkpoint keeps for people to read.
+    flags a checkpoint keeps for people to read, ``entries`` plain entries
+    it keeps as given (an elastic generation's lineage: elastic/seam.py).
 
     ``save`` must be called on every rank (each rank's RNG state is gathered
     into the checkpoint); rank 0 writes. ``restore`` reads rank 0's copy and
     sends it to all ranks, so nodes need no shared filesystem.
     """
 
-    def __init__(self, cfg, save, ctx, components, skip=(), flags=None, elastic=None):
+    def __init__(self, cfg, save, ctx, components, skip=(), flags=None, entries=None):
         self.cfg, self.where, self.ctx = cfg, save, ctx
-        self.elastic = elastic
+        self.entries = dict(entries or {})
         self.components, self.skip = dict(components), frozenset(skip)
         self.flags = flags or {}
         self.best = None
@@ -189,22 +169,21 @@ class Checkpointer:
     def restore(self, source=None):
         """Load the state to resume from into the components; where it came
         from, or None when there is none (a fresh start). ``source``: (rank,
-        make) when ``make()`` on that rank gives the state (an elastic
-        member's memory, and the lineage it must have: a state that is not
-        the one the round chose is refused on every rank); by default rank 0
-        reads --restore-file."""
+        make, check) when ``make()`` on that rank gives the state and
+        ``check(state)`` says why every rank refuses it, or None (an elastic
+        member's memory, which must be the one the round chose:
+        elastic/seam.py); by default rank 0 reads --restore-file."""
         from hetseq.distributed.collectives import broadcast_from
         path = files.restore_path(self.where)
-        rank, make, lineage = source or (
+        rank, make, check = source or (
             0, lambda: files.load(path) if os.path.exists(path) else None, None)
         where = path if source is None else f"the state of rank {rank}"
         state = broadcast_from(rank, make, self.ctx)
         if state is None:
             return None
-        got = (state.get("elastic") or {}).get("lineage", [])
-        if lineage is not None and list(got) != list(lineage):
-            raise UserError(f"{where} is not the state the members agreed on (its lineage ends "
-                            f"{got[-1:]}, expected {list(lineage)[-1:]}): not on this job's line")
+        refusal = check(state) if check is not None else None
+        if refusal:
+            raise UserError(f"{where} {refusal}")
         try:
             for name, component in self.components.items():
                 if name not in self.skip:
@@ -264,8 +243,7 @@ class Checkpointer:
     def _state(self, components, rngs):
         state = {"format": files.FORMAT, "args": self.flags, **components, RNG: rngs,
                  "best": self.best}
-        if self.elastic is not None:
-            state["elastic"] = self.elastic    # the lineage and members (--elastic)
+        state.update(self.entries)
         return state
 
     def local_state(self, given=None):

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from hetseq.distributed import all_gather_object
 from hetseq.errors import TrainingFailed
+from hetseq.sections import Section, flag, section
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,20 @@ def checksum(tensors):
     # the products stay far below 2**63 (a sum of int32s times a count).
     total = int((sums.remainder(_MODULUS) * weights).remainder(_MODULUS).sum())
     return float(total % _MODULUS + 1)
+
+
+@section
+class AgreementConfig(Section):
+    """How often ranks compare their copies, and how far apart they may be."""
+    divergence_check_interval: int = flag(
+        10, type=int, metavar="N",
+        help="every N updates, check that all ranks hold the same parameters and optimizer "
+             "state (an exact checksum; 0: never; default: 10)")
+    divergence_tolerance: float = flag(
+        1e-4, type=float, metavar="REL",
+        help="ranks that drifted from rank 0 by at most this relative distance (rounding "
+             "on different devices) take rank 0's copy; further apart, the run stops with "
+             "exit 4 (0: any difference stops it; default: %(default)s)")
 
 
 class Agreement:

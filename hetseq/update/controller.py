@@ -30,11 +30,12 @@ DDP's built-in averaging, rather than a SUM communication hook, keeps the
 all-reduce in C++: a Python hook costs 3-5% of a small model's step.
 
 What the ranks exchange, and when, is the job's exchange mode's
-(exchange.py): the divisor W above is the mode's ``divisor``. With
---local-steps (local_steps.py) nothing is summed in an inner step, the
+(exchange.py, modes/): the divisor W above is the mode's ``divisor``. With
+--local-steps (modes/local_steps.py) nothing is summed in an inner step, the
 divisor is 1: rank r's gradient is scaled by 1/n_r, the gradient of ITS mean
 sample loss, and the ranks' changes are averaged, weighted by samples, once
-per round. The Controller calls its exchange without knowing which it is.
+per round. The Controller calls its exchange without knowing which it is,
+and the mode reaches the update only through ``exchange.Updates``.
 
 A rank without samples in an update contributes g_r = 0 and n_r = 0: the sums
 are unchanged. Where its mode allows (DDP, local steps) it computes nothing
@@ -53,23 +54,18 @@ from hetseq.data.iterators import move_to
 from hetseq.errors import TrainingFailed, UserError
 from hetseq.optim import (OPTIMIZERS, build_lr_scheduler, build_optimizer,
                           check_same_optimizer, keep_own_kernels)
-from hetseq.run.checkpoint import Component
 from hetseq.distributed.collectives import broadcast_from
-from hetseq.update import exchange, precision, sharding
+from hetseq.update import modes, precision, sharding
+from hetseq.update.exchange import Updates
 from hetseq.update.members import Members
+# Its part of a checkpoint, and the keys of that part (the exchange mode adds its own).
+from hetseq.update.state_keys import CONTROLLER  # noqa: F401  (the run reads it from here)
+from hetseq.update.state_keys import LOSS_SCALER, LR_SCHEDULER, MODEL, OPTIMIZER, UPDATES
 from hetseq.update.stats import Backward
 from hetseq.update.step import Stepper
 from hetseq.update.timing import ComputeClock
 
 logger = logging.getLogger(__name__)
-
-# Its part of a checkpoint, and the keys of that part (the exchange mode adds its own).
-CONTROLLER = Component("controller")
-MODEL = CONTROLLER.key("model")
-OPTIMIZER = CONTROLLER.key("optimizer", reset="optimizer")
-LR_SCHEDULER = CONTROLLER.key("lr_scheduler", reset="lr-scheduler")
-UPDATES = CONTROLLER.key("num_updates")
-LOSS_SCALER = CONTROLLER.key("loss_scaler", reset="optimizer")
 
 
 class Controller:
@@ -79,9 +75,9 @@ class Controller:
 
     def __init__(self, job, task, model, ctx):
         self.task, self.ctx, self.cfg = task, ctx, job.update
-        self.exchange = exchange.build(job.exchange, job.precision, ctx, job.elastic.elastic)
-        self.sharding = self.exchange.hold(sharding.build(job.sharding, job.precision, ctx,
-                                                          self.exchange.comm_hook()))
+        self.exchange = modes.build(job.exchange, job.precision, ctx, job.elastic.elastic)
+        self.sharding = self.exchange.hold(
+            lambda hook: sharding.build(job.sharding, job.precision, ctx, hook))
         # FSDP moves each shard to the device itself: the whole model never
         # has to fit there (with --cpu-offload the shards stay on the host).
         self.model = model if self.sharding.shards_grads else model.to(ctx.device)
@@ -105,7 +101,7 @@ class Controller:
         # for CUDA parameters) skips a non-finite update on the device itself.
         self._fused = type(self.optimizer) is type(built) and bool(built.defaults.get("fused"))
         self._kernels = {k: built.defaults.get(k) for k in ("fused", "foreach")}
-        self.exchange.attach(self.params)
+        self.exchange.attach(Updates(self))
         self._state_slots = OPTIMIZERS.get(job.optimizer.optimizer).state_slots(job.optimizer)
         self.stepper = Stepper(ctx, self.sharding, self.params, self.optimizer, self._fused,
                                self._state_slots, lambda: self._steps)
@@ -140,7 +136,7 @@ class Controller:
 
     def replicated_state(self):
         """The tensors every rank holds a copy of (agreement.py keeps them equal)."""
-        return self.exchange.replicated(self.sharding, self.params, self.optimizer)
+        return self.exchange.replicated()
 
     def gradient_bytes(self):
         """Bytes of the gradient one exchange sums (plan/links.py)."""
@@ -154,7 +150,7 @@ class Controller:
 
     def updates_per_exchange(self):
         """Updates one gradient exchange serves (--local-steps: a round's)."""
-        return getattr(self.exchange.cfg, "local_steps", 0) or 1
+        return self.exchange.updates_per_exchange
 
     def set_members(self, active):
         """The ranks in the gradient exchange from the next update (the plan's;
@@ -207,18 +203,17 @@ class Controller:
         self._steps += 1
         clock = ComputeClock(self.sharding.waited)
         self._mode(True)
-        self.exchange.begin(self)
+        stats = self.exchange.begin(checksum, signal)
         self.optimizer.zero_grad(set_to_none=True)
-        stats = self.exchange.stats(checksum, signal)
         if self.members.sitting:
             stats.add_zeros(self._layout[0])
-            return self.exchange.sit(stats, self)
+            return self.exchange.sit(stats)
         if not self.lockstep:   # a padding batch matters only where every forward communicates
             samples = [sample for sample in samples if sample is not None] or [None]
         if samples == [None] and self._wrapper_ran and self.sharding.can_idle():
             self._idle(stats)
             clock.stamp()
-            return self.exchange.finish(stats, clock.seconds(), self, boundary)
+            return self.exchange.finish(stats, clock.seconds(), boundary)
         loss_scale = self.scaler.scale if self.scaler else 1.0
         for i, sample in enumerate(samples):
             last = i == len(samples) - 1
@@ -237,7 +232,7 @@ class Controller:
         # travel before the gradients (announced) or after.
         self._layout = (stats.layout(), backward.announced)
         self._wrapper_ran = True
-        return self.exchange.finish(stats, clock.seconds(), self, boundary)
+        return self.exchange.finish(stats, clock.seconds(), boundary)
 
     def _idle(self, stats):
         """An update without samples on this rank, after one with (DDP has
@@ -366,14 +361,11 @@ class Controller:
         collective: the state of the last update every rank completed (under
         --local-steps the last outer step: a round cut short by a lost member
         is trained again), this rank's own optimizer state only."""
-        if local:
-            self.exchange.rewind(self)
-        else:
-            self.exchange.settle()    # a round in flight lands in the model first
+        self.exchange.settle(local)   # a round in flight lands (local: one cut short goes back)
         state = {MODEL: self.full_model_state(),
                  OPTIMIZER: self.sharding.optimizer_state(self.model, self.optimizer),
                  LR_SCHEDULER: self.lr_scheduler.state_dict(), UPDATES: self.num_updates}
-        state.update(self.exchange.state_dict(self.model, state[OPTIMIZER], local))
+        state.update(self.exchange.state_dict(state[OPTIMIZER], local))
         if self.scaler is not None:
             state[LOSS_SCALER] = self.scaler.state_dict()
         return state
@@ -388,7 +380,7 @@ class Controller:
             check_same_optimizer(own, *self._optimizer_kind)
             self.sharding.load_optimizer_state(self.model, self.optimizer, own)
             keep_own_kernels(self.optimizer, self._kernels)
-        self.exchange.load_state_dict(self.model, state)
+        self.exchange.load_state_dict(state)
         if self.scaler is not None and LOSS_SCALER in state:
             self.scaler.load_state_dict(state[LOSS_SCALER])
         if LR_SCHEDULER in state:

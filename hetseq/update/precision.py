@@ -12,7 +12,8 @@ backward and the Controller divides S out in the same pass that weights the
 gradients (controller.py: factor W / (N * S)); ``LossScaler`` below moves S.
 
 Everything here is decided once, when the run is built, from the job's
-PrecisionConfig (config.py): the update itself reads no flag.
+PrecisionConfig (below: its fields are the flags): the update itself reads
+no flag.
 """
 
 import contextlib
@@ -22,6 +23,7 @@ import os
 import torch
 
 from hetseq.errors import TrainingFailed, UserError
+from hetseq.sections import Section, flag, section
 
 logger = logging.getLogger(__name__)
 
@@ -30,24 +32,28 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CPU_FP16_FOR_TESTS = "HETSEQ_TEST_FP16_ON_CPU"
 
 
-def add_args(group):
-    group.add_argument("--bf16", action="store_true",
-                       help="bfloat16 autocast, fp32 master weights (CPU with bf16 support, "
-                            "or CUDA Ampere and newer; a node whose CPU only emulates it, "
-                            "AVX2, says so: 12x slower than fp32 on the GLUE demo)")
-    group.add_argument("--fp16", action="store_true",
-                       help="float16 autocast with dynamic loss scaling, fp32 master weights "
-                            "(CUDA only; on CPU use --bf16)")
-    group.add_argument("--fp16-init-scale", type=float, default=2 ** 7, metavar="S",
-                       help="initial loss scale (default: %(default)s)")
-    group.add_argument("--fp16-scale-window", type=int, metavar="N",
-                       help="updates without overflow before the scale doubles "
-                            "(default: 2**14 / world size / update-freq, as fairseq)")
-    group.add_argument("--min-loss-scale", type=float, default=1e-4, metavar="S",
-                       help="stop when the loss scale falls below this (default: %(default)s)")
-    group.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="float32",
-                       help="dtype in which gradients are summed across ranks (default: "
-                            "%(default)s)")
+@section
+class PrecisionConfig(Section):
+    """Autocast, loss scaling and the dtype gradients are summed in."""
+    bf16: bool = flag(False, action="store_true",
+                      help="bfloat16 autocast, fp32 master weights (CPU with bf16 support, "
+                           "or CUDA Ampere and newer; a node whose CPU only emulates it, "
+                           "AVX2, says so: 12x slower than fp32 on the GLUE demo)")
+    fp16: bool = flag(False, action="store_true",
+                      help="float16 autocast with dynamic loss scaling, fp32 master weights "
+                           "(CUDA only; on CPU use --bf16)")
+    fp16_init_scale: float = flag(2 ** 7, type=float, metavar="S",
+                                  help="initial loss scale (default: %(default)s)")
+    fp16_scale_window: int | None = flag(None, type=int, metavar="N",
+                                         help="updates without overflow before the scale "
+                                              "doubles (default: 2**14 / world size / "
+                                              "update-freq, as fairseq)")
+    min_loss_scale: float = flag(1e-4, type=float, metavar="S",
+                                 help="stop when the loss scale falls below this (default: "
+                                      "%(default)s)")
+    reduce_dtype: str = flag("float32", choices=sorted(DTYPES),
+                             help="dtype in which gradients are summed across ranks (default: "
+                                  "%(default)s)")
 
 
 def check_args(args):

@@ -21,8 +21,9 @@ the tensors this rank owns, and ``reduce`` sums a small tensor over ranks
 when gradients are sharded (a norm or an overflow flag then needs every shard:
 the Controller sends both in one all-reduce, every update).
 
-A mode is built from the job's ShardingConfig and PrecisionConfig only
-(config.py): every rank of a job wraps, buckets and communicates the same way.
+A mode is built from the job's ShardingConfig (below: its fields are the
+flags) and PrecisionConfig only: every rank of a job wraps, buckets and
+communicates the same way.
 
 Checkpoints hold the FULL state in one format whatever the mode: the model's
 ``state_dict`` and the optimizer's index-keyed ``state_dict`` of a plain
@@ -41,23 +42,33 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hetseq.errors import UserError
 from hetseq.registry import Registry
+from hetseq.sections import Section, flag, section
 from hetseq.update import full_state, timing
 
 logger = logging.getLogger(__name__)
 
 
-def add_args(group):
-    group.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
-                       help="ZeRO stage: 0 replicas (DDP), 1 optimizer state sharded, "
-                            "2 + gradients sharded (FSDP2), 3 + parameters sharded (FSDP2) "
-                            "(default: 0)")
-    group.add_argument("--cpu-offload", action="store_true",
-                       help="with --zero 3: keep parameters, gradients and the optimizer step "
-                            "on the host (FSDP2 CPUOffloadPolicy)")
-    group.add_argument("--compile", action="store_true",
-                       help="torch.compile the model's forward and backward (off by default: "
-                            "start-up takes longer, from seconds to minutes; pays on GPUs, "
-                            "see docs/memory-and-precision.md)")
+@section
+class ShardingConfig(Section):
+    """How the model state is held across ranks: every rank of the job the same."""
+    zero: int = flag(0, type=int, choices=(0, 1, 2, 3),
+                     help="ZeRO stage: 0 replicas (DDP), 1 optimizer state sharded, "
+                          "2 + gradients sharded (FSDP2), 3 + parameters sharded (FSDP2) "
+                          "(default: 0)")
+    cpu_offload: bool = flag(False, action="store_true",
+                             help="with --zero 3: keep parameters, gradients and the optimizer "
+                                  "step on the host (FSDP2 CPUOffloadPolicy)")
+    # DDP's buckets are collectives: every rank the same.
+    bucket_cap_mb: int = flag(25, type=int, metavar="MB",
+                              help="DDP gradient bucket size (default: 25)")
+    find_unused_parameters: bool = flag(False, action="store_true",
+                                        help="let DDP handle parameters that get no gradient "
+                                             "in a step")
+    # The job's: compiled kernels round differently.
+    compile: bool = flag(False, action="store_true",
+                         help="torch.compile the model's forward and backward (off by default: "
+                              "start-up takes longer, from seconds to minutes; pays on GPUs, "
+                              "see docs/memory-and-precision.md)")
 
 
 def check_args(args):

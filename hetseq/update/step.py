@@ -2,13 +2,27 @@
 mean-loss gradient (the Controller computes the factor: controller.py's
 math), clipped, checked for non-finite values and handed to the optimizer;
 for a whole gradient on its device, or one whose shards are spread over
-the ranks (--zero 2/3)."""
+the ranks (--zero 2/3). UpdateConfig holds the flags of the step."""
 
 import math
 
 import torch
 
+from hetseq.sections import Section, flag, section
 from hetseq.update.gradients import multiply, read_later, scale_and_check, squares
+
+
+@section
+class UpdateConfig(Section):
+    """What the Controller does with a summed gradient: the clip here, the
+    count of non-finite updates it tolerates."""
+    clip_norm: float = flag(25.0, type=float, metavar="NORM",
+                            help="clip the gradient norm to this (0: off; the norm is then "
+                                 "measured after the update, for updates that are logged or "
+                                 "go to TensorBoard; default: %(default)s)")
+    max_nan_updates: int = flag(10, type=int, metavar="N",
+                                help="stop after N updates in a row with a non-finite loss or "
+                                     "gradient (each is skipped; default: 10)")
 
 
 class Stepper:

@@ -21,10 +21,8 @@ One round, on rank r (``theta_0``: the parameters every rank holds when it begin
             theta = theta_0 - eta (D + mu m)           (mu = 0: theta_0 - eta D)
 
 The default outer step is eta = 1, mu = 0: theta = theta_0 - D, the
-weighted average of the ranks' models. Not DiLoCo's eta = 0.7, mu = 0.9: a
-direction that persists over rounds is applied eta / (1 - mu) = 7 times in
-the long run, which multiplies the job's learning rate (measured in
-docs/slow-links.md); the average leaves the job's rate as it is.
+weighted average of the ranks' models, which leaves the job's learning rate
+as it is (DiLoCo's eta = 0.7, mu = 0.9 multiplies it: docs/slow-links.md).
 
 A rank that did more work weighs more, as every sample weighs the same in a
 synchronous update. Local steps are NOT the large-batch update: each inner
@@ -58,59 +56,56 @@ run saves or stops: all decided by the job's flags, so every rank agrees.
 """
 
 import collections
-import concurrent.futures
-import copy
-import datetime
 import logging
 
 import torch
-import torch.distributed as dist
 
 from hetseq.distributed.collectives import gather_to_main
-from hetseq.distributed.compress import CODECS
-from hetseq.update.controller import CONTROLLER
-from hetseq.update.exchange import EXCHANGES, Exchange
+from hetseq.errors import UserError
+from hetseq.sections import Section, flag, given_flags, section
+from hetseq.update.compress import CODECS
+from hetseq.update.exchange import Exchange, refuse, register_exchange
 from hetseq.update.flat import FlatParams
-from hetseq.update.sharding import Sharding
+from hetseq.update.outer import DRAIN_S, LocalReplicas, OuterSum, first_line
+from hetseq.update.state_keys import mode_key
 from hetseq.update.stats import StatsExchange, StepResult
 
 logger = logging.getLogger(__name__)
 
-# A rank that stops on its own error waits this long at most for the round it
-# sent (--outer-overlap) when the job sets no --distributed-timeout.
-DRAIN_S = 60
-
-# Its keys in the Controller's checkpoint: the outer step's state, every rank's inner optimizer.
-ROUNDS = CONTROLLER.key("local_steps", reset="optimizer")
-OPTIMIZERS = CONTROLLER.key("optimizers", reset="optimizer")
+# Its entries in the Controller's checkpoint: the outer step's state, every rank's inner optimizer.
+ROUNDS = mode_key("local_steps", reset="optimizer")
+OPTIMIZERS = mode_key("optimizers", reset="optimizer")
 
 
-class LocalReplicas(Sharding):
-    """The sharding view of --local-steps: every rank trains its own replica
-    with its own optimizer (no gradient crosses the network); ``outer`` is the
-    --zero mode that holds the outer step's optimizer (--zero 1 shards its
-    momentum)."""
+@section
+class LocalStepsConfig(Section):
+    local_steps: int = flag(0, type=int, metavar="H",
+                            help="train H inner steps on each rank between exchanges (DiLoCo; "
+                                 "docs/slow-links.md); default: every update synchronous, the "
+                                 "large-batch update")
+    outer_lr: float = flag(1.0, type=float, metavar="ETA",
+                           help="--local-steps: rate of the outer step (default: %(default)s, "
+                                "with --outer-momentum 0 the samples-weighted average of the "
+                                "ranks' models; DiLoCo's: 0.7)")
+    outer_momentum: float = flag(0.0, type=float, metavar="MU",
+                                 help="--local-steps: Nesterov momentum of the outer step "
+                                      "(default: %(default)s, none; DiLoCo's: 0.9, which "
+                                      "multiplies the job's LR up to ETA / (1 - MU) times: "
+                                      "docs/slow-links.md)")
+    outer_overlap: bool = flag(False, action="store_true",
+                               help="--local-steps: exchange a round while the next one "
+                                    "computes; apply it one round late")
+    outer_dtype: str = flag("float32", choices=sorted(CODECS.names()),
+                            help="--local-steps: what the exchange sends; bfloat16 halves the "
+                                 "bytes, int8 (with a scale per 256 values) quarters them "
+                                 "(default: %(default)s)")
 
-    def __init__(self, outer, cfg):
-        super().__init__(outer.cfg, outer.precision, outer.ctx)
-        self.outer, self.exchange = outer, cfg
 
-    def describe(self):
-        cfg = self.exchange
-        overlap = ", overlapped" if cfg.outer_overlap else ""
-        outer = "the weighted average" if (cfg.outer_lr, cfg.outer_momentum) == (1, 0) else \
-            f"Nesterov lr {cfg.outer_lr} momentum {cfg.outer_momentum}"
-        return (f"--local-steps {cfg.local_steps} (outer step: {outer}, exchanged in "
-                f"{cfg.outer_dtype}{overlap}; outer optimizer under {self.outer.describe()})")
-
-    def replicated_state(self, params, optimizer):
-        return []   # inside a round the replicas differ by design: LocalSteps.replicated
-
-
-@EXCHANGES.register("local-steps")
+@register_exchange("local-steps")
 class LocalSteps(Exchange):
     """The rounds of one rank: what it did in the round so far, the outer
-    optimizer and the exchange. ``cfg``: the job's ExchangeConfig."""
+    optimizer and the exchange. ``cfg``: its LocalStepsConfig."""
+    Config = LocalStepsConfig
     sits_out = False     # the outer exchange spans the world (a rank without
                          # samples still sends its zero change: controller._idle)
 
@@ -119,6 +114,7 @@ class LocalSteps(Exchange):
         # An inner step sums nothing: the gradient is divided by this rank's
         # samples alone, the gradient of ITS mean loss (the math above).
         self.divisor = 1
+        self.updates_per_exchange = cfg.local_steps
         self.steps = 0                 # inner steps of the round so far
         self.round = StatsExchange(ctx, local=True)   # the round's stats so far
         self.seconds = 0.0             # the round's compute seconds so far
@@ -129,59 +125,82 @@ class LocalSteps(Exchange):
         # last two rounds (--outer-overlap may have to train both again).
         self.starts = collections.deque(maxlen=2 if cfg.outer_overlap else 1)
         self.open = False              # a round begun whose exchange is not sent yet
-        self._group = self._pool = None
-        if cfg.outer_overlap and ctx.distributed:
-            # Its own group: the exchange's collectives never pair with the
-            # main thread's (the stats, validation, checkpoints).
-            # The job's --distributed-timeout, not the library's 30 minutes: an
-            # exchange blocked on a member no heartbeat cut (one sharing this
-            # host's address) fails when the job's collectives would.
-            timeout = datetime.timedelta(seconds=ctx.timeout_s) if ctx.timeout_s else None
-            self._group = dist.new_group(backend=dist.get_backend(), timeout=timeout)
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, "hetseq-outer")
+        self.sum = OuterSum(cfg.outer_dtype, ctx, cfg.outer_overlap)
 
-    def comm_hook(self):
-        return None                    # no gradient all-reduce to hook
+    # ---- its flags (LocalStepsConfig's fields) ----
 
-    def hold(self, mode):
-        self.outer_mode = mode
-        return LocalReplicas(mode, self.cfg)
+    @classmethod
+    def asks(cls, args):
+        return f"--local-steps {args.local_steps}" if args.local_steps else None
 
-    def attach(self, params):
+    @classmethod
+    def check_args(cls, args, defaults, chosen):
+        if args.local_steps < 0:
+            raise UserError(f"--local-steps {args.local_steps}: expected H >= 1 inner steps per "
+                            "round (or leave it out for synchronous updates)")
+        if not chosen:
+            given = given_flags(args, defaults, ("outer_lr", "outer_momentum", "outer_overlap",
+                                                 "outer_dtype"))
+            if given:
+                raise UserError(f"{', '.join(given)} set the outer step of --local-steps; add "
+                                "--local-steps H (e.g. 32)")
+            return
+        if not args.local_steps:
+            raise UserError("--exchange local-steps: add --local-steps H, the inner steps of "
+                            "a round (e.g. 32)")
+        refuse(f"--local-steps {args.local_steps}", (
+            (args.grad_compression != "none", "--grad-compression compresses synchronous "
+             "updates; with --local-steps use --outer-dtype bfloat16 or int8"),
+            (args.zero >= 2, f"--zero {args.zero} shards gradients or parameters, which local "
+             "steps keep whole on every rank; use --zero 0, or --zero 1 (the outer step's "
+             "state sharded)"),
+            (args.fp16, "--fp16's loss scale would differ from rank to rank inside a round; "
+             "use --bf16"),
+            (args.reduce_dtype != "float32", f"--reduce-dtype {args.reduce_dtype} sets the "
+             "dtype of gradient all-reduces, which local steps do not make; use --outer-dtype"),
+            (args.outer_lr <= 0, f"--outer-lr {args.outer_lr}: expected a rate > 0"),
+            (not 0 <= args.outer_momentum < 1, f"--outer-momentum {args.outer_momentum}: "
+             "expected 0 <= mu < 1"),
+        ))
+
+    # ---- building ----
+
+    def hold(self, build):
+        self.outer_mode = build(None)      # no gradient all-reduce to hook
+        return LocalReplicas(self.outer_mode, self.cfg)
+
+    def attach(self, updates):
+        super().attach(updates)
         cfg = self.cfg
-        self.params, self.flat = params, FlatParams(params)
+        self.flat = FlatParams(updates.params)
         self.outer = self.outer_mode.build_optimizer(torch.optim.SGD(
-            params, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+            updates.params, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
             nesterov=cfg.outer_momentum > 0))
-        self.codec = CODECS.get(cfg.outer_dtype)
 
     # ---- inside a round ----
 
-    def begin(self, controller):
+    def begin(self, checksum, signal):
         """Before an inner step: the round's starting point, at its first step
-        (rewindable: with the inner optimizer's state and the update count)."""
+        (rewindable: with the inner optimizer's state and the update count).
+        The report goes with the round's exchange; an inner step's stats stay here."""
         if self.steps == 0:
             self.open = True           # until its exchange is sent
             if self.rewindable:
-                self.starts.append((copy.deepcopy(controller.optimizer.state_dict()),
-                                    controller.num_updates))
+                self.starts.append(self.updates.mark())
         if self.anchor is None:
             self.anchor = self.flat.read()
         if self.cfg.outer_overlap and self.start is None:
             self.start = self.flat.read()
-
-    def stats(self, checksum, signal):
-        # The report goes with the round's exchange; an inner step's stats stay here.
         self._reporting(checksum, signal)
         return StatsExchange(self.ctx, local=True)
 
-    def finish(self, stats, seconds, controller, boundary):
+    def finish(self, stats, seconds, boundary):
         """An inner step: this rank's own update; at a round's end
         (``boundary``: the run needs one model after it), the exchange."""
         totals, _ = stats.result()
-        updated = totals["sample_size"] > 0 and controller.apply_update(totals["sample_size"])[0]
+        updated = totals["sample_size"] > 0 and self.updates.step(totals["sample_size"])[0]
         if not updated:   # no samples or skipped: still an inner step of every rank
-            controller.count_update()
+            self.updates.count()
         self.round.absorb(stats)
         self.seconds += seconds
         self.steps += 1
@@ -191,12 +210,12 @@ class LocalSteps(Exchange):
         summed = StatsExchange(self.ctx, self._report)
         summed.absorb(self.round)
         samples = float(self.round.own_samples())
-        self._last = (self.seconds, samples, self._wall())
+        self.record(self.seconds, samples)
         self.round, self.seconds, self.steps = StatsExchange(self.ctx, local=True), 0.0, 0
         totals, ranks = summed.result()
         everyone = totals["sample_size"]
         self.exchange(samples / everyone if everyone > 0 else 0.0, settle=boundary)
-        return StepResult(totals, ranks, controller.lr, True)
+        return StepResult(totals, ranks, self.updates.lr, True)
 
     # ---- the end of a round ----
 
@@ -206,24 +225,26 @@ class LocalSteps(Exchange):
         hold the same model afterwards (the run validates, saves or stops)."""
         current = self.flat.read()
         if not self.cfg.outer_overlap:
-            self._outer_step(self.anchor, self._sum(
+            self._outer_step(self.anchor, self.sum(
                 [(a - c).mul_(weight) for a, c in zip(self.anchor, current)]))
             self.anchor, self.open = None, False   # the next round starts where this one left
             return
         change = [s - c for s, c in zip(self.start, current)]
         self._apply_pending()       # a failure here: this round is still open, the last unapplied
         sent = [d * weight for d in change]
-        self.pending = self._pool.submit(self._sum, sent) if self._pool else \
-            _Done(self._sum(sent))
+        self.pending = self.sum.later(sent)
         self.open = False           # sent: it lands, or not, with the next round
         self.flat.write([g - d for g, d in zip(self.anchor, change)])
         self.start = self.flat.read()
         if settle:
             self.settle()
 
-    def settle(self):
-        """Wait for the round in flight and apply it: every rank holds ``global``."""
-        if self.cfg.outer_overlap and self.pending is not None:
+    def settle(self, local=False):
+        """Wait for the round in flight and apply it: every rank holds ``global``.
+        ``local``: no collective; a round cut short goes back (``_rewind``)."""
+        if local:
+            self._rewind()
+        elif self.cfg.outer_overlap and self.pending is not None:
             self._apply_pending()
             self.flat.write(self.anchor)
             self.start = None
@@ -239,7 +260,7 @@ class LocalSteps(Exchange):
             self.pending.result(timeout=self.ctx.timeout_s or DRAIN_S)
         except Exception as err:     # a member gone too, or the timeout: nothing to keep
             logger.info("the round in flight did not complete before this rank stopped (%s)",
-                        _first_line(err))
+                        first_line(err))
 
     def _apply_pending(self):
         if self.pending is None:
@@ -247,12 +268,6 @@ class LocalSteps(Exchange):
         delta, self.pending = self.pending.result(), None
         self._outer_step(self.anchor, delta)
         self.anchor = self.flat.read()
-
-    def _sum(self, flats):
-        """sum over ranks of each flat tensor, through the --outer-dtype codec."""
-        if not self.ctx.distributed:
-            return flats
-        return [self.codec(flat, self._group) for flat in flats]
 
     def _outer_step(self, anchor, delta):
         """theta = theta_0 - eta (D + mu m): the outer optimizer's step from
@@ -264,13 +279,14 @@ class LocalSteps(Exchange):
 
     # ---- agreement and checkpoints ----
 
-    def replicated(self, mode, params, optimizer):
+    def replicated(self):
         """What every rank holds the same of at a round's end: the model of the
         last outer step and the outer optimizer's state (unless --zero 1 shards it)."""
-        model = self.anchor if self.cfg.outer_overlap and self.anchor is not None else self.params
+        model = self.anchor if self.cfg.outer_overlap and self.anchor is not None else \
+            self.updates.params
         return self.outer_mode.replicated_state(model, self.outer)
 
-    def rewind(self, controller):
+    def _rewind(self):
         """Back to the last outer step (--elastic, whose rule is: a round
         either ends with its exchange on every member, or the next
         generation trains it again from its start, on the same batches
@@ -278,15 +294,15 @@ class LocalSteps(Exchange):
         inner optimizer and the update count to where the round began; the
         outer step's state changes only at a round's end, so it stands."""
         if self.cfg.outer_overlap:
-            self._rewind_overlapped(controller)
+            self._rewind_overlapped()
         elif self.anchor is not None:     # inside a round (None: at an outer step)
             self.flat.write(self.anchor)
-            self._restore(controller, self.starts[-1])
+            self.updates.back_to(self.starts[-1])
             self.anchor = None
         self.round, self.seconds, self.steps = StatsExchange(self.ctx, local=True), 0.0, 0
         self.open = False
 
-    def _rewind_overlapped(self, controller):
+    def _rewind_overlapped(self):
         """--outer-overlap: round R's exchange was sent at its end and is
         applied at the end of round R+1. Either it reached this rank: apply
         it, as a settle at the end of R would (the model is ``global`` with
@@ -308,7 +324,7 @@ class LocalSteps(Exchange):
         self.flat.write(self.anchor)
         self.start = None
         if target is not None:
-            self._restore(controller, target)
+            self.updates.back_to(target)
 
     def _arrived(self):
         """Whether the exchange in flight completed here (applied if so). A
@@ -318,19 +334,13 @@ class LocalSteps(Exchange):
             delta = self.pending.result()
         except Exception as err:     # the lost member's connection, or the group's timeout
             logger.info("the round in flight did not complete here (%s): trained again",
-                        _first_line(err))
+                        first_line(err))
             return False
         self._outer_step(self.anchor, delta)
         self.anchor = self.flat.read()
         return True
 
-    def _restore(self, controller, start):
-        optimizer_state, updates = start
-        controller.optimizer.load_state_dict(optimizer_state)
-        controller.num_updates = updates
-        controller.lr = controller.lr_scheduler.step_update(updates + 1)
-
-    def state_dict(self, model, optimizer_state, local=False):
+    def state_dict(self, optimizer_state, local=False):
         """A save ends the round (settled). "local_steps": the outer step's state
         (a collective under --zero 1: consolidated on rank 0); "optimizers":
         every rank's own inner optimizer state, gathered on rank 0. ``local``
@@ -338,16 +348,17 @@ class LocalSteps(Exchange):
         continue from the source rank's own)."""
         if not local:
             self.settle()
-        rounds = {ROUNDS: {"outer_optimizer": self.outer_mode.optimizer_state(model, self.outer),
-                           "local_steps": self.cfg.local_steps}}
+        outer = self.outer_mode.optimizer_state(self.updates.model, self.outer)
+        rounds = {ROUNDS: {"outer_optimizer": outer, "local_steps": self.cfg.local_steps}}
         return rounds if local else {**rounds,
                                      OPTIMIZERS: gather_to_main(optimizer_state, self.ctx)}
 
-    def load_state_dict(self, model, state):
+    def load_state_dict(self, state):
         saved = state.get(ROUNDS) or {}
         if saved.get("outer_optimizer") is not None:
             self._tell_changed_outer_step(saved["outer_optimizer"])
-            self.outer_mode.load_optimizer_state(model, self.outer, saved["outer_optimizer"])
+            self.outer_mode.load_optimizer_state(self.updates.model, self.outer,
+                                                 saved["outer_optimizer"])
             # The outer rate is this run's flag, not the saved one.
             for group in self.outer.param_groups:
                 group.update(lr=self.cfg.outer_lr, momentum=self.cfg.outer_momentum,
@@ -376,17 +387,3 @@ class LocalSteps(Exchange):
             return by_rank[self.ctx.rank]
         return saved
 
-
-def _first_line(err):
-    text = str(err).strip()
-    return text.splitlines()[0][:160] if text else type(err).__name__
-
-
-class _Done:
-    """A finished 'future' (one process: nothing to wait for)."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self, timeout=None):
-        return self.value

@@ -1,0 +1,79 @@
+"""Exchange modes are plugins (update/exchange.py, update/modes/): a mode
+defined under tests/ (tests/modes/allreduce.py, ``--user-dir tests/modes``),
+with no edit under hetseq/, trains exactly as one process does; a name
+registered twice, or an unknown --exchange, is a clear error."""
+
+import pytest
+
+from hetseq import cli
+from hetseq.errors import UserError
+from machinery.jobs import run_jobs
+
+from conftest import EXACT, ROOT, TOY, max_diff
+
+from test_parity import COMMON, params, reference
+
+# The last --user-dir wins: tests/modes brings the toy task along.
+MODE = ["--user-dir", str(ROOT / "tests" / "modes"), "--exchange", "allreduce"]
+
+
+def job(layout, *extra):
+    return [[*COMMON, *MODE, *extra, "--max-sentences", batch, "--no-save"] for batch in layout]
+
+
+JOBS = {
+    "24+8": job([24, 8]),
+    "24+8 in 3 chunks, --update-freq 2": job([24, 8], "--allreduce-chunks", 3,
+                                             "--update-freq", 2),
+    # Weights 1000:1 leave rank 1 without samples: it sends zeros, no forward.
+    "32+0": [[*COMMON, *MODE, "--capacity", "manual", "--capacity-weight", weight,
+              "--global-batch-size", 32, "--no-save"] for weight in (1000, 1)],
+}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return run_jobs(2, list(JOBS.items()), tmp_path_factory.mktemp("modes"))
+
+
+@pytest.mark.parametrize("name, extra", [("24+8", ()), ("32+0", ()),
+                                         ("24+8 in 3 chunks, --update-freq 2",
+                                          ("--update-freq", 2))])
+def test_a_mode_from_outside_hetseq_trains_exactly(two, name, extra):
+    """Its own all-reduce of the sum-loss gradients, divisor 1: the
+    large-batch update of one process, whatever the split."""
+    result = two[name]
+    assert result.global_batch == 32
+    assert max_diff(reference(*extra), params(result.state)) < EXACT
+    chunks = 3 if "chunks" in name else 1
+    for calls in result.updates().values():      # the stats, then the mode's sum: no DDP
+        assert [call.op for call in calls] == ["allreduce"] * (1 + chunks), calls
+
+
+def test_nothing_under_hetseq_names_the_mode():
+    library = "\n".join(path.read_text() for path in (ROOT / "hetseq").rglob("*.py"))
+    assert "allreduce_chunks" not in library and "tests/modes" not in library
+
+
+def test_the_modes_flags_are_the_jobs_and_refused_without_it():
+    _, job, _ = cli.parse([*TOY, *MODE, "--allreduce-chunks", "3"])
+    assert job.exchange.exchange == "allreduce"
+    assert job.identity()["allreduce_chunks"] == 3 and job.identity()["exchange"] == "allreduce"
+    with pytest.raises(UserError, match="--allreduce-chunks set exchange mode 'allreduce'; "
+                                        "add --exchange allreduce"):
+        cli.parse([*TOY, *MODE[:2], "--allreduce-chunks", "3"])
+
+
+def test_a_name_registered_twice_or_unknown_says_what_exists(monkeypatch):
+    from hetseq.update.exchange import EXCHANGES, Exchange, register_exchange
+    # A copy of the registry for this test: the process's stays as it was.
+    monkeypatch.setattr(EXCHANGES, "_entries", dict(EXCHANGES._entries))
+    monkeypatch.setattr(EXCHANGES, "_aliases", dict(EXCHANGES._aliases))
+    with pytest.raises(ValueError, match=r"exchange mode name 'local-steps' is already "
+                       r"registered by hetseq\.update\.modes\.local_steps\.LocalSteps; pick "
+                       r"another name \(registered exchange modes: .*local-steps, powersgd, "
+                       r"synchronous\)"):
+        register_exchange("local-steps")(type("Again", (Exchange,), {}))
+    with pytest.raises(UserError, match=r"unknown exchange mode 'nope'; registered exchange "
+                       r"modes: .*local-steps, powersgd, synchronous \(a mode of your own"):
+        cli.parse([*TOY, "--exchange", "nope"])
