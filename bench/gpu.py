@@ -20,7 +20,7 @@ sample, hetseq/randomness.py), AdamW at a fixed rate, clip 1.
 - table: HetSeq's default step (eager and --compile) against a bare loop
   (eager and compiled) and transformers, BERT-base bf16 at sequence 128
   (batch 256) and 512 (batch 64): bench/step_table.py, docs/gpu.md;
-- rate: --capacity auto's speed probe (capacity.steady_rate over
+- rate: --capacity auto's speed probe (startup.steady_rate over
   ``Controller.probe``) against the rate the same Controller trains at.
 
     python bench/gpu.py [--parts table,rate,probe,speed] [--out FILE]
@@ -39,8 +39,9 @@ from models import Bert, BertBase, register  # noqa: E402  (bench/models.py)
 from output import emit  # noqa: E402
 
 from hetseq import cli  # noqa: E402
-from hetseq.distributed import DistContext  # noqa: E402
-from hetseq.plan.capacity import cuda_memory_cap, steady_rate  # noqa: E402
+from hetseq.distributed.launch import DistContext  # noqa: E402
+from hetseq.plan.capacity import cuda_memory_cap  # noqa: E402
+from hetseq.plan.startup import steady_rate  # noqa: E402
 from hetseq.randomness import KeyedBatch, sample_keys  # noqa: E402
 from hetseq.tasks import TASKS  # noqa: E402
 from hetseq.update.controller import Controller  # noqa: E402

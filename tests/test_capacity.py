@@ -10,7 +10,7 @@ from test_parity import COMMON, EXACT, reference
 
 from conftest import assert_ok, final_params, max_diff, run_job
 from hetseq.errors import UserError
-from hetseq.plan import capacity
+from hetseq.plan import startup
 from hetseq.plan.capacity import Plan, proportional
 from hetseq.plan.rebalance import Rebalancer
 
@@ -55,7 +55,7 @@ def test_the_speed_probe_times_a_warm_device(first, decay):
     first calls are slow. The rate is timed once the calls settle: within
     10% of the device's steady rate (one warm-up call was 2x off here).
     (0.1 s for 64 samples: the single-sample calls do not shrink the probe.)"""
-    rate = capacity.steady_rate(Warming(first, decay), 64, lockstep=False)
+    rate = startup.steady_rate(Warming(first, decay), 64, lockstep=False)
     assert rate == pytest.approx(640, rel=0.1)
 
 
@@ -65,10 +65,10 @@ def test_ranks_in_lockstep_probe_as_often_as_each_other():
     counts = []
     for first in (1, 8):
         device = Warming(first, 0.5)
-        capacity.steady_rate(device, 8, lockstep=True)
+        startup.steady_rate(device, 8, lockstep=True)
         counts.append(device.calls)
-    assert counts[0] == counts[1] == capacity.SIZING + capacity.WARMUPS[0] + \
-        capacity.RATE_PROBES
+    assert counts[0] == counts[1] == startup.SIZING + startup.WARMUPS[0] + \
+        startup.RATE_PROBES
 
 
 def test_a_very_slow_device_is_probed_with_fewer_samples():
@@ -79,9 +79,9 @@ def test_a_very_slow_device_is_probed_with_fewer_samples():
     def slow(size):
         sizes.append(size)
         return 1.0 * size
-    assert capacity.steady_rate(slow, 64, lockstep=False) == pytest.approx(1.0)
-    assert sizes[:capacity.SIZING] == [1] * capacity.SIZING
-    assert set(sizes[capacity.SIZING:]) == {int(capacity.PROBE_SECONDS)}
+    assert startup.steady_rate(slow, 64, lockstep=False) == pytest.approx(1.0)
+    assert sizes[:startup.SIZING] == [1] * startup.SIZING
+    assert set(sizes[startup.SIZING:]) == {int(startup.PROBE_SECONDS)}
 
 
 def test_batch_smaller_than_world_is_an_error():
@@ -286,4 +286,4 @@ def test_a_manual_split_without_every_ranks_max_sentences_is_named():
     from types import SimpleNamespace
     peers = [{"max_sentences": 8, "weight": None}, {"max_sentences": None, "weight": None}]
     with pytest.raises(UserError, match=r"ranks \[1\] have none: give --max-sentences"):
-        capacity._weights(SimpleNamespace(capacity="manual"), peers)
+        startup._weights(SimpleNamespace(capacity="manual"), peers)

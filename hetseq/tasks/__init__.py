@@ -12,11 +12,9 @@ import os
 import sys
 
 from hetseq.errors import UserError
-from hetseq.registry import Registry
-from hetseq.tasks.task import Task
+from hetseq.tasks.task import TASKS, Task, register_task
 
-TASKS = Registry("task", base=Task, hint="; tasks of your own load with --user-dir DIR")
-register_task = TASKS.register
+__all__ = ["TASKS", "Task", "import_builtin_tasks", "import_user_dir", "register_task"]
 
 # Built-in tasks register themselves on import.
 _BUILTIN_MODULES = ("hetseq.tasks.bert_pretraining", "hetseq.tasks.glue")

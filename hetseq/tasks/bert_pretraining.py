@@ -26,7 +26,7 @@ from hetseq.bert.model import BertConfig, BertForPreTraining
 from hetseq.bert.pretraining_data import BertH5Dataset, find_shards
 from hetseq.bert.tokenizer import WordPiece
 from hetseq.errors import UserError
-from hetseq.tasks import Task, register_task
+from hetseq.tasks.task import Task, register_task
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from hetseq.bert.hf import export_hf
 from hetseq.bert.model import BertForSequenceClassification
 from hetseq.bert.pretrained import StartingPoint, default_starting_point, starting_point
 from hetseq.errors import UserError
-from hetseq.tasks import Task, register_task
+from hetseq.tasks.task import Task, register_task
 from hetseq.update.stats import Gathered
 
 logger = logging.getLogger(__name__)

@@ -26,6 +26,8 @@ Set-up, in this order, each step visible:
 import torch
 from torch.utils.data import default_collate
 
+from hetseq.registry import Registry
+
 
 class Task:
     # This task's flags that may differ from node to node (every other flag
@@ -103,3 +105,10 @@ class Task:
         if "correct" in totals:
             metrics["accuracy"] = totals["correct"] / n
         return metrics
+
+
+# The registry lives beside the base class, not in the package: a built-in
+# task imports it from here, so the package importing its tasks imports
+# nothing that imports it back.
+TASKS = Registry("task", base=Task, hint="; tasks of your own load with --user-dir DIR")
+register_task = TASKS.register
