@@ -10,17 +10,32 @@ agreement.py) receives sections of ``JobConfig`` only. A node's own choices
 therefore cannot change which collectives its ranks issue: ranks that paired
 different collectives would hang or compute wrong numbers.
 
-Every field is named after its flag (``--clip-norm`` is ``clip_norm``), so a
-message can name the flag and the flags' help is the fields' documentation.
-``tests/test_config.py`` checks that every flag lands in exactly one of the two.
+A flag is declared once, as a ``flag(...)`` field of its section
+(sections.py): the parser (cli.py) is built from the sections, so a field is
+named after its flag (``--clip-norm`` is ``clip_norm``) and the flag's help
+is the field's documentation. A section lives beside the component it
+configures (ShardingConfig in update/sharding.py, CheckpointConfig in
+run/checkpoint.py, each exchange mode's in its module...), which imports
+sections.py and never this module; this module only assembles them, and
+declares the sections of the loop, membership, start-up and reporting.
+``tests/test_config.py`` checks that every flag lands in exactly one of the
+two configurations and is declared by exactly one field.
 """
 
-import dataclasses
 import json
 import os
 
 import hetseq
 from hetseq.digests import code_digest, file_digest
+from hetseq.optim import OptimizerConfig, ScheduleConfig
+from hetseq.plan.capacity import CapacityConfig, ShareConfig
+from hetseq.run.checkpoint import CheckpointConfig
+from hetseq.sections import Section, flag, frozen, int_list, section
+from hetseq.update.agreement import AgreementConfig
+from hetseq.update.modes import ExchangeConfig
+from hetseq.update.precision import PrecisionConfig
+from hetseq.update.sharding import ShardingConfig
+from hetseq.update.step import UpdateConfig
 
 # Flags of the original HetSeq that change nothing (accepted, see cli.LEGACY),
 # and flags that only exist to be refused with a message (cli.check_args).
@@ -29,130 +44,32 @@ NO_EFFECT = frozenset({"ddp_backend", "fast_stat_sync", "fix_batches_to_gpus",
                        "use_bmuf", "help"})
 
 
-def _frozen(value):
-    return tuple(value) if isinstance(value, list) else value
-
-
-class _Section:
-    """A frozen dataclass read from the flags of the same names."""
-
-    @classmethod
-    def from_args(cls, args, **derived):
-        values = {f.name: _frozen(getattr(args, f.name)) for f in dataclasses.fields(cls)
-                  if f.name not in derived}
-        return cls(**values, **derived)
-
-    def flags(self):
-        """{flag dest: value} of this section (nested sections flattened)."""
-        out = {}
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, _Section):
-                out.update(value.flags())
-            elif field.name != "task_flags":
-                out[field.name] = value
-        out.update(dict(getattr(self, "task_flags", ())))
-        return out
-
-
-def section(cls):
-    return dataclasses.dataclass(frozen=True)(cls)
-
-
-# ---- the job's sections ----
+# ---- the job's sections declared here (the others beside their components) ----
 
 @section
-class ShardingConfig(_Section):
-    """How the model state is held across ranks (sharding.py)."""
-    zero: int
-    cpu_offload: bool
-    bucket_cap_mb: int            # DDP's buckets are collectives: every rank the same
-    find_unused_parameters: bool
-    compile: bool                 # the job's: compiled kernels round differently
-
-
-@section
-class PrecisionConfig(_Section):
-    """Autocast, loss scaling and the dtype gradients are summed in (precision.py)."""
-    bf16: bool
-    fp16: bool
-    fp16_init_scale: float
-    fp16_scale_window: int | None
-    min_loss_scale: float
-    reduce_dtype: str
-
-
-@section
-class OptimizerConfig(_Section):
-    """The optimizer and its settings (optim/__init__.py)."""
-    optimizer: str
-    weight_decay: float
-    adam_betas: str
-    adam_eps: float
-    adadelta_rho: float
-    adadelta_eps: float
-    momentum: float
-    nesterov: bool
-
-
-@section
-class ScheduleConfig(_Section):
-    """The learning-rate schedule (optim/lr_scheduler.py)."""
-    lr_scheduler: str
-    lr: tuple
-    warmup_updates: int | None
-    warmup_ratio: float | None
-    total_num_update: int
-    end_learning_rate: float
-    min_lr: float
-    power: float
-    warmup_init_lr: float
-    force_anneal: int | None
-    lr_shrink: float
-
-
-@section
-class UpdateConfig(_Section):
-    """What the Controller does with a summed gradient."""
-    clip_norm: float
-    max_nan_updates: int
-
-
-@section
-class ExchangeConfig(_Section):
-    """How ranks exchange what they learned (local_steps.py, distributed/compress.py):
-    every update or every H inner steps, and in how many bytes."""
-    local_steps: int
-    outer_lr: float
-    outer_momentum: float
-    outer_overlap: bool
-    outer_dtype: str
-    grad_compression: str
-    powersgd_rank: int
-    powersgd_start: int
-    powersgd_min_compression: float
-
-
-@section
-class AgreementConfig(_Section):
-    """How ranks are kept equal to rank 0 (agreement.py)."""
-    divergence_check_interval: int
-    divergence_tolerance: float
-
-
-@section
-class TrainingConfig(_Section):
-    """The loop: which data, how long, when to validate (train.py)."""
-    seed: int
-    train_subset: str
-    valid_subset: str
-    validate_interval: int
-    validate_interval_updates: int
-    disable_validation: bool
-    curriculum: int
-    max_epoch: int
-    max_update: int
-    update_freq: tuple
+class TrainingConfig(Section):
+    """The loop: which data, how long, when to validate (run/loop.py)."""
+    seed: int = flag(19940802, type=int, help="random seed (default: %(default)s)")
+    train_subset: str = flag("train", metavar="SPLIT", help="split to train on (default: train)")
+    valid_subset: str = flag("valid", metavar="SPLITS",
+                             help="comma-separated splits to validate on after each epoch "
+                                  "(default: valid)")
+    validate_interval: int = flag(1, type=int, metavar="N",
+                                  help="validate every N epochs (default: 1)")
+    validate_interval_updates: int = flag(0, type=int, metavar="N",
+                                          help="also validate after every N updates (0: only at "
+                                               "epoch ends; --local-steps: a round ends there) "
+                                               "(default: 0)")
+    disable_validation: bool = flag(False, action="store_true", help="do not validate")
+    curriculum: int = flag(0, type=int, metavar="N",
+                           help="do not shuffle the data in the first N epochs")
+    max_epoch: int = flag(0, type=int, names=("--me",), metavar="N",
+                          help="stop after N epochs (0: no limit; default: %(default)s)")
+    max_update: int = flag(0, type=int, names=("--mu",), metavar="N",
+                           help="stop after N updates (0: no limit; default: %(default)s)")
+    update_freq: tuple = flag([1], type=int_list, metavar="N1,N2,...",
+                              help="global batches per update (gradient accumulation); a list "
+                                   "gives one value per epoch, the last repeats (default: 1)")
 
     @property
     def valid_subsets(self):
@@ -164,51 +81,33 @@ class TrainingConfig(_Section):
 
 
 @section
-class CapacityConfig(_Section):
-    """How the global batch is split between ranks (capacity.py)."""
-    capacity: str
-    global_batch_size: int | None
-    no_rebalance: bool
+class ElasticConfig(Section):
+    """Nodes that come and go (hetseq/elastic/)."""
+    elastic: bool = flag(False, action="store_true",
+                         help="nodes may join and leave while the job trains (docs/elastic.md): "
+                              "ranks are given out at the meeting point; needs a job secret, "
+                              "--global-batch-size and a tcp:// meeting point")
+    min_nodes: int = flag(1, type=int, metavar="N",
+                          help="--elastic: train only with at least N nodes; below, wait up to "
+                               "--distributed-timeout, then save and stop (default: 1)")
+    max_nodes: int = flag(0, type=int, metavar="M",
+                          help="--elastic: at most M nodes take part (0: no limit)")
+    # A member silent this long is lost (elastic/watchdog.py).
+    heartbeat_timeout: float = flag(5.0, type=float, metavar="SECONDS",
+                                    help="--elastic: a member whose heartbeat stood still this "
+                                         "long is lost (its connections are cut, so a collective "
+                                         "waiting on it ends at once); --distributed-timeout "
+                                         "then bounds a slow step only (default: 5; 0: only "
+                                         "--distributed-timeout tells)")
 
 
 @section
-class ElasticConfig(_Section):
-    """Nodes that come and go (hetseq/run/elastic.py, distributed/membership.py)."""
-    elastic: bool
-    min_nodes: int
-    max_nodes: int
-    heartbeat_timeout: float      # a member silent this long is lost (health.Watchdog)
-
-
-@section
-class CheckpointConfig(_Section):
-    """When a run saves, what it keeps and what a resume loads (checkpoint.py)."""
-    save_interval: int
-    save_interval_updates: int
-    keep_interval_updates: int
-    keep_last_epochs: int
-    no_epoch_checkpoints: bool
-    best_checkpoint_metric: str
-    maximize_best_checkpoint_metric: bool
-    export_hf: str | None
-    reset_optimizer: bool
-    reset_lr_scheduler: bool
-    reset_dataloader: bool
-    reset_meters: bool
-
-    @classmethod
-    def from_args(cls, args):
-        maximize = args.maximize_best_checkpoint_metric
-        if maximize is None:     # as Hugging Face: larger is better but for a loss
-            maximize = not args.best_checkpoint_metric.endswith("loss")
-        return super().from_args(args, maximize_best_checkpoint_metric=maximize)
-
-
-@section
-class JobConfig(_Section):
+class JobConfig(Section):
     """Everything every node of the job must agree on."""
-    task: str
-    distributed_backend: str | None
+    task: str = flag(None, required=True, metavar="NAME",
+                     help="what to train; see the registered tasks in the error of a wrong name")
+    distributed_backend: str | None = flag(None, choices=["gloo", "nccl", "ccl", "mpi"],
+                                           help="default: nccl on CUDA, gloo on CPU")
     sharding: ShardingConfig
     precision: PrecisionConfig
     optimizer: OptimizerConfig
@@ -240,37 +139,46 @@ class JobConfig(_Section):
 # ---- the node's sections ----
 
 @section
-class LaunchConfig(_Section):
+class LaunchConfig(Section):
     """Which ranks this node runs, on which devices, and where they meet
     (distributed/topology.py, rendezvous.py). The world size is compared
     when ranks claim their numbers, with a message of its own."""
-    distributed_world_size: int | None
-    distributed_rank: int | None
-    distributed_gpus: int | None
-    distributed_init_method: str | None
-    distributed_interface: str | None
-    distributed_port: int
-    distributed_timeout: float
-    distributed_no_spawn: bool
-    job_secret_file: str | None   # the secret itself never enters a config
-    device_id: int
-    cpu: bool
-
-
-@section
-class ShareConfig(_Section):
-    """This node's share of the work and its memory (capacity.py)."""
-    max_sentences: int | None
-    max_sentences_valid: int | None
-    capacity_weight: float | None
-    micro_batch_cap: int
-    max_memory_gb: float | None
-
-    @classmethod
-    def from_args(cls, args):
-        valid = args.max_sentences_valid
-        return super().from_args(
-            args, max_sentences_valid=args.max_sentences if valid is None else valid)
+    distributed_world_size: int | None = flag(
+        None, type=int, metavar="N",
+        help="processes in the whole job (default: visible GPUs, or 1 on CPU)")
+    distributed_rank: int | None = flag(
+        None, type=int, metavar="R",
+        help="global rank of this node's FIRST process (default: 0, or from the "
+             "torchrun/MPI/SLURM environment)")
+    distributed_gpus: int | None = flag(
+        None, type=int, metavar="G",
+        help="processes to start on this node, one per device (CPU: G CPU processes); "
+             "default: all ranks on one node, else the visible GPUs or 1")
+    distributed_init_method: str | None = flag(
+        None, metavar="URL",
+        help="where ranks meet: tcp://HOST:PORT, file:///shared/path or env:// "
+             "(default on one node: a free local port)")
+    distributed_interface: str | None = flag(
+        None, metavar="NAME",
+        help="network interface this node's collectives bind to (gloo and nccl); default: "
+             "the one that routes to the master address, or set GLOO_SOCKET_IFNAME / "
+             "NCCL_SOCKET_IFNAME")
+    distributed_port: int = flag(
+        29500, type=int, help="port used with a SLURM node list when no init method is given")
+    distributed_timeout: float = flag(
+        600, type=float, metavar="SECONDS",
+        help="how long start-up and every collective may wait (default: 600)")
+    distributed_no_spawn: bool = flag(
+        False, action="store_true",
+        help="this process is exactly one rank (--distributed-rank), spawn nothing")
+    # The secret itself never enters a config.
+    job_secret_file: str | None = flag(
+        None, metavar="PATH",
+        help="a file, readable only by you, holding the job's secret (or set "
+             "HETSEQ_JOB_SECRET): only nodes that know it may join (tcp:// only)")
+    device_id: int = flag(0, type=int, names=("--local_rank", "--local-rank"),
+                          help="CUDA device of this node's first process (default: 0)")
+    cpu: bool = flag(False, action="store_true", help="train on CPU even if CUDA is available")
 
 
 def save_dir(args):
@@ -279,11 +187,16 @@ def save_dir(args):
 
 
 @section
-class SaveConfig(_Section):
+class SaveConfig(Section):
     """Where this node keeps checkpoints and the balance log."""
-    save_dir: str
-    restore_file: str
-    no_save: bool
+    save_dir: str = flag(None, metavar="DIR",
+                         help="where checkpoints, balance.jsonl and TensorBoard go (default: "
+                              "checkpoints/<task>)")
+    restore_file: str = flag("checkpoint_last.pt", metavar="FILE",
+                             help="checkpoint to resume from, relative to --save-dir unless "
+                                  "absolute (default: checkpoint_last.pt; a missing file starts "
+                                  "afresh)")
+    no_save: bool = flag(False, action="store_true", help="do not write checkpoints")
 
     @classmethod
     def from_args(cls, args):
@@ -291,14 +204,23 @@ class SaveConfig(_Section):
 
 
 @section
-class LogConfig(_Section):
+class LogConfig(Section):
     """What this node prints and writes for people to read."""
-    log_interval: int
-    log_format: str
-    log_all_ranks: bool
-    no_progress_bar: bool
-    tensorboard_logdir: str | None
-    no_tensorboard: bool
+    no_progress_bar: bool = flag(False, action="store_true",
+                                 help="plain log lines, no tqdm bar")
+    log_interval: int = flag(1, type=int, metavar="N",
+                             help="log every N updates when there is no progress bar "
+                                  "(default: 1)")
+    log_format: str = flag("tqdm", choices=["tqdm", "simple", "json", "none"],
+                           help="'tqdm' shows a bar; any other value logs plain lines "
+                                "(default: tqdm)")
+    log_all_ranks: bool = flag(False, action="store_true",
+                               help="log INFO on every rank, not only rank 0")
+    tensorboard_logdir: str | None = flag(None, metavar="DIR",
+                                          help="write TensorBoard scalars here (rank 0; default: "
+                                               "<save-dir>/tensorboard, none with --no-save)")
+    no_tensorboard: bool = flag(False, action="store_true",
+                                help="write no TensorBoard scalars")
 
     @classmethod
     def from_args(cls, args):
@@ -314,11 +236,15 @@ class LogConfig(_Section):
 
 
 @section
-class NodeConfig(_Section):
+class NodeConfig(Section):
     """Everything that may differ from node to node."""
-    data: str | None          # each node's own folder; datasets must agree in size
-    num_workers: int
-    user_dir: str | None
+    user_dir: str | None = flag(None, metavar="DIR",
+                                help="a directory of your own tasks and exchange modes to import "
+                                     "(docs/tasks.md, docs/design.md)")
+    # Each node's own folder; datasets must agree in size.
+    data: str | None = flag(None, metavar="DIR", help="where the task reads its data")
+    num_workers: int = flag(0, type=int, metavar="N",
+                            help="data-loader worker processes per rank (default: 0)")
     launch: LaunchConfig
     shares: ShareConfig
     save: SaveConfig
@@ -336,13 +262,16 @@ NODE_SECTIONS = {"launch": LaunchConfig, "shares": ShareConfig, "save": SaveConf
                  "log": LogConfig}
 
 
-def build(args, task_dests=(), task_per_node=frozenset()):
+def build(args, task_dests=(), task_per_node=frozenset(), exchange=None):
     """(JobConfig, NodeConfig) from parsed flags. ``task_dests``: the flags the
     task added; those in ``task_per_node`` (the task's ``per_node_flags``)
-    may differ per node, the rest are the job's."""
-    task_flags = sorted((d, _frozen(getattr(args, d))) for d in task_dests)
+    may differ per node, the rest are the job's. ``exchange``: the
+    ExchangeConfig (update/modes' ``configure``: the modes are plugins; a
+    caller that reads the node's config only may leave it out)."""
+    task_flags = sorted((d, frozen(getattr(args, d))) for d in task_dests)
     job = JobConfig(task=args.task, distributed_backend=args.distributed_backend,
-                    **{name: cls.from_args(args) for name, cls in JOB_SECTIONS.items()},
+                    **{name: cls.from_args(args) if cls is not ExchangeConfig else exchange
+                       for name, cls in JOB_SECTIONS.items()},
                     task_flags=tuple((d, v) for d, v in task_flags if d not in task_per_node))
     node = NodeConfig(data=args.data, num_workers=args.num_workers, user_dir=args.user_dir,
                       **{name: cls.from_args(args) for name, cls in NODE_SECTIONS.items()},
@@ -353,15 +282,3 @@ def build(args, task_dests=(), task_per_node=frozenset()):
 def per_node_flags(node):
     """The dests of every flag that may differ per node."""
     return frozenset(node.flags())
-
-
-def given_flags(args, defaults, dests):
-    """The flags among ``dests`` set to other than their default (``defaults``:
-    the parser's, so a default is written once, where its flag is declared)."""
-    return ["--" + dest.replace("_", "-") for dest in dests
-            if getattr(args, dest) != defaults[dest]]
-
-
-# ---- digests for the identity ----
-
-

@@ -11,6 +11,7 @@ import argparse
 from hetseq import cli
 from hetseq.config import NO_EFFECT
 from hetseq.tasks import TASKS, import_builtin_tasks
+from hetseq.update import modes
 
 HEADER = """\
 # Every flag
@@ -75,6 +76,8 @@ def markdown():
     parser = cli.build_parser()
     lines = [HEADER]
     for group in parser._action_groups:
+        if group.title.startswith(modes.USER_GROUP):
+            continue        # a --user-dir's mode (a process may have imported one)
         title = "General" if group.title in ("options", "optional arguments") else group.title
         lines += _table(title, group._group_actions, node_flags)
     # The built-in tasks only (a process may have imported user tasks too).

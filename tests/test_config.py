@@ -1,12 +1,16 @@
 """The flags split into the job's configuration and the node's, once."""
 
+import ast
+import collections
+import dataclasses
 import pickle
 
 import pytest
 
-from hetseq import cli, config
+from hetseq import cli, config, sections
 from hetseq.errors import UserError
 from hetseq.tasks import TASKS
+from hetseq.update.exchange import EXCHANGES
 
 from conftest import ROOT, TOY
 
@@ -32,10 +36,8 @@ def test_each_flag_has_one_section_and_one_default():
     the loop's), and its default is the parser's alone: a check that tells a
     given flag from an absent one reads the parser's default, so changing a
     default in its declaration leaves the check right."""
-    import dataclasses
-    sections = [*config.JOB_SECTIONS.values(), *config.NODE_SECTIONS.values()]
     owners = {}
-    for section in sections:
+    for section in [*config.JOB_SECTIONS.values(), *config.NODE_SECTIONS.values()]:
         for field in dataclasses.fields(section):
             owners.setdefault(field.name, []).append(section.__name__)
     assert {name: where for name, where in owners.items() if len(where) > 1} == {}
@@ -49,6 +51,62 @@ def test_each_flag_has_one_section_and_one_default():
     cli.check_args(args, defaults)      # the new defaults count as not given
     with pytest.raises(UserError, match="--outer-lr set the outer step"):
         cli.check_args(parser.parse_args([*map(str, TOY), "--outer-lr", "0.7"]), defaults)
+
+
+def _sections(cls=None):
+    """Every Section class of hetseq/ (the configs import them all)."""
+    for sub in (cls or sections.Section).__subclasses__():
+        if sub.__module__.startswith("hetseq."):
+            yield sub
+        yield from _sections(sub)
+
+
+def _add_argument_calls():
+    """(where, dest or None) of every add_argument call in hetseq/ that is the
+    training command's: calls in a function building another command's
+    parser (ArgumentParser(prog="hetseq-status")...) are left out. dest is
+    None where the option strings are not literals."""
+    for path in sorted((ROOT / "hetseq").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        other = set()
+        for func in ast.walk(tree):
+            if isinstance(func, ast.FunctionDef) and any(
+                    isinstance(call, ast.Call) and kw.arg == "prog"
+                    and isinstance(kw.value, ast.Constant) and kw.value.value != "hetseq-train"
+                    for call in ast.walk(func) for kw in getattr(call, "keywords", ())):
+                other |= set(ast.walk(func))
+        for call in ast.walk(tree):
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                    and call.func.attr == "add_argument") or call in other:
+                continue
+            where = f"{path.relative_to(ROOT)}:{call.lineno}"
+            names = [a.value if isinstance(a, ast.Constant) else None for a in call.args]
+            dest = next((kw.value.value for kw in call.keywords if kw.arg == "dest"
+                         and isinstance(kw.value, ast.Constant)), None)
+            if dest is None and names and None not in names:
+                long = [n for n in names if n.startswith("--")] or names
+                dest = long[0].lstrip("-").replace("-", "_")
+            yield where, dest
+
+
+@pytest.mark.parametrize("argv", [TOY, ["--task", "bert"]], ids=["toy", "bert"])
+def test_a_flag_is_declared_once_as_a_field_of_its_section(argv):
+    """Every flag of the job's and the node's configuration (the task's own
+    aside) is declared by exactly one ``flag(...)`` field of a section
+    (sections.py), and no add_argument call of the training command in
+    hetseq/ declares it again: the parser is built from the sections."""
+    args, job, node = cli.parse(list(map(str, argv)))
+    users = {field.name for _, cls in EXCHANGES.items() if not cls.__module__.startswith("hetseq.")
+             for field in dataclasses.fields(cls.Config)}   # a --user-dir mode of another test
+    dests = (set(job.flags()) | set(node.flags())) - set(cli.task_dests(TASKS.get(args.task)))
+    dests -= users
+    declared = collections.Counter(field.name for cls in set(_sections())
+                                   for field in sections.flag_fields(cls))
+    assert {dest: declared[dest] for dest in dests if declared[dest] != 1} == {}
+    assert set(declared) == dests         # and no flag field outside the two configurations
+    calls = list(_add_argument_calls())
+    assert {where.split(":")[0] for where, dest in calls if dest is None} == {"hetseq/sections.py"}
+    assert [(where, dest) for where, dest in calls if dest in dests] == []
 
 
 def test_the_identity_is_the_job_config_and_leaves_the_node_out():

@@ -3,7 +3,7 @@
 Every per-node flag (NodeConfig, config.py) is set to different values on
 the two ranks of a job, one flag at a time and all at once, under every
 --zero mode, with and without clipping. Each rank's collectives are recorded
-(hetseq/testing/recording.py): both ranks must issue the same ones, in the
+(tests/machinery/recording.py): both ranks must issue the same ones, in the
 same order and sizes, update by update, and the weights must equal one
 process training on the same global batch. Were a per-node flag to reach the
 update path, the ranks would pair different collectives: a hang, an error,
@@ -11,12 +11,14 @@ or wrong numbers (as --tensorboard-logdir on one node did under --zero 2/3
 with --clip-norm 0: one rank measured the sharded norm, one more all-reduce).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from hetseq import cli, config
-from hetseq.testing.jobs import run_jobs
-from hetseq.testing.recording import seen_from_both_ends
+from machinery.jobs import run_jobs
+from machinery.recording import seen_from_both_ends
 
 from conftest import TOY, alone, assert_ok, final_params, max_diff, run_job
 
@@ -42,7 +44,7 @@ VARIED = {
     "tensorboard_logdir": ("{dir}/tb", None),
     "no_tensorboard": (True, False),
 }
-NOT_IN_A_RUN = {f.name for f in config.dataclasses.fields(config.LaunchConfig)} | {"user_dir"}
+NOT_IN_A_RUN = {f.name for f in dataclasses.fields(config.LaunchConfig)} | {"user_dir"}
 BASE = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed", "--max-update", 4,
         "--toy-size", 100, "--max-sentences", 16, "--distributed-timeout", 60]
 TIMEOUT = 60

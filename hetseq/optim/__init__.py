@@ -1,22 +1,20 @@
-"""Optimizer registry. Each entry adds its flags and builds a torch optimizer."""
+"""Optimizer registry: each entry builds a torch optimizer from the job's
+OptimizerConfig, declared here with every optimizer's flags as its fields
+(one declaration per flag: the parser is built from it)."""
 
 import torch
 
 from hetseq.errors import UserError
-from hetseq.optim.lr_scheduler import (SCHEDULERS, LRScheduler, add_shared_args,
+from hetseq.optim.lr_scheduler import (SCHEDULERS, LRScheduler, ScheduleConfig,
                                        register_lr_scheduler)
 from hetseq.registry import Registry
+from hetseq.sections import Section, flag, section
 
 
 class OptimizerFactory:
-    """Base for registry entries: ``add_args`` for flags, ``build`` for the
-    optimizer from the job's OptimizerConfig (config.py; its fields are the
-    flags) and the first learning rate (the schedule owns --lr and sets the
-    rate of every update)."""
-
-    @classmethod
-    def add_args(cls, group):
-        pass
+    """Base for registry entries: ``build`` for the optimizer from the job's
+    OptimizerConfig (below; its fields are the flags) and the first learning
+    rate (the schedule owns --lr and sets the rate of every update)."""
 
     @classmethod
     def build(cls, cfg, params, lr):
@@ -60,13 +58,6 @@ def parse_float_tuple(text):
 @register_optimizer("adamw", aliases=("adam",))
 class AdamW(OptimizerFactory):
     @classmethod
-    def add_args(cls, group):
-        group.add_argument("--adam-betas", default="(0.9, 0.999)", metavar="B",
-                           help="betas for Adam, e.g. '(0.9, 0.999)' (default: %(default)s)")
-        group.add_argument("--adam-eps", type=float, default=1e-8, metavar="D",
-                           help="epsilon for Adam (default: %(default)s)")
-
-    @classmethod
     def build(cls, cfg, params, lr):
         params = list(params)
         betas = parse_float_tuple(cfg.adam_betas)
@@ -78,13 +69,6 @@ class AdamW(OptimizerFactory):
 
 @register_optimizer("adadelta")
 class Adadelta(OptimizerFactory):
-    @classmethod
-    def add_args(cls, group):
-        group.add_argument("--adadelta-rho", "--adadelta_rho", type=float, default=0.9,
-                           help="Adadelta rho (default: %(default)s)")
-        group.add_argument("--adadelta-eps", "--adadelta_eps", type=float, default=1e-6,
-                           help="Adadelta epsilon (default: %(default)s)")
-
     @classmethod
     def build(cls, cfg, params, lr):
         return torch.optim.Adadelta(params, lr=lr, rho=cfg.adadelta_rho,
@@ -98,17 +82,32 @@ class SGD(OptimizerFactory):
         return 1 if cfg.momentum > 0 else 0
 
     @classmethod
-    def add_args(cls, group):
-        group.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: 0)")
-        group.add_argument("--nesterov", action="store_true", help="Nesterov momentum for SGD")
-
-    @classmethod
     def build(cls, cfg, params, lr):
         if cfg.nesterov and cfg.momentum <= 0:
             raise UserError("--nesterov needs --momentum > 0")
         params = list(params)
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
                                weight_decay=cfg.weight_decay, fused=fused_for(params))
+
+
+@section
+class OptimizerConfig(Section):
+    """The optimizer and every optimizer's settings (all the job's, whichever runs)."""
+    optimizer: str = flag("adam", help=lambda: f"one of: {', '.join(OPTIMIZERS.names())} "
+                                               "('adam' is AdamW, as in HetSeq/fairseq) "
+                                               "(default: %(default)s)")
+    weight_decay: float = flag(0.0, type=float, names=("--wd", "--dadelta_weight_decay"),
+                               metavar="WD", help="weight decay (default: %(default)s)")
+    adadelta_rho: float = flag(0.9, type=float, names=("--adadelta_rho",),
+                               help="Adadelta rho (default: %(default)s)")
+    adadelta_eps: float = flag(1e-6, type=float, names=("--adadelta_eps",),
+                               help="Adadelta epsilon (default: %(default)s)")
+    adam_betas: str = flag("(0.9, 0.999)", metavar="B",
+                           help="betas for Adam, e.g. '(0.9, 0.999)' (default: %(default)s)")
+    adam_eps: float = flag(1e-8, type=float, metavar="D",
+                           help="epsilon for Adam (default: %(default)s)")
+    momentum: float = flag(0.0, type=float, help="SGD momentum (default: 0)")
+    nesterov: bool = flag(False, action="store_true", help="Nesterov momentum for SGD")
 
 
 def keep_own_kernels(optimizer, kernels):
@@ -150,24 +149,6 @@ def check_same_optimizer(saved, name, settings):
             "checkpoint, or a new --save-dir to start over")
 
 
-def add_optimization_args(parser):
-    """Flags of every registered optimizer and LR scheduler, so --help lists them all."""
-    group = parser.add_argument_group("Optimizer")
-    group.add_argument("--optimizer", default="adam",
-                       help=f"one of: {', '.join(OPTIMIZERS.names())} ('adam' is AdamW, "
-                            "as in HetSeq/fairseq) (default: %(default)s)")
-    group.add_argument("--weight-decay", "--wd", "--dadelta_weight_decay", type=float,
-                       default=0.0, metavar="WD", help="weight decay (default: %(default)s)")
-    for _, factory in OPTIMIZERS.items():
-        factory.add_args(group)
-    group = parser.add_argument_group("Learning-rate schedule")
-    group.add_argument("--lr-scheduler", "--lr_scheduler", default="polynomial_decay",
-                       help=f"one of: {', '.join(SCHEDULERS.names())} (default: %(default)s)")
-    add_shared_args(group)
-    for _, scheduler in SCHEDULERS.items():
-        scheduler.add_args(group)
-
-
 def build_optimizer(cfg, params, lr):
     """The optimizer of OptimizerConfig ``cfg`` over ``params``, at rate ``lr``."""
     return OPTIMIZERS.get(cfg.optimizer).build(cfg, params, lr)
@@ -179,6 +160,6 @@ def build_lr_scheduler(cfg, optimizer, max_update=0):
     return SCHEDULERS.get(cfg.lr_scheduler)(cfg, optimizer, max_update)
 
 
-__all__ = ["OPTIMIZERS", "SCHEDULERS", "OptimizerFactory", "LRScheduler", "register_optimizer",
-           "register_lr_scheduler", "add_optimization_args", "build_optimizer", "build_lr_scheduler",
-           "fused_for", "keep_own_kernels", "check_same_optimizer"]
+__all__ = ["OPTIMIZERS", "SCHEDULERS", "OptimizerConfig", "ScheduleConfig", "OptimizerFactory",
+           "LRScheduler", "register_optimizer", "register_lr_scheduler", "build_optimizer",
+           "build_lr_scheduler", "fused_for", "keep_own_kernels", "check_same_optimizer"]

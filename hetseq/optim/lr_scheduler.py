@@ -3,42 +3,59 @@
 ``lr_at(update, epoch)`` is the LR used by update number ``update`` (1-based).
 Because the schedule is a function of counters the Controller already
 checkpoints, resuming needs no scheduler state beyond those counters.
+Every schedule's flags are fields of ScheduleConfig, declared once below.
 """
 
 import math
 
 from hetseq.errors import UserError
 from hetseq.registry import Registry
+from hetseq.sections import Section, flag, float_list, section
 
 DEFAULT_TOTAL = 1000000   # decay horizon when nothing tells the run's length
 
 
-def add_shared_args(group):
-    """Flags every schedule reads."""
-    group.add_argument("--warmup-updates", type=int, default=None, metavar="N",
-                       help="increase the LR linearly over the first N updates (default: "
-                            "--warmup-ratio of the planned updates, else 0)")
-    group.add_argument("--warmup-ratio", type=float, default=None, metavar="F",
-                       help="warm up over this fraction of the planned updates, unless "
-                            "--warmup-updates is given (Hugging Face's warmup_ratio; "
-                            "default: %(default)s)")
-    group.add_argument("--total-num-update", type=int, default=DEFAULT_TOTAL, metavar="N",
-                       help="updates over which polynomial_decay/cosine decay; 0: the planned "
-                            "updates (--max-update, else --max-epoch epochs of the data, else "
-                            f"{DEFAULT_TOTAL}) (default: %(default)s)")
-    group.add_argument("--end-learning-rate", type=float, default=0.0,
-                       help="LR reached at --total-num-update (default: 0)")
-    group.add_argument("--min-lr", type=float, default=-1.0, metavar="LR",
-                       help="stop training when the LR falls to this value (default: off)")
+@section
+class ScheduleConfig(Section):
+    """The learning-rate schedule: --lr, the flags every schedule reads, then
+    each schedule's own (every schedule's are the job's, whichever runs)."""
+    lr_scheduler: str = flag("polynomial_decay", names=("--lr_scheduler",),
+                             help=lambda: f"one of: {', '.join(SCHEDULERS.names())} "
+                                          "(default: %(default)s)")
+    lr: tuple = flag([0.25], type=float_list, names=("--learning-rate",),
+                     metavar="LR_1,LR_2,...",
+                     help="peak learning rate; the fixed schedule reads one per epoch "
+                          "(default: %(default)s)")
+    warmup_updates: int | None = flag(None, type=int, metavar="N",
+                                      help="increase the LR linearly over the first N updates "
+                                           "(default: --warmup-ratio of the planned updates, "
+                                           "else 0)")
+    warmup_ratio: float | None = flag(None, type=float, metavar="F",
+                                      help="warm up over this fraction of the planned updates, "
+                                           "unless --warmup-updates is given (Hugging Face's "
+                                           "warmup_ratio; default: %(default)s)")
+    total_num_update: int = flag(DEFAULT_TOTAL, type=int, metavar="N",
+                                 help="updates over which polynomial_decay/cosine decay; 0: the "
+                                      "planned updates (--max-update, else --max-epoch epochs "
+                                      f"of the data, else {DEFAULT_TOTAL}) (default: "
+                                      "%(default)s)")
+    end_learning_rate: float = flag(0.0, type=float,
+                                    help="LR reached at --total-num-update (default: 0)")
+    min_lr: float = flag(-1.0, type=float, metavar="LR",
+                         help="stop training when the LR falls to this value (default: off)")
+    force_anneal: int | None = flag(None, type=int, names=("--fa",), metavar="N",
+                                    help="fixed: shrink the LR every epoch after epoch N")
+    lr_shrink: float = flag(0.1, type=float,
+                            help="fixed: LR factor per epoch after --force-anneal (default: 0.1)")
+    warmup_init_lr: float = flag(0.0, type=float, metavar="LR",
+                                 help="inverse_sqrt: LR at the start of warm-up (default: 0)")
+    power: float = flag(1.0, type=float,
+                        help="exponent of polynomial_decay (default: 1, linear)")
 
 
 class LRScheduler:
-    @classmethod
-    def add_args(cls, group):
-        """Flags of this schedule only (the shared ones: ``add_shared_args``)."""
-
     def __init__(self, cfg, optimizer, max_update=0):
-        self.cfg = cfg            # ScheduleConfig (config.py)
+        self.cfg = cfg            # ScheduleConfig (above)
         self.optimizer = optimizer
         self.peak_lr = cfg.lr[0]
         if cfg.warmup_updates is not None and cfg.warmup_updates < 0:
@@ -133,11 +150,6 @@ class _DecayToEnd(LRScheduler):
 
 @register_lr_scheduler("polynomial_decay", aliases=("PolynomialDecayScheduler",))
 class PolynomialDecay(_DecayToEnd):
-    @classmethod
-    def add_args(cls, group):
-        group.add_argument("--power", type=float, default=1.0,
-                           help="exponent of polynomial_decay (default: 1, linear)")
-
     def decay(self, remaining):
         return remaining ** self.cfg.power
 
@@ -150,11 +162,6 @@ class Cosine(_DecayToEnd):
 
 @register_lr_scheduler("inverse_sqrt")
 class InverseSqrt(LRScheduler):
-    @classmethod
-    def add_args(cls, group):
-        group.add_argument("--warmup-init-lr", type=float, default=0.0, metavar="LR",
-                           help="inverse_sqrt: LR at the start of warm-up (default: 0)")
-
     def lr_at(self, update):
         if update <= self.warmup:
             return self.warmup_lr(update, start=self.cfg.warmup_init_lr)
@@ -165,13 +172,6 @@ class InverseSqrt(LRScheduler):
 class Fixed(LRScheduler):
     """--lr for each epoch (a comma list, the last value repeats), optional warm-up
     and annealing by --lr-shrink per epoch after --force-anneal."""
-
-    @classmethod
-    def add_args(cls, group):
-        group.add_argument("--force-anneal", "--fa", type=int, default=None, metavar="N",
-                           help="fixed: shrink the LR every epoch after epoch N")
-        group.add_argument("--lr-shrink", type=float, default=0.1,
-                           help="fixed: LR factor per epoch after --force-anneal (default: 0.1)")
 
     def lr_at(self, update):
         lrs, anneal = self.cfg.lr, self.cfg.force_anneal

@@ -1,0 +1,108 @@
+"""Config sections whose fields are their flags: a flag is declared once.
+
+A section is a small frozen dataclass that a component receives instead of
+the whole flag namespace. Each field declared with ``flag(...)`` is also the
+command-line flag ``--field-name`` (argparse's keywords: type, choices,
+help...), so the parser, the section and the job identity read one
+declaration (torchtitan keeps each component's config beside the component
+the same way). Sections live beside what they configure; config.py only
+assembles them into the job's and the node's configuration, and cli.py
+builds the parser from them (``Section.add_args``).
+
+    @section
+    class ShardingConfig(Section):
+        zero: int = flag(0, type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
+
+This module imports nothing of HetSeq: every component may import it (and
+none imports config.py, which imports them all).
+"""
+
+import argparse
+import dataclasses
+
+_FLAG = "hetseq.flag"
+
+
+def frozen(value):
+    """A list from argparse as the tuple a frozen section holds."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def flag(default=None, *, help, names=(), **argparse_kwargs):
+    """A section field that is also the flag ``--field-name`` (``names``: its
+    other spellings). ``default`` is the parser's; a list becomes a tuple in
+    the section. ``help`` may be a function, called when the parser is built
+    (a help that lists a registry's names, a --user-dir's included)."""
+    spec = {"default": default, "help": help, "names": tuple(names), **argparse_kwargs}
+    return dataclasses.field(default=frozen(default), metadata={_FLAG: spec})
+
+
+def section(cls):
+    # Keyword-only: fields with a flag's default and nested sections without
+    # one may come in any order.
+    return dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+
+
+def flag_fields(cls):
+    """The fields of section ``cls`` declared with ``flag`` (nested sections
+    not followed): what ``add_args`` adds."""
+    return [field for field in dataclasses.fields(cls) if _FLAG in field.metadata]
+
+
+class Section:
+    """A frozen dataclass read from the flags of the same names."""
+
+    # Flags derived from others at build time: ``from_args`` computes them.
+    @classmethod
+    def from_args(cls, args, **derived):
+        values = {f.name: frozen(getattr(args, f.name)) for f in dataclasses.fields(cls)
+                  if f.name not in derived}
+        return cls(**values, **derived)
+
+    @classmethod
+    def add_args(cls, group):
+        """Adds every field declared with ``flag`` to ``group`` (an argparse
+        parser or argument group), in the order they are declared."""
+        for field in flag_fields(cls):
+            spec = dict(field.metadata[_FLAG])
+            names = ("--" + field.name.replace("_", "-"), *spec.pop("names"))
+            if callable(spec["help"]):
+                spec["help"] = spec["help"]()
+            group.add_argument(*names, dest=field.name, **spec)
+
+    def flags(self):
+        """{flag dest: value} of this section (nested sections flattened)."""
+        out = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, Section):
+                out.update(value.flags())
+            elif field.name != "task_flags":
+                out[field.name] = value
+        out.update(dict(getattr(self, "task_flags", ())))
+        return out
+
+
+def given_flags(args, defaults, dests):
+    """The flags among ``dests`` set to other than their default (``defaults``:
+    the parser's, so a default is written once, where its flag is declared)."""
+    return ["--" + dest.replace("_", "-") for dest in dests
+            if getattr(args, dest) != defaults[dest]]
+
+
+# ---- types of list flags (argparse reports the message, naming the flag) ----
+
+def float_list(text):
+    """'0.1,0.05' (or '[0.1, 0.05]') -> [0.1, 0.05]."""
+    try:
+        return [float(part) for part in str(text).strip("()[]").split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got '{text}'")
+
+
+def int_list(text):
+    """'4,2,1' -> [4, 2, 1]."""
+    try:
+        return [int(part) for part in str(text).strip("()[]").split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got '{text}'")
