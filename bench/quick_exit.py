@@ -15,7 +15,6 @@ quick_exit.py stays: without it, what reads the output waits for the teardown.
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from output import emit  # noqa: E402
+from zygote import busy_seconds, free_port  # noqa: E402  (bench/zygote.py)
 
 TOY = ["--task", "toy", "--user-dir", os.path.join(ROOT, "tests", "tasks"), "--cpu",
        "--no-progress-bar", "--max-update", "4", "--max-sentences", "8", "--no-save",
@@ -37,19 +37,6 @@ TRAIN = ("import sys\n"
          "    launch.PRELOAD = tuple(m for m in launch.PRELOAD if not m.endswith('quick_exit'))\n"
          "from hetseq.main import main\n"
          "main(sys.argv[2:])\n")
-
-
-def busy_seconds():
-    """CPU seconds the whole machine has been busy (user, nice, system, irq)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:8]]
-    return (fields[0] + fields[1] + fields[2] + fields[5] + fields[6]) / os.sysconf("SC_CLK_TCK")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def timed(way, folder):

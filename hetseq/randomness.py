@@ -1,4 +1,5 @@
-"""Randomness that belongs to the sample, not to the rank.
+"""Randomness that belongs to the sample, not to the rank, so that the update
+stays one device's, dropout included.
 
 Every random draw made for a sample while training (a dropout mask, an
 augmentation) comes from a stream fixed by
@@ -6,43 +7,27 @@ augmentation) comes from a stream fixed by
     (--seed, epoch, the sample's index in its dataset, the call site)
 
 so a sample gets the same draws whichever rank, micro-batch, padding,
-capacity plan, resume or set of elastic members processes it: the update
-stays the one of a single device, dropout included. torch's generators
-cannot do this: they are one stream per process, so which samples a rank
-holds would decide the masks they get.
+capacity plan, resume or set of elastic members processes it (torch's
+generators are one stream per process: the split would decide the masks).
 
-How a draw is made (the same integer arithmetic on every device, so a CPU
-node and a GPU node draw identical masks):
+The keying rule, the same integer arithmetic on every device (the hash is
+kernels/words.py's), so a CPU node and a GPU node draw identical masks:
 
-- the iterator gives each micro-batch its samples' *keys*, one 32-bit word
-  per sample hashed from (seed, epoch, index) (``sample_keys``);
-- a call site (a ``hetseq.nn.Dropout``'s module path, or the name a task
-  passes, and how many times that site has drawn in this forward) is hashed
-  into each key (``_site_keys``);
-- each element of a sample's tensor has a *coordinate word*: the hash of its
-  indices, dimension by dimension. It does not depend on the tensor's size,
-  so padding a sequence to another length leaves the words of its real
-  positions, and hence their draws, unchanged;
-- the draw is ``absorb(coordinate word, site key)``: 32 random bits per
-  element, a counter-based generator (the role Philox plays in cuRAND).
+- each sample's key: one 32-bit word hashed from (seed, epoch, index)
+  (``sample_keys``), handed to each micro-batch by the iterator;
+- the call site (a ``hetseq.nn.Dropout``'s module path or a task's name,
+  and how many times it has drawn in this forward) hashed into each key
+  (``_site_keys``);
+- each element's 32 bits: ``absorb(coordinate word, site key)``, the
+  coordinate word hashed from the element's indices, never from the
+  tensor's size, so padding leaves the draws of real positions unchanged.
 
-The hash (Wellons's ``lowbias32``) and its int32 tensor form are in
-hetseq/kernels/words.py; hetseq/kernels/ draws and applies the masks, on
-CUDA inside Triton kernels (attention flash-style), elsewhere in torch
-passes: the same bits either way. ``tests/test_randomness.py`` checks every
-step against the same function on Python integers.
-
-A task draws through this module inside ``Task.loss`` (``uniform``,
-``generators``, ``dropout``, ``attention``) or with ``hetseq.nn.Dropout``
-and ``hetseq.nn.attention`` in its model. Under ``torch.compile`` the
-draws trace into the graph (the call counts are Python state that dynamo
-replays; the kernels are custom operators), except ``generators``. The
-Controller opens ``using(keys)`` around each micro-batch's forward; outside
-it (a model run by hand, evaluation) nothing is keyed and ``dropout`` is
-torch's. A site draws once per call: a module called twice in a forward
-draws twice, in call order. An activation-checkpointing recompute (inside
-backward) is refused unless ``checkpoint_context`` replays the forward's
-call counts.
+The Controller opens ``using(keys)`` around each micro-batch's forward;
+outside it nothing is keyed and ``dropout`` is torch's. A site draws once
+per call, in call order; a recompute inside backward is refused unless
+``checkpoint_context`` replays the forward's call counts.
+docs/design.md says where the bits are drawn (hetseq/kernels/) and what
+they cost; docs/tasks.md how a task draws.
 """
 
 import contextlib

@@ -1,34 +1,26 @@
-"""The rules of an elastic job's generations, as pure functions (no network).
+"""The rules of an elastic job's generations, as pure functions (no network),
+so that they can be read and tested in one place: whether a round may close,
+who gets which rank, and whose state the next generation continues from.
+membership.py runs the rounds; docs/elastic.md ("One job, always") says why
+these rules and what they cost.
 
-membership.py runs the rounds; this module decides, from what the
-round's participants said about themselves, whether a round may close, who
-gets which rank, and whose state the next generation continues from. Every
-rule is here so that it can be read, and tested, in one place.
+**Quorum: one job, never two.** A round for generation g+1 closes only with
+a strict majority of generation g's members, or exactly half when that half
+holds generation g's rank 0. A member takes part in one round at a time, so
+two rounds cannot both have a quorum: a network split, a paused meeting point
+that wakes up or a node restarted by hand leaves at most one part training;
+the other waits --distributed-timeout, saves and stops (exit 3). The first
+generation of a fresh start has no previous members and needs only --min-nodes.
 
-**One job, never two (the quorum).** A round for generation g+1 closes only
-with a quorum of generation g's members: a strict majority of them, or
-exactly half when that half holds generation g's rank 0 (the tie rule: of
-two halves that cannot see each other, only the one with the old rank 0
-goes on). Two rounds cannot both have a quorum, since a member takes part
-in one round at a time: a network split, a paused meeting point that wakes
-up, or a node restarted by hand leaves at most one part training. The other
-part waits for --distributed-timeout, then saves and stops (exit 3). The
-price: a job whose majority is lost at once (2 of 3 hosts switched off
-together) stops instead of going on with the last host, and a 2-node job
-goes on only while the old rank 0 lives. The first generation of a fresh
-start has no previous members and needs only --min-nodes.
-
-**Lineage.** Every generation has a token made by its leader; the lineage of
-a state is the chain of the tokens of the generations that trained it
-(``"<number>-<token>"`` strings, oldest first), and it is saved with every
-checkpoint and snapshot. A state is *on the line* of another when one
-lineage is a prefix of the other: an older or newer state of the same job.
-A state from another line (the other side of a split that should never
-have trained, a checkpoint of another run in the same --save-dir) is
-refused as the source: its holder takes the job's state like a newcomer.
-The source is the newest state on the line: the deepest lineage, then the
-most updates (an update either completed everywhere or nowhere, except the
-one in flight, which some may have finished: its holders have one more).
+**Lineage.** Every generation has a token made by its leader; a state's
+lineage is the chain of the tokens of the generations that trained it
+(``"<number>-<token>"`` strings, oldest first), saved with every checkpoint
+and snapshot. A state is *on the line* of another when one lineage is a
+prefix of the other. A state from another line (the other side of a split,
+another run's checkpoint in the same --save-dir) is refused as the source:
+its holder takes the job's state like a newcomer. The source is the newest
+state on the line: the deepest lineage, then the most updates (the update in
+flight may have finished on some ranks: they hold one more).
 """
 
 import dataclasses

@@ -1,39 +1,29 @@
 """Elastic membership (--elastic): who trains in each generation of the job.
-
-Nodes run the same command and are given ranks here. The job lives in
-*generations*: a generation is a fixed set of members with one process
-group; a member lost, or a node asking to join, ends it at an update
-boundary and the members meet again for the next one. The rules (quorum,
-ranks, lineage, whose state) are in generations.py; this module runs the
-rounds over the network.
+Nodes run the same command and are given ranks here, over the network; the
+rules (quorum, ranks, lineage, whose state) are generations.py's, a round as
+its leader runs it rounds.py's. docs/elastic.md tells the story.
 
 Meeting points. Every member serves a store of its own (behind the job
 secret's gate, channel.py) on its job address, at the URL's port when that is
 free there (so ``tcp://ANY_MEMBER:PORT`` finds the job), else at a port the
-OS picks. The member whose store the others meet at is the *leader*, and the
-leader is always rank 0. The first leader is the node that serves the URL's
-own address. Every member writes the generation it is in and its leader into
-its own store (``e/leader``). When a generation ends, a member first asks
-the previous members it reaches which generation they are in: a newer one
-means the job went on without this node (it was paused, or cut off), and it
-joins that generation's leader as a late joiner. Otherwise it meets at the
-first previous member, in rank order, whose store answers the secret's
-handshake: the lowest-ranked survivor. Only that member asks every other
-one (``_walk``); the others ask only it.
+OS picks. The *leader*, whose store the others meet at, is always rank 0;
+the first is the node that serves the URL's own address. Every member
+writes its generation and leader into its own store (``e/leader``). When a
+generation ends, a member asks the previous members it reaches which
+generation they are in (a newer one: the job went on without it, and it
+joins that generation's leader late); else it meets at the first previous
+member, in rank order, whose store answers the handshake. Only that member
+asks every other one (``_walk``); the others ask only it.
 
 One round (generation g, keys ``e/<g>/...`` in the leader's store): every
-participant ``add``s itself to ``e/<g>/n`` and writes what it brings
-(``e/<g>/who/<i>``: its id, addresses, the generation it was in, and the
-updates and lineage of the state it holds). The leader runs the round
-(rounds.py: a quorum, the ranks, the source, or ``moved``/``stop``) and the
-others wait for what it publishes in ``e/<g>/members``; a participant that
-is not leading writes where it meets into its own store (``e/<g>/at``), so
-a node that took it for the leader follows.
-
-A node with no place (--max-nodes) waits at the leader's store, without
-asking for a new meeting, and arrives in the next round that opens there.
-A node that misses a round it should be in joins the next one (``e/join``
-tells rank 0, which tells every rank in the update's stats).
+participant ``add``s itself to ``e/<g>/n`` and writes what it brings to
+``e/<g>/who/<i>`` (its id, addresses, generation, and the updates and
+lineage of its state); the leader publishes the outcome in ``e/<g>/members``;
+a participant not leading writes where it meets into its own store
+(``e/<g>/at``), so a node that took it for the leader follows. A node with
+no place (--max-nodes) waits at the leader's store for the next round; one
+that missed its round joins the next (``e/join`` tells rank 0, which tells
+every rank in the update's stats).
 """
 
 import concurrent.futures

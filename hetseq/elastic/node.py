@@ -1,42 +1,28 @@
-"""An elastic node (--elastic): train in generations, carry the state across.
-Each generation's Run talks to it through one seam (seam.py).
+"""An elastic node (--elastic): train in generations and carry the state
+across them, so the job goes on while members are lost or join. Each
+generation's Run talks to it through one seam (seam.py).
 
 A node is one member of the job and runs --distributed-gpus processes (its
 ranks: consecutive, joining and leaving together). Its process 0, the
-node's *first process*, meets for the node (membership.py says how the
-members meet); the node's other processes follow it over a pipe each: for
-every generation the first process sends them where they stand, and each sends back
-how its part ended and what state it holds. A node of one process is its
-first process alone.
+node's *first process*, meets for the node (membership.py); the others
+follow it over a pipe each: for every generation the first process sends
+them where they stand, and each sends back how its part ended and what
+state it holds. A generation ends when a member is lost (every rank then
+snapshots its last completed update), when a node asks to join, or when a
+process of the node ends on its own (the node leaves with its exit code);
+below --min-nodes for --distributed-timeout each node saves its first
+process's snapshot to its --save-dir and stops (exit 3). docs/elastic.md
+says how each is noticed.
 
-Each generation starts a process group and a fresh ``Run`` on every rank,
-whose state comes from one rank: the one holding the most completed updates
-(a member offers the newest state among its processes). Every rank then
-holds that state, so the job continues on the same trajectory:
-
-- a member lost (killed, frozen, cut off): the survivors' collective fails
-  (at once when it was killed; within --heartbeat-timeout when it froze or
-  was cut off, since its heartbeats stop and the survivors cut their
-  connections to its host, watchdog.py; else after
-  --distributed-timeout), each rank takes a *snapshot* of the last update
-  it completed, and the members meet again;
-- a node asking to join: rank 0 sees it in its store and says so in the
-  update's stats; after that update every rank snapshots and the members
-  meet again, the newcomer included;
-- too few nodes (below --min-nodes) for --distributed-timeout: each node
-  writes its first process's snapshot to its own --save-dir and stops (exit 3);
-  starting the nodes again resumes from the newest of them;
-- one of a node's processes ends on its own (a crash, a kill): the node
-  leaves the job, with that process's exit code.
-
-Why the result is exact: an update either completed on every rank or on
-none before the failure was seen (the optimizer steps only after all of the
-update's collectives), except that some ranks may have completed update
-k+1 while others failed inside it; taking the state with the most updates
-covers that case. The data position is part of the state and counts samples
-of the world-independent global batches (data/iterators.py), and the global
-batch never changes with the members, so the next update is the one a single
-process would make next.
+Why the result is exact: each generation starts from the state of the rank
+holding the most completed updates (a member offers the newest among its
+processes). An update completed on every rank or on none before the failure
+was seen (the optimizer steps only after all of the update's collectives),
+except that some ranks may have completed update k+1 while others failed
+inside it: taking the most updates covers that. The data position counts
+samples of the world-independent global batches (data/iterators.py), and
+the global batch never changes with the members, so the next update is the
+one a single process would make next.
 """
 
 import dataclasses

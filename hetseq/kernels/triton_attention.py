@@ -1,5 +1,5 @@
-"""Attention with keyed dropout on the probabilities, flash-style: the L x L
-scores never reach memory, each tile's mask is drawn where the tile is
+"""Attention with keyed dropout on the probabilities, flash-style, so that
+nothing L x L reaches memory: each tile's mask is drawn where the tile is
 computed (words.py's hash of (head, query, key) and the sample's site key:
 the torch path's mask, bit for bit), and backward draws it again.
 
@@ -20,10 +20,9 @@ P = exp(s - m) / l is recomputed tile by tile:
     dQ = dS K * scale,   dK = dS^T Q * scale    (dS is 0 at a masked key)
 
 One kernel walks the queries for a block of keys (dK, dV), another the
-keys for a block of queries (dQ): no atomics, so for given tiles the
-result does not vary from run to run (the autotuner's choice of tiles, by
-timing, may; as cuBLAS's choice of GEMM kernels may). Inputs are
-[batch, heads, L, d] of any strides.
+keys for a block of queries (dQ): no atomics, so for given tiles the result
+does not vary from run to run (docs/gpu.md). Inputs are [batch, heads, L, d]
+of any strides.
 """
 
 import torch

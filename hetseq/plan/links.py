@@ -1,19 +1,14 @@
 """What the gradient exchange costs on the job's real links, and which ranks
-pay for their place in it.
-
-A rank adds its samples/s to the job, and its link to the exchange of every
-update. A CPU rank beside a GPU, or a fast machine behind a slow link, can
-add less than it costs: the job is then faster without it. So the plan
-counts both.
+pay for their place in it: a CPU rank beside a GPU, or a fast machine behind
+a slow link, can add fewer samples/s than its link costs, and the job is
+then faster without it (docs/capacity.md, "When a rank sits out").
 
 Measuring (``measure``, a collective, at start and when the plan changes):
-rank 0 sends a buffer to each other rank in turn and times it coming back,
-at two sizes, and fits one direction's seconds = a_i + bytes * b_i (latency
-and seconds per byte of rank i's link). Point to point: no process group is
-made, and the ranks not being timed go on. Sizes are capped
-(``PROBE_BYTES``), so a slow link costs seconds, not the minutes a whole
-BERT gradient would take; the line extrapolates. Rank 0's figures go to
-every rank, so every rank makes the same choice.
+rank 0 times a round trip with each other rank in turn, point to point (no
+process group; the others go on), at two sizes capped by ``PROBE_BYTES``,
+and fits one direction's seconds = a_i + bytes * b_i (latency and seconds
+per byte of rank i's link). Rank 0's figures go to every rank, so every rank
+makes the same choice.
 
 Predicting: the exchange of the ranks S (rank 0 among them) is a ring
 all-reduce of the gradient, G bytes: 2(n-1) steps, each a message of G/n,

@@ -1,46 +1,24 @@
 """Rebalancing while training: a new ``auto`` plan when, and only when, a
-rank's speed has changed by more than the noise of its measurements.
+rank's speed has changed by more than the noise of its measurements, so the
+split follows real changes of speed and not a neighbour's burst.
 
-Each update the stats all-reduce brings every rank's compute seconds and
-samples of the previous update, so each rank's rate r_i = n_i / t_i.
+Each update's stats bring every rank's compute seconds and samples of the
+previous update: its rate r_i = n_i / t_i. A plan's predicted update time
+is its slowest member's b_i / r_i plus the exchange among its members
+(plan/links.py, and what was measured beyond that model: ``_overhead``);
+the gain is the current plan's predicted time over the best plan's, minus 1.
+A new plan is made when the gain beats ``min_gain``, ``z`` standard errors
+of the rates' levels (``levels``, ``_standard_error``) and the gains
+predicted while nothing lasting happened (``_gain_noise``), or when the
+slow view of every rate since the last change shows it (``_long_view``);
+the measured update time then judges it, and a change that did not pay is
+undone (``_judge_trial``). docs/capacity.md gives the rules in numbers and
+what they did on real runs.
 
-- Level: the median of a rank's last ``window`` rates. One slow update (a
-  garbage collection, a neighbour's job) does not move a median; a real change
-  of speed moves it once it fills half the window.
-- Noise: sigma_i from the median absolute difference of successive rates over
-  the last ``history`` updates (divided by 0.954, its value for Gaussian
-  noise). Differences of neighbours see a step change of speed only once, so a
-  real slowdown does not inflate the noise that is meant to tell it apart.
-  The median of k rates has a standard error of about 1.25 sigma / sqrt(k).
-- Gain: the current plan's predicted update time (its slowest rank's
-  b_i / r_i) over that of the best whole-sample split for the levels, minus 1.
-- Replan when the gain exceeds both ``min_gain`` and ``z`` standard errors of
-  the least certain rank's level (a relative error e in a rate moves the
-  predicted update time by up to e), then hold ``window`` updates so that the
-  next decision sees only rates measured under the new plan.
-- A second, slow view: the median of every rate measured since the plan
-  last changed (up to ``history``). Its error falls as 1/sqrt(k), so a small
-  lasting imbalance (a start-up measurement 8% off) that the short levels
-  cannot tell from noise is closed after a few dozen updates; alone, the
-  short view would keep such a plan forever on a noisy machine.
-- Then check the change: the measured update time (rank 0's wall time
-  from one update's end to the next, or the slowest rank's compute where
-  no wall time is given) must have dropped by half the predicted gain, or
-  the old plan comes back (see ``_judge_trial``).
-- What an update costs beyond the slowest compute and the links' model of
-  the exchange (ranks waiting on each other, the collectives' own work) is
-  measured under plans of several members and added to their predictions
-  (``_overhead``): a rank whose exchange costs more than the model says
-  sits out once that shows.
-
-The plan counts the exchange (plan/links.py): a predicted update is the
-slowest member's share plus the exchange among the members, and the best
-plan may leave a rank out of the exchange (it sits out) or bring one back.
-A rank that sits out measures nothing: its level is the last one known (the
-plan's rate for it). Under a plan the user fixed (``advisory``) nothing
-changes; the run is told once when it would be faster without a rank.
-
-The global batch never changes: any split gives the same update.
+A rank that sits out measures nothing: its level is the last one known.
+Under a plan the user fixed (``advisory``) nothing changes; the run is told
+once when it would be faster without a rank. The global batch never
+changes: any split gives the same update.
 """
 
 import dataclasses

@@ -1,36 +1,24 @@
 """The job's key-value store for jobs with a secret, served only through the
-authenticated channel (channel.py).
+authenticated channel (channel.py). c10d's TCPStore has no authentication,
+and a loopback listener cannot be kept from other local users without root,
+so with a secret no TCPStore runs at all (docs/security.md):
 
-Why not c10d's TCPStore: it has no authentication, and a TCP listener on
-127.0.0.1 cannot be limited to one uid without root. Putting the gate
-in front of a loopback TCPStore (and a loopback relay in front of each client)
-still leaves two unauthenticated listeners on every host of the job: any local
-user could connect to them and read or rewrite rank claims, the elastic
-membership and gloo's addresses. So with a secret no TCPStore runs at all:
-
-    rank 0:  Table (a dict in memory, store_table.py) <- LocalStore (its own view, no network)
-                   ^
-                   | serve_connection(table): one thread per connection
-             Gate on HOST:PORT (gate.py, channel.py: handshake, then sealed frames)
-                   ^
-    rank k:  RemoteStore (a torch.distributed.Store written in Python): its own
-             TCP connection, handshake_as_client, then sealed requests
+    rank 0:  Table (store_table.py, in memory) <- LocalStore (its own view, no network)
+             Gate on HOST:PORT (gate.py, channel.py) -> serve_connection(table), a thread each
+    rank k:  RemoteStore: its own TCP connection, handshake_as_client, then sealed requests
 
 Both stores are ``torch.distributed.Store`` subclasses, so gloo, PrefixStore
-and HetSeq's own code use them as they use a TCPStore.
+and HetSeq's own code use them as they use a TCPStore. The data have c10d's
+semantics (store_table.py); the protocol (store_wire.py) has one request in
+flight per connection, every length bounded before anything is gathered,
+nothing unpickled, and a request that breaks it closes only its connection
+(one WARNING naming the peer).
 
-The data (store_table.py) has c10d's semantics; the protocol
-(store_wire.py) runs inside the channel's sealed frames, one request in flight
-per connection, every length bounded before anything is gathered, nothing
-unpickled. A request that breaks it closes that connection with one WARNING
-naming the peer; other connections go on.
-
-Timeouts follow c10d: ``get``/``wait``/``multi_get`` wait for their keys up to
-the store's timeout (``set_timeout``, or the timeout given to ``wait``) and
-then raise ``DistStoreError``; a lost connection raises ``DistNetworkError``.
-A client also gives up on a server that does not answer in time (a frozen
-rank 0, a cut link), so no call blocks forever unless its timeout is 0
-(c10d's "no timeout").
+Timeouts follow c10d: ``get``/``wait``/``multi_get`` wait up to the store's
+timeout (``set_timeout``, or the one given to ``wait``), then raise
+``DistStoreError``; a lost connection raises
+``DistNetworkError``; a client gives up on a server that does not answer in
+time, so no call blocks forever unless its timeout is 0.
 
 Lifetime: torch calls a Python store through a trampoline that holds only the
 C++ half of the object. Keep the store referenced from Python while torch may

@@ -1,7 +1,8 @@
-"""The Controller: model wrapping, optimizer, LR schedule and the gradient math.
+"""The Controller: model wrapping, optimizer, LR schedule and the gradient
+math that makes the update the one of large-batch single-device training.
 
-Gradient math (why the update equals large-batch single-device training)
------------------------------------------------------------------------
+Gradient math
+-------------
 Rank r processes n_r samples and its task returns the SUM of their losses,
 so after backward rank r holds g_r = grad( sum_{s in r} l_s ). Every sharding
 mode (sharding.py) then leaves, on each rank, (its shard of) G/W with
@@ -10,38 +11,25 @@ averages. The counts travel in the stats all-reduce (stats.py). We scale by W/N:
 
     (G/W) * (W/N) = (1/N) * sum_r g_r = grad( (1/N) * sum_s l_s ),   N = sum_r n_r,
 
-which is exactly the gradient of the mean loss over the global batch, as if
-one device had processed all N samples. Plain DDP instead averages per-rank
-MEAN gradients with equal weights, (1/W) * sum_r g_r / n_r, which equals G/N
-only when every n_r is the same: wrong whenever ranks take different batches.
-Micro-batches accumulate into the same sums, so --update-freq and local
-accumulation change nothing in this formula. With fp16 the loss was
-multiplied by the loss scale S, so the factor becomes W / (N * S): one pass.
+the gradient of the mean loss over the global batch. (Plain DDP averages
+per-rank MEAN gradients, (1/W) * sum_r g_r / n_r, which equals G/N only when
+every n_r is the same.) Micro-batches and --update-freq accumulate into the
+same sums. With fp16 the loss was multiplied by the loss scale S, so the
+factor becomes W / (N * S): one pass.
 
-The norm for --clip-norm is the norm of the whole gradient: with sharded
-gradients each rank sums the squares of its shard and one all-reduce adds
-them, together with an overflow flag, so every rank skips the same updates.
-That all-reduce happens in every update under sharding, clipped or not, and
-nothing else in an update depends on what a node wants to log: the ranks
-always issue the same collectives (a node that shows the norm of an
-unsharded gradient computes it locally, after the update: ``StepResult``).
+W is the exchange mode's ``divisor`` (exchange.py, modes/; the Controller
+does not know which mode runs): 1 under --local-steps, where rank r's
+gradient is scaled by 1/n_r and the ranks' changes are averaged per round.
+A rank without samples contributes g_r = 0, n_r = 0 (where its mode allows
+it computes nothing and sends zeros: ``_idle``); a rank that sits out
+(members.py) sends nothing, and W and N are the members'.
 
-DDP's built-in averaging, rather than a SUM communication hook, keeps the
-all-reduce in C++: a Python hook costs 3-5% of a small model's step.
-
-What the ranks exchange, and when, is the job's exchange mode's
-(exchange.py, modes/): the divisor W above is the mode's ``divisor``. With
---local-steps (modes/local_steps.py) nothing is summed in an inner step, the
-divisor is 1: rank r's gradient is scaled by 1/n_r, the gradient of ITS mean
-sample loss, and the ranks' changes are averaged, weighted by samples, once
-per round. The Controller calls its exchange without knowing which it is,
-and the mode reaches the update only through ``exchange.Updates``.
-
-A rank without samples in an update contributes g_r = 0 and n_r = 0: the sums
-are unchanged. Where its mode allows (DDP, local steps) it computes nothing
-and sends zeros through the same collectives (``_idle``). A rank the plan
-leaves out of the exchange (members.py) sends nothing: DDP then sums over
-the members' group, W is their count and N theirs, and the formula holds.
+The --clip-norm norm is the whole gradient's: under sharding one all-reduce
+sums the shards' squares with an overflow flag, every update, clipped or
+not, so every rank skips the same updates and issues the same collectives
+whatever it logs (an unsharded norm is computed locally: ``StepResult``).
+DDP's own averaging, not a SUM communication hook, keeps the all-reduce in
+C++ (docs/design.md gives the cost of a Python hook).
 """
 
 import gc

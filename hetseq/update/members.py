@@ -1,11 +1,10 @@
-"""Which ranks take part in the gradient exchange, and what a rank that sits out still does.
+"""Which ranks take part in the gradient exchange, and what a rank that sits
+out still does: a plan may leave out ranks that would slow the job more than
+their samples speed it (``Plan.sitting``, chosen in plan/links.py).
 
-A plan may leave ranks out of the exchange (``Plan.sitting``, chosen in
-plan/links.py: they would slow the job more than their samples speed it).
-Such a rank, for as long as it sits out:
+For as long as it sits out, a rank:
 
-- takes part in every update's stats all-reduce, with zeros: it sees the
-  counts, every rank's figures and the members' signals, so it stays on
+- takes part in every update's stats all-reduce, with zeros, so it stays on
   the others' loop (validations, saves, the end) and in an elastic job's
   generation (heartbeats, no change of members);
 - runs no forward or backward, joins no gradient collective and makes no
@@ -15,9 +14,8 @@ Such a rank, for as long as it sits out:
   without waiting for them), so its update count, LR schedule and stop
   decisions stay every rank's;
 - receives, when it comes back, rank 0's whole Controller state (one
-  broadcast in a group of rank 0 and the ranks coming back, before its
-  first update back; bounded as every object ranks exchange, 8 GiB:
-  collectives.MAX_OBJECT_BYTES).
+  broadcast in a group of rank 0 and the ranks coming back, bounded as
+  every object ranks exchange: collectives.MAX_OBJECT_BYTES).
 
 The members' gradients are summed in a process group of their own (one per
 set of members, made by every rank in the same order: new_group's rule), so

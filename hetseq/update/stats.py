@@ -1,4 +1,6 @@
-"""Per-update statistics, summed over micro-batches and ranks in ONE all-reduce.
+"""Per-update statistics, summed over micro-batches and ranks in ONE
+all-reduce: the counts the gradient math needs, the task's logs and every
+rank's figures, in one collective every rank issues alike.
 
 The vector holds the summed values (loss, sample_size and the task's logs, by
 sorted key) followed by one world-size slot per field of ``RankReport``: each
@@ -9,28 +11,17 @@ every rank knows every rank's speed (rebalancing reads it), whether any rank
 drifted, and whether the members change after this update. A new per-rank
 figure is one more field of ``RankReport``: the vector's layout follows it.
 
-How the vector travels: in one asynchronous all-reduce of its own, in
-float64. When the task hands its stats to ``backward`` (the base
-``Task.train_step`` does), they are complete before the last backward of an
-update, so the all-reduce starts then and runs while backward computes; the
-update waits for it only after backward. Otherwise (a task calling
-``backward(loss)``, validation) it runs after backward. The same path serves
-every wrapping (DDP, ZeRO, FSDP) and precision: it never rides in a gradient
-collective, so no reduce-scatter shards it and no loss scaler scales it.
-``bench/overhead.py`` times it: 0.66 ms per update on 2 CPU ranks, 0.19% of
-a default-BERT step (4% of a 10 ms step of a small MLP). Riding inside DDP's
-gradient all-reduce instead (as HetSeq did up to 0.2) saved that but worked
-for DDP only. Started before the last backward, it finishes while the
-slowest rank still computes: ``bench/hetero.py`` puts 4 ranks of mixed
-speeds within 1% of a plain DDP loop with the same split, on 2 cores where
-a gloo collective costs each rank ~2 ms of CPU. Only a rank with no backward
-left to overlap (slow at loading data) waits for it.
+It travels in float64, in an asynchronous all-reduce of its own, never in a
+gradient collective: no wrapping (DDP, ZeRO, FSDP) shards it and no loss
+scaler scales it. When the task hands its stats to ``backward`` (the base
+``Task.train_step`` does) the all-reduce starts before the last backward and
+runs while it computes; otherwise (``backward(loss)``, validation) after it.
+docs/design.md gives its cost.
 
 A log value wrapped in ``Gathered`` is not summed: its rows are collected
 from every micro-batch and rank (one all-gather after the sum), for metrics
 that no sum carries, such as a rank correlation over the whole dev set.
-
-The per-rank compute times in the vector are measured by timing.py.
+The per-rank compute times are measured by timing.py.
 """
 
 import dataclasses

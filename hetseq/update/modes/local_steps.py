@@ -1,17 +1,14 @@
-"""Local steps (``--local-steps H``): DiLoCo on machines of different speed, over slow links.
-
-A synchronous update all-reduces every gradient: over 1 Gbit/s or less that
-costs more than the compute (README, "Slow links"). With local steps the ranks
-communicate once per ROUND of H inner steps instead.
+"""Local steps (``--local-steps H``): DiLoCo on machines of different speed.
+Over a slow link an all-reduce of every gradient costs more than the compute,
+so the ranks communicate once per ROUND of H inner steps (docs/slow-links.md).
 
 One round, on rank r (``theta_0``: the parameters every rank holds when it begins):
 
     inner step t = 1..H: rank r takes its planned share b_r of global batch t
-        (the same split as a synchronous update, so every rank finishes each
-        step, and the round, at the same moment), computes g = grad of its
-        MEAN sample loss (sum / n_r) and lets the task's optimizer (the inner
-        optimizer: its own state on every rank) step, with the LR schedule of
-        inner steps. No communication.
+        (the synchronous split: every rank ends each step, and the round, at
+        the same moment), computes g = grad of its MEAN sample loss
+        (sum / n_r) and steps its own inner optimizer (the task's, with the
+        LR schedule of inner steps). No communication.
     end of round:
         S_r  = samples rank r processed in the round, S = sum_r S_r
         D_r  = theta_0 - theta_r                       (rank r's change)
@@ -20,39 +17,31 @@ One round, on rank r (``theta_0``: the parameters every rank holds when it begin
             m     = mu m + D
             theta = theta_0 - eta (D + mu m)           (mu = 0: theta_0 - eta D)
 
-The default outer step is eta = 1, mu = 0: theta = theta_0 - D, the
-weighted average of the ranks' models, which leaves the job's learning rate
-as it is (DiLoCo's eta = 0.7, mu = 0.9 multiplies it: docs/slow-links.md).
-
-A rank that did more work weighs more, as every sample weighs the same in a
-synchronous update. Local steps are NOT the large-batch update: each inner
-step follows one rank's share of a batch, and the models are averaged (or,
-with DiLoCo's outer step, extrapolated).
-With H = 1, eta = 1, mu = 0 and SGD as the inner optimizer (rate lr) they are:
+The default eta = 1, mu = 0 gives the samples-weighted average of the
+ranks' models and leaves the job's learning rate as it is (docs/slow-links.md
+says why DiLoCo's 0.7 and 0.9 are not the default). Local steps are NOT the
+large-batch update, except with H = 1, eta = 1, mu = 0 and SGD inside (rate lr):
 
     theta_r = theta_0 - lr g_r / n_r,   D_r = lr g_r / n_r,
     D = sum_r (n_r / N) lr g_r / n_r = lr G / N,   theta = theta_0 - lr G / N,
 
-the synchronous update (controller.py); tests/test_local_steps.py checks it
-against one process with uneven batches.
+the synchronous update (controller.py; tests/test_local_steps.py).
 
-``--outer-overlap`` (Streaming DiLoCo's overlap, delayed by one round): the
-round's exchange runs on its own process group, in a thread, while the next
-round computes, and is applied at the end of that round. Every rank keeps
-``global``, the parameters of the last applied outer step (the same on every
-rank), and trains on ``global - d_r``, its own change since it last sent one:
+``--outer-overlap`` (Streaming DiLoCo's overlap, one round late): the round's
+exchange runs in a thread on its own process group while the next round
+computes. Every rank keeps ``global`` (the last applied outer step, the same
+on every rank) and trains on ``global - d_r``:
 
     end of round k:  d_r = (start of round k) - theta_r
                      D_{k-1} arrives; global = outer step (global, D_{k-1})
                      send (S_r / S) d_r                   (D_k, in the background)
                      theta_r = global - d_r               (own change kept until its average lands)
 
-Whenever the run needs one model (validation, a checkpoint, the end), the
-round in flight is waited for and applied: every rank then holds ``global``.
-A checkpoint therefore always holds a whole round: a save ends the round.
-
 A round ends after H inner steps, at the end of each epoch and wherever the
-run saves or stops: all decided by the job's flags, so every rank agrees.
+run validates, saves or stops (the job's flags decide: every rank agrees).
+Where the run needs one model (validation, a checkpoint, the end) the round
+in flight is applied too: every rank holds ``global``, and a checkpoint
+always holds a whole round.
 """
 
 import collections
