@@ -186,8 +186,14 @@ class VirtualCluster:
                 pass
 
     def plug(self, index):
-        """Plug host ``index`` back into the switch."""
+        """Plug host ``index`` back into the switch. Addresses that failed to
+        resolve while it was out are forgotten on every host: a FAILED
+        neighbour entry left by the outage answers a new connection with 'No
+        route to host' for seconds (a node retries and says so in a line that
+        a test counting a node's lines would not expect)."""
         _sh("ip", "-n", self.switch, "link", "set", f"p{index}", "up")
+        for ns in self.namespaces:
+            _sh("ip", "-n", ns, "neigh", "flush", "all", check=False)
 
     def add_dead_end_interface(self, index, name="side0"):
         """An interface on host ``index`` whose address no other host can reach
