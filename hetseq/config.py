@@ -127,7 +127,10 @@ class JobConfig(Section):
         compared by the file's content, since each node may keep its copy
         elsewhere; one naming a folder is each node's own location."""
         out = {"hetseq_version": hetseq.__version__, "hetseq_code": code_digest()}
-        for name, value in sorted(self.flags().items()):
+        flags = self.flags()
+        for dest in self.exchange.unused():     # at their defaults; maybe not on every node
+            del flags[dest]
+        for name, value in sorted(flags.items()):
             if isinstance(value, str) and os.path.isfile(value):
                 value = file_digest(os.path.abspath(value))
             elif isinstance(value, str) and os.path.isdir(value):

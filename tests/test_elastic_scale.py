@@ -103,7 +103,9 @@ def test_rank_0_tells_every_rank_which_rank_went_silent():
     finally:
         for dog in dogs:
             dog.stop()
-    assert 2.0 <= told < 2.0 + 2.0, told
+    # A beat or two after the timeout; 3 s of slack, since in the full suite
+    # on 2 loaded cores five watchdog threads once took over 2 s to run.
+    assert 2.0 <= told < 2.0 + 3.0, told
 
 
 def test_a_rank_that_never_beat_is_told_silent():

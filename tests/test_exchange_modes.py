@@ -77,3 +77,25 @@ def test_a_name_registered_twice_or_unknown_says_what_exists(monkeypatch):
     with pytest.raises(UserError, match=r"unknown exchange mode 'nope'; registered exchange "
                        r"modes: .*local-steps, powersgd, synchronous \(a mode of your own"):
         cli.parse([*TOY, "--exchange", "nope"])
+
+
+def test_the_identity_holds_the_chosen_modes_flags_only():
+    """Flags of a mode the job does not run are at their defaults (refused
+    otherwise): left out of the identity, a node whose --user-dir registers
+    one more mode meets a node without it."""
+    cli.parse([*TOY, *MODE])                           # allreduce is registered now
+    _, job, _ = cli.parse([*TOY, "--user-dir", str(ROOT / "tests" / "modes")])
+    identity = job.identity()
+    assert identity["exchange"] == "synchronous"
+    assert "allreduce_chunks" not in identity and "local_steps" not in identity
+
+
+def test_one_mode_is_one_identity_however_it_is_asked_for():
+    _, asked, _ = cli.parse([*TOY, "--grad-compression", "powersgd"])
+    _, named, _ = cli.parse([*TOY, "--exchange", "powersgd", "--grad-compression", "powersgd"])
+    assert asked.identity() == named.identity()
+    assert named.identity()["grad_compression"] == "powersgd"
+    for contradiction in ([], ["--grad-compression", "none"]):
+        with pytest.raises(UserError, match="--exchange powersgd compresses with "
+                                            "--grad-compression powersgd, not"):
+            cli.parse([*TOY, "--exchange", "powersgd", *contradiction])

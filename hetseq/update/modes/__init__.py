@@ -45,6 +45,10 @@ class ExchangeConfig(Section):
         "of --user-dir (default: the one its flags ask for, --local-steps H or "
         "--grad-compression powersgd, else synchronous)"))
     mode_flags: tuple = ()        # (dest, value) of every registered mode's flags
+    # The dests of the chosen mode's own flags: the others are at their
+    # defaults (check_args refuses them otherwise), and a mode that only
+    # one node's --user-dir registers must not make the nodes differ.
+    own: tuple = ()
 
     @classmethod
     def from_args(cls, args):
@@ -52,6 +56,10 @@ class ExchangeConfig(Section):
 
     def flags(self):
         return {"exchange": self.exchange, **dict(self.mode_flags)}
+
+    def unused(self):
+        """The dests of the flags of the modes the job does not run."""
+        return [dest for dest, _ in self.mode_flags if dest not in self.own]
 
 
 def add_args(parser):
@@ -88,7 +96,9 @@ def configure(args):
     """The job's ExchangeConfig: the mode's name and every mode's flags."""
     flags = {field.name: frozen(getattr(args, field.name))
              for _, cls in EXCHANGES.items() for field in dataclasses.fields(cls.Config)}
-    return ExchangeConfig(exchange=chosen(args), mode_flags=tuple(sorted(flags.items())))
+    name = chosen(args)
+    own = tuple(field.name for field in dataclasses.fields(EXCHANGES.get(name).Config))
+    return ExchangeConfig(exchange=name, mode_flags=tuple(sorted(flags.items())), own=own)
 
 
 def build(cfg, precision_cfg, ctx, rewindable=False):

@@ -50,6 +50,11 @@ class PowerSGD(Synchronous):
                 raise UserError(f"{', '.join(given)} set PowerSGD; add --grad-compression "
                                 "powersgd")
             return
+        if args.grad_compression != "powersgd":
+            # One spelling of the job: nodes compare --grad-compression too.
+            raise UserError(f"--exchange powersgd compresses with --grad-compression powersgd, "
+                            f"not --grad-compression {args.grad_compression}: give "
+                            "--grad-compression powersgd (the --exchange may then go)")
         refuse("--grad-compression powersgd", (
             (args.zero >= 2, f"--zero {args.zero} reduce-scatters gradients (FSDP), which "
              "PowerSGD does not compress; use --zero 0 or 1"),
