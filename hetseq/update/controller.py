@@ -43,7 +43,7 @@ from hetseq.errors import TrainingFailed, UserError
 from hetseq.optim import (OPTIMIZERS, build_lr_scheduler, build_optimizer,
                           check_same_optimizer, keep_own_kernels)
 from hetseq.distributed.collectives import broadcast_from
-from hetseq.update import modes, precision, sharding
+from hetseq.update import held, modes, precision, sharding, uneven  # noqa: F401 (registers)
 from hetseq.update.exchange import Updates
 from hetseq.update.members import Members
 # Its part of a checkpoint, and the keys of that part (the exchange mode adds its own).
@@ -61,11 +61,12 @@ class Controller:
     the LR schedule and the loss scale. ``job``: the JobConfig (config.py);
     a node's own flags never reach it."""
 
-    def __init__(self, job, task, model, ctx):
+    def __init__(self, job, task, model, ctx, state_shares=None):
         self.task, self.ctx, self.cfg = task, ctx, job.update
+        self._zero = job.sharding.zero
         self.exchange = modes.build(job.exchange, job.precision, ctx, job.elastic.elastic)
         self.sharding = self.exchange.hold(
-            lambda hook: sharding.build(job.sharding, job.precision, ctx, hook))
+            lambda hook: sharding.build(job.sharding, job.precision, ctx, hook, state_shares))
         # FSDP moves each shard to the device itself: the whole model never
         # has to fit there (with --cpu-offload the shards stay on the host).
         self.model = model if self.sharding.shards_grads else model.to(ctx.device)
@@ -114,7 +115,8 @@ class Controller:
         (``on_device``: 0 when --cpu-offload keeps them on the host of a GPU)."""
         if on_device and self._offloaded:
             return 0
-        return sharding.model_state_bytes(self.params, self.optimizer, self._state_slots)
+        return held.model_state_bytes(self.sharding.counted_params(self.params),
+                                          self.optimizer, self._state_slots)
 
     @property
     def lockstep(self):
@@ -162,6 +164,14 @@ class Controller:
             self.wrapped = self.sharding.wrap(self.model)
         self.exchange.divisor = len(self.members.active)
         self._wrapper_ran = False
+
+    def state_shares(self):
+        """Every rank's fraction of the sharded state (None each under --zero 0
+        or alone: nothing is split)."""
+        world = self.ctx.world_size
+        if not self.ctx.distributed or not self._zero:
+            return [None] * world
+        return list(self.sharding.shares or [1 / world] * world)
 
     def describe_sharding(self):
         """How the model and its state are spread over the ranks, in words."""

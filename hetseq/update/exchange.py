@@ -98,6 +98,9 @@ class Exchange:
     Config = NoFlags        # its section of the job's ExchangeConfig (its flags)
     sits_out = False        # True: a rank may leave its exchange (update/members.py)
     updates_per_exchange = 1
+    # True: the --zero mode it holds may split the state by memory
+    # (--state-shares memory, update/uneven.py): it wraps the model as built.
+    shares_by_memory = True
 
     # ---- its flags (classmethods: the parser's, before any run) ----
 

@@ -28,7 +28,6 @@ wrote (checkpoint.py says why gathered, not DCP).
 """
 
 import contextlib
-import inspect
 import logging
 
 import torch
@@ -40,6 +39,7 @@ from hetseq.errors import UserError
 from hetseq.registry import Registry
 from hetseq.sections import Section, flag, section
 from hetseq.update import full_state, timing
+from hetseq.update.held import optimizer_tensors, settings
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,11 @@ class ShardingConfig(Section):
     cpu_offload: bool = flag(False, action="store_true",
                              help="with --zero 3: keep parameters, gradients and the optimizer "
                                   "step on the host (FSDP2 CPUOffloadPolicy)")
+    state_shares: str = flag("auto", choices=("auto", "even", "memory"),
+                             help="with --zero 1/2/3: each rank's share of the sharded state: "
+                                  "even, or memory (proportional to the memory each rank has "
+                                  "for it; HetSeq's own uneven shards); auto: memory when the "
+                                  "ranks' memories differ by more than 10%% (default: auto)")
     # DDP's buckets are collectives: every rank the same.
     bucket_cap_mb: int = flag(25, type=int, metavar="MB",
                               help="DDP gradient bucket size (default: 25)")
@@ -83,6 +88,8 @@ class Sharding:
                            # run the same number of micro-batches per update
     sits_out = False       # True: a rank may leave the gradient exchange (update/members.py):
                            # every rank holds the whole state, the members' group sums
+
+    shares = None          # every rank's fraction of the split state (None: even)
 
     def __init__(self, cfg, precision, ctx, comm_hook=None):
         # ShardingConfig, PrecisionConfig; ``comm_hook``: (state, hook) for
@@ -142,7 +149,7 @@ class Sharding:
     def replicated_state(self, params, optimizer):
         """The tensors every rank holds a copy of, which must stay equal
         (agreement.py): parameters and optimizer state, unless sharded."""
-        return [*params, *_optimizer_tensors(optimizer)]
+        return [*params, *optimizer_tensors(optimizer)]
 
     def waited(self):
         """Seconds this process has spent, so far, waiting inside collectives
@@ -150,30 +157,14 @@ class Sharding:
         compute time is its step time minus what this grew by."""
         return 0.0
 
+    def counted_params(self, params):
+        """The parameters whose bytes this rank holds (model_state_bytes)."""
+        return params
+
 
 SHARDING = Registry("ZeRO stage", base=Sharding)
-
-
-def _bytes(tensor):
-    tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor   # a shard: its part
-    return tensor.numel() * tensor.element_size()
-
-
-def model_state_bytes(params, optimizer, slots):
-    """Parameters + gradients + optimizer state that this rank holds, counted
-    from its tensors. Before the first step the optimizer holds nothing yet:
-    its state is then ``slots`` tensors the size of each parameter it updates
-    (2 for Adam)."""
-    held = sum(_bytes(p) for p in params)
-    total = 2 * held     # gradients take the parameters' size and layout
-    inner = getattr(optimizer, "optim", optimizer)     # ZeroRedundancyOptimizer's own part
-    states = [state for state in inner.state.values() if state]
-    if states:
-        total += sum(_bytes(v) for state in states for v in state.values()
-                     if torch.is_tensor(v) and v.dim() > 0)
-    else:
-        total += slots * sum(_bytes(p) for group in inner.param_groups for p in group["params"])
-    return total
+# The same stages with state shares that follow memory (uneven.py registers them).
+SHARDS_BY_MEMORY = Registry("ZeRO stage with memory shares", base=Sharding)
 
 
 def _ddp(model, ctx, cfg, comm_hook, group=None):
@@ -250,12 +241,8 @@ class ShardedOptimizer(Replicas):
             return optimizer
         from torch.distributed.optim import ZeroRedundancyOptimizer
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        # The defaults the constructor takes (some are derived, e.g. AdamW's
-        # decoupled_weight_decay), so any registered optimizer rebuilds.
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "lr"}
         return ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer),
-                                       lr=optimizer.defaults["lr"], **defaults)
+                                       lr=optimizer.defaults["lr"], **settings(optimizer))
 
     def replicated_state(self, params, optimizer):
         return list(params)      # each rank's optimizer state is its own part
@@ -377,19 +364,19 @@ class FullyShardParameters(FullyShard):
         return policies
 
 
-def build(cfg, precision, ctx, comm_hook=None):
+def build(cfg, precision, ctx, comm_hook=None, shares=None):
     """The mode for this run (``cfg``: ShardingConfig, ``precision``:
-    PrecisionConfig, ``comm_hook``: DDP's, from the exchange mode). One process
-    has nothing to shard: --zero N then trains as --zero 0, except
-    --cpu-offload on a GPU (the state on the host)."""
+    PrecisionConfig, ``comm_hook``: DDP's, from the exchange mode;
+    ``shares``: every rank's fraction of the sharded state when it follows
+    memory, None for even shares). One process has nothing to shard:
+    --zero N then trains as --zero 0, except --cpu-offload on a GPU (the
+    state on the host)."""
     zero = cfg.zero
     if not ctx.distributed and zero and not (cfg.cpu_offload and ctx.device.type == "cuda"):
         logger.info("one process: nothing to shard, --zero %d trains as --zero 0", zero)
         zero = 0
-    return SHARDING.get(str(zero))(cfg, precision, ctx, comm_hook)
-
-
-def _optimizer_tensors(optimizer):
-    """The optimizer's state tensors, in parameter order (the same on every rank)."""
-    return [value for group in optimizer.param_groups for p in group["params"]
-            for _, value in sorted(optimizer.state.get(p, {}).items()) if torch.is_tensor(value)]
+    if shares is None or not zero or not ctx.distributed:
+        return SHARDING.get(str(zero))(cfg, precision, ctx, comm_hook)
+    mode = SHARDS_BY_MEMORY.get(str(zero))(cfg, precision, ctx, comm_hook)
+    mode.shares = list(shares)
+    return mode

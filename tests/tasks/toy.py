@@ -30,6 +30,24 @@ class TanhDropout(nn.Module):
         return self.drop(torch.tanh(x))
 
 
+class Blocks(nn.Module):
+    """--toy-blocks N: a Linear, N residual blocks in an nn.ModuleList (each a
+    unit of its own under --zero 2/3, gathered and freed by itself), a Linear."""
+
+    def __init__(self, width, blocks, p):
+        super().__init__()
+        self.inp, self.act = nn.Linear(8, width), TanhDropout(p)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), TanhDropout(p))
+                                    for _ in range(blocks))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x):
+        hidden = self.act(self.inp(x))
+        for block in self.blocks:
+            hidden = hidden + block(hidden)
+        return self.out(hidden)
+
+
 class ToyData(Dataset):
     def __init__(self, size, seed, dtype=torch.float64):
         g = torch.Generator().manual_seed(seed)
@@ -58,6 +76,9 @@ class ToyTask(Task):
     def add_args(cls, parser):
         parser.add_argument("--toy-size", type=int, default=100, help="samples in the train split")
         parser.add_argument("--toy-width", type=int, default=16, help="hidden units")
+        parser.add_argument("--toy-blocks", type=int, default=0,
+                            help="N residual hidden blocks in an nn.ModuleList (units of "
+                                 "their own under --zero 2/3); 0: the plain MLP")
         parser.add_argument("--toy-dtype", choices=["float64", "float32"], default="float64",
                             help="float64: only the order of summation differs between runs "
                                  "(exact comparisons); float32: what autocast acts on")
@@ -122,9 +143,11 @@ class ToyTask(Task):
     def build_model(self):
         torch.manual_seed(0)
         width = self.args.toy_width
-        model = nn.Sequential(nn.Linear(8, width), TanhDropout(self.args.toy_dropout),
-                              nn.Linear(width, 1)).to(
-            getattr(torch, self.args.toy_dtype))
+        model = Blocks(width, self.args.toy_blocks, self.args.toy_dropout) \
+            if self.args.toy_blocks else \
+            nn.Sequential(nn.Linear(8, width), TanhDropout(self.args.toy_dropout),
+                          nn.Linear(width, 1))
+        model = model.to(getattr(torch, self.args.toy_dtype))
         if self.args.toy_nan_bias_grad_after:
             model[2].register_forward_hook(self._nan_bias_grad)
         if self.args.toy_slow_state_ms:

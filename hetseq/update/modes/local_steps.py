@@ -97,6 +97,7 @@ class LocalSteps(Exchange):
     Config = LocalStepsConfig
     sits_out = False     # the outer exchange spans the world (a rank without
                          # samples still sends its zero change: controller._idle)
+    shares_by_memory = False   # its outer step keeps the --zero mode's even shares
 
     def __init__(self, cfg, precision_cfg, ctx, rewindable=False):
         super().__init__(cfg, precision_cfg, ctx, rewindable)
