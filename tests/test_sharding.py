@@ -35,7 +35,9 @@ def train(save_dir, updates, layout, *extra, base=BASE):
     """``layout``: per-rank batches (one process per node); the global batch is
     their sum. Returns checkpoint_last.pt."""
     common = [*base, "--max-update", updates, "--save-dir", save_dir, *extra]
-    nodes = [["--max-sentences", batch] for batch in layout]
+    # An entry is a batch, or (batch, memory in GB) for shares by memory.
+    nodes = [["--max-sentences", batch] if isinstance(batch, int) else
+             ["--max-sentences", batch[0], "--max-memory-gb", batch[1]] for batch in layout]
     assert_ok(run_job(common, nodes) if len(layout) > 1 else run_nodes([common + nodes[0]]))
     return torch.load(save_dir / "checkpoint_last.pt", weights_only=True)
 
@@ -44,15 +46,26 @@ RESUMES = {
     "zero3 on 2 ranks, then 1 plain process": ([24, 8], ["--zero", 3], [32], []),
     "1 plain process, then zero3 on 2 ranks": ([32], [], [20, 12], ["--zero", 3]),
     "zero1 on 2 ranks, then zero2 on 3 ranks": ([16, 16], ["--zero", 1], [8, 16, 8], ["--zero", 2]),
+    # State shares by memory (update/uneven.py) write the one format too.
+    "zero3 by memory 1:3, then zero3 even on 3 ranks":
+        ([(24, 0.001), (8, 0.003)], ["--zero", 3], [8, 16, 8], ["--zero", 3]),
+    "zero2 even on 2 ranks, then zero1 by memory 1:1:6":
+        ([16, 16], ["--zero", 2], [(8, 0.001), (16, 0.001), (8, 0.006)], ["--zero", 1]),
+    "zero1 by memory 1:3, then 1 plain process, then zero2 by memory 3:1": None,
 }
 
 
 @pytest.mark.parametrize("name", sorted(RESUMES))
 def test_resume_under_another_mode_and_world_equals_an_uninterrupted_run(tmp_path, name):
-    first, first_flags, second, second_flags = RESUMES[name]
     straight = straight_run(tmp_path, 6)
-    train(tmp_path / "resumed", 3, first, *first_flags)
-    resumed = train(tmp_path / "resumed", 6, second, *second_flags)
+    if RESUMES[name] is None:      # three legs: by memory, alone, by memory the other way
+        train(tmp_path / "resumed", 2, [(24, 0.001), (8, 0.003)], "--zero", 1)
+        train(tmp_path / "resumed", 4, [32])
+        resumed = train(tmp_path / "resumed", 6, [(20, 0.003), (12, 0.001)], "--zero", 2)
+    else:
+        first, first_flags, second, second_flags = RESUMES[name]
+        train(tmp_path / "resumed", 3, first, *first_flags)
+        resumed = train(tmp_path / "resumed", 6, second, *second_flags)
     assert resumed["controller"]["num_updates"] == 6
     assert max_diff(straight["controller"]["model"], resumed["controller"]["model"]) < EXACT
     # The checkpoint keeps the plain format: full weights and an index-keyed optimizer.
@@ -305,20 +318,21 @@ def test_each_mode_holds_exactly_its_share_of_the_model_state(tmp_path):
 
 
 def test_a_small_memory_budget_fits_under_zero3_and_is_named_under_zero0(tmp_path):
-    """16 MB per rank: the 21 MB of state under --zero 0 leave nothing for
-    activations (a clear error), the 10.5 MB under --zero 3 leave room for a
-    few samples per micro-batch."""
+    """15 MB per rank: the 21 MB of state under --zero 0 leave nothing for
+    activations (a clear error); under --zero 3 each rank holds half of it
+    and gathers one of its 40 blocks at a time (a model of one unit would
+    gather all of it: state_shares.StateSize counts that), so it trains."""
     def run(zero):
-        return run_job([*BASE, *WIDE, "--max-update", 2, "--no-save", "--capacity", "auto",
-                        "--global-batch-size", 32, "--max-memory-gb", 0.015, "--zero", zero],
-                       [[], []])
+        return run_job([*BASE, "--toy-width", 128, "--toy-blocks", 40, "--max-update", 2,
+                        "--no-save", "--capacity", "auto", "--global-batch-size", 32,
+                        "--max-memory-gb", 0.015, "--zero", zero], [[], []])
     refused = run(0)
     assert refused[0][0] == 2 and "no memory left for activations" in refused[0][1], \
         refused[0][1][-2000:]
     fits = run(3)
     assert_ok(fits)
-    caps = [int(c) for c in re.findall(r"memory cap (\d+), batch", fits[0][1])]
-    assert len(caps) == 2 and all(1 <= cap < 16 for cap in caps), fits[0][1][-2000:]
+    held = [float(mb) for mb in re.findall(r"state ([\d.]+) MB \(50%\)", fits[0][1])]
+    assert len(held) == 2 and all(mb < 15 for mb in held), fits[0][1][-2000:]
 
 
 def test_one_process_has_nothing_to_shard(tmp_path):

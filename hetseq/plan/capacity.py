@@ -157,19 +157,35 @@ def parse_weights(text, world_size):
     return weights
 
 
-def describe(plan, devices):
-    """One log line per rank: device, rate, memory cap, share and micro-batches."""
+def describe(plan, devices, state=None):
+    """One log line per rank: device, rate, memory cap, share and micro-batches;
+    with ``state`` (per rank: (bytes of model state it holds, its share of
+    the split state or None)), that state beside its batch."""
     lines = []
     for rank, device in enumerate(devices):
         rate = f"{plan.rates[rank]:.1f}/s" if plan.rates[rank] else "n/a"
         cap = plan.micro_caps[rank] or "none"
+        held = ""
+        if state is not None:
+            nbytes, share = state[rank]
+            held = f", state {readable_bytes(nbytes)}" + \
+                (f" ({100 * share:.3g}%)" if share is not None else "")
         if rank in plan.sitting:
             lines.append(f"  rank {rank} {device}: rate {rate}, sits out (no samples, not in "
-                         "the gradient exchange)")
+                         f"the gradient exchange){held}")
             continue
         lines.append(f"  rank {rank} {device}: rate {rate}, memory cap {cap}, batch "
-                     f"{plan.batch_sizes[rank]} in {plan.micro_batches(rank)} micro-batch(es)")
+                     f"{plan.batch_sizes[rank]} in {plan.micro_batches(rank)} "
+                     f"micro-batch(es){held}")
     return "\n".join(lines)
+
+
+def readable_bytes(nbytes):
+    """``nbytes`` in B, KB, MB or GB (powers of 1024, as --max-memory-gb)."""
+    for unit, size in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{int(nbytes)} B"
 
 
 # ---- measuring a rank: speed and memory cap ----

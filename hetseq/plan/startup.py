@@ -10,9 +10,9 @@ import each other.
 
 from hetseq.errors import UserError
 from hetseq.plan import links as exchange_links
-from hetseq.plan.capacity import (available_memory_bytes, cuda_memory_cap, cuda_peak_bytes,
-                                  device_name, parse_weights, proportional,
-                                  saved_activation_bytes, slope_memory_cap)
+from hetseq.plan.capacity import (cuda_memory_cap, cuda_peak_bytes, device_name, parse_weights,
+                                  proportional, saved_activation_bytes, slope_memory_cap)
+from hetseq.plan.state_shares import in_gb, memory_bytes
 
 RATE_PROBES = 3      # timed forward+backward passes for a rank's speed (their median)
 # Untimed passes before them: a GPU's first calls choose kernels, allocate
@@ -93,14 +93,22 @@ def _global_batch(cfg, peers, elastic=False):
 def _memory_budget(shares, ctx, controller, local_world_size):
     """Bytes this rank may use for activations: its memory minus the model
     state it holds under the --zero mode (parameters, gradients, optimizer)."""
-    import torch
-    if shares.max_memory_gb:
-        total = shares.max_memory_gb * 2**30
-    elif ctx.device.type == "cuda":
-        total = torch.cuda.get_device_properties(ctx.device).total_memory * 0.9
-    else:
-        total = available_memory_bytes() * 0.8 / local_world_size
-    return total - controller.state_bytes(on_device=True)
+    return memory_bytes(shares, ctx, local_world_size) - controller.state_bytes(on_device=True)
+
+
+def _check_state(peers):
+    """Refuse, on every rank alike (from the gathered ``peers``), a job where
+    some rank's own count of the model state it holds leaves its memory no
+    room: caught here, before any probe or update, no rank is left waiting
+    for one that stopped."""
+    for rank, peer in enumerate(peers):
+        if peer["held"] >= peer["memory"]:
+            raise UserError(
+                f"rank {rank} has {in_gb(peer['memory'])} GB of memory and holds "
+                f"{in_gb(peer['held'])} GB of model state (parameters, gradients and "
+                "optimizer state, counted from its tensors): no memory left for activations; "
+                "raise --max-memory-gb, shard it (--zero 1/2/3, --state-shares memory, "
+                "--cpu-offload), or leave this device out")
 
 
 def _measure(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size):
@@ -140,13 +148,22 @@ def _measure(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size
 def make_plan(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size=1,
               elastic=False):
     """Every rank's share of the global batch, agreed by all ranks: (plan,
-    every rank's device, the links measured (links.py; None alone)).
-    ``cfg``: the job's CapacityConfig; ``shares``: this node's ShareConfig.
-    ``elastic``: the members change while B stays (--elastic), so each node's
-    --max-sentences is its weight and the most it takes per forward. With
-    ``auto`` the plan counts the exchange too: a rank that would slow the
-    job sits out where the --zero mode and exchange allow."""
+    every rank's device, the links measured (links.py; None alone), every
+    rank's bytes of model state as it counts them (``Controller.state_bytes``,
+    host and device)). ``cfg``: the job's CapacityConfig; ``shares``: this
+    node's ShareConfig. ``elastic``: the members change while B stays
+    (--elastic), so each node's --max-sentences is its weight and the most it
+    takes per forward. With ``auto`` the plan counts the exchange too: a rank
+    that would slow the job sits out where the --zero mode and exchange allow.
+    A rank whose state leaves no memory for activations ends every rank with
+    the same UserError, before any probe."""
     from hetseq.distributed import all_gather_object
+    # The ranks' own accounting, gathered before the probes: a refusal then
+    # reaches every rank at once (a probe's forwards communicate under FSDP).
+    held = all_gather_object({"memory": memory_bytes(shares, ctx, local_world_size),
+                              "held": controller.state_bytes(on_device=True),
+                              "state": controller.state_bytes()}, ctx)
+    _check_state(held)
     rate, cap = 0.0, shares.micro_batch_cap
     if elastic and cfg.capacity == "manual" and shares.max_sentences:
         cap = min(cap, shares.max_sentences) if cap else shares.max_sentences
@@ -163,4 +180,4 @@ def make_plan(cfg, shares, ctx, controller, dataset, collate_fn, local_world_siz
     if cfg.capacity == "auto":
         plan = exchange_links.best_plan(batch, rates, caps, links, controller.can_sit_out(),
                                         controller.updates_per_exchange()).plan
-    return plan, [peer["device"] for peer in peers], links
+    return plan, [peer["device"] for peer in peers], links, [peer["state"] for peer in held]

@@ -9,6 +9,7 @@ applied; then the run checks the ranks' agreement, re-plans the split if a
 rank's speed changed, and reports.
 """
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -18,8 +19,9 @@ from hetseq.data.splits import Splits
 from hetseq.distributed import broadcast_from_main
 from hetseq.elastic.seam import FIXED
 from hetseq.errors import HetSeqError, UserError
+from hetseq.optim import OPTIMIZERS
 from hetseq.optim.lr_scheduler import planned_updates
-from hetseq.plan import capacity, rebalance, startup
+from hetseq.plan import capacity, rebalance, startup, state_shares
 from hetseq.plan import links as exchange_links
 from hetseq.reporting.report import Reporter
 from hetseq.run import checkpoint
@@ -30,6 +32,7 @@ from hetseq.tasks import TASKS, Task, import_builtin_tasks, import_user_dir
 from hetseq.update import precision
 from hetseq.update.agreement import Agreement
 from hetseq.update.controller import CONTROLLER, MODEL, Controller
+from hetseq.update.exchange import EXCHANGES
 
 logger = logging.getLogger("hetseq.run")
 
@@ -69,7 +72,9 @@ class Run:
         if job.checkpoint.export_hf and type(self.task).export_hf is Task.export_hf:
             raise UserError(f"--export-hf: task '{job.task}' cannot write a Hugging Face "
                             "folder (tasks that can: bert, glue)")
-        self.controller = Controller(job, self.task, self.task.build_model(), ctx)
+        model = self.task.build_model()
+        self.controller = Controller(job, self.task, model, ctx,
+                                     state_shares=_state_shares(job, node, ctx, model))
         self.splits = Splits(self.task, ctx, job.training.seed, node.num_workers, node.data)
         self.train_data, self.balance = self._plan_training()
         self.validation = Validation(self.task, self.controller, self.splits, ctx,
@@ -101,14 +106,15 @@ class Run:
         rank's iterator over the training split."""
         job, ctx, controller = self.job, self.ctx, self.controller
         dataset = self.splits.load(job.training.train_subset)
-        plan, devices, links = startup.make_plan(
+        plan, devices, links, held = startup.make_plan(
             job.capacity, self.node.shares, ctx, controller, dataset,
             self.task.collater(dataset), ctx.local_world_size, elastic=job.elastic.elastic)
         per_update = controller.updates_per_exchange()
         if ctx.is_main:
             logger.info("capacity plan (%s), global batch %d, %s, %s:\n%s", job.capacity.capacity,
                         plan.global_batch, controller.describe_sharding(),
-                        precision.describe(job.precision), capacity.describe(plan, devices))
+                        precision.describe(job.precision),
+                        capacity.describe(plan, devices, list(zip(held, controller.state_shares()))))
             _log_exchange(plan, devices, links, per_update, controller.can_sit_out())
         auto = job.capacity.capacity == "auto"
         rebalancer = None if job.capacity.no_rebalance else rebalance.Rebalancer(
@@ -265,6 +271,32 @@ class Run:
         model = self.task.build_model()
         model.load_state_dict(state)
         self.task.export_hf(model, self.job.checkpoint.export_hf)
+
+
+def _state_shares(job, node, ctx, model):
+    """Every rank's fraction of the sharded state, agreed by all ranks
+    before the model is wrapped (a collective; plan/state_shares.py): None
+    for even shares (torch's engines), else by memory (update/uneven.py).
+    The exchange modes that keep even shares, and --compile under --zero
+    2/3 (the units' hooks split its graph), take even shares under auto."""
+    cfg = job.sharding
+    reasons = [why for why, holds in (
+        (f"--exchange {job.exchange.exchange} keeps even shares",
+         not EXCHANGES.get(job.exchange.exchange).shares_by_memory),
+        ("--compile traces whole forwards, which --zero 2/3 by memory splits unit by unit",
+         cfg.compile and cfg.zero >= 2)) if holds]
+    if reasons and cfg.state_shares == "memory":
+        raise UserError(f"--state-shares memory: {reasons[0]}; use --state-shares even")
+    if reasons:
+        cfg = dataclasses.replace(cfg, state_shares="even")
+    slots = OPTIMIZERS.get(job.optimizer.optimizer).state_slots(job.optimizer)
+    # One process holds everything (sharding.build), but a GPU's state on the host.
+    zero = cfg.zero if ctx.distributed or (cfg.cpu_offload and ctx.device.type == "cuda") else 0
+    size = state_shares.state_size(zero, cfg.cpu_offload, ctx.device.type, model, slots)
+    memory = state_shares.memory_bytes(node.shares, ctx, ctx.local_world_size)
+    shares = state_shares.agree(cfg, memory, size, ctx,
+                                given=node.shares.max_memory_gb is not None)
+    return shares.fractions if shares.kind == "memory" else None
 
 
 def _log_exchange(plan, devices, links, per_update, can_sit):
