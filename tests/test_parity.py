@@ -63,6 +63,24 @@ TWO = {"equal 16+16": job([16, 16]),
 THREE = {f"{mode} {opt} 20+8+4": job([20, 8, 4], "--update-freq", 2, *MODES[mode],
                                      *OPTIMIZERS[opt]) for mode in MODES for opt in OPTIMIZERS}
 
+# State shares by memory (--state-shares memory, update/uneven.py): each rank
+# holds the fraction of the split state its --max-memory-gb gives it (1:3,
+# 1:1:6). --toy-blocks 2: units of their own, gathered and freed one by one
+# under --zero 2/3; SGD with momentum, so --zero 1 splits a state too (the
+# update is still linear in the gradient: a wrong scale shows).
+SPLIT_MODES = ("zero1", "zero2", "zero3", "zero3-offload")
+BY_MEMORY = ["--toy-blocks", 2, "--momentum", 0.5]
+
+
+def by_memory(layout, memories, *extra):
+    return [[*COMMON, *BY_MEMORY, *extra, "--max-sentences", batch, "--max-memory-gb", memory,
+             "--no-save"] for batch, memory in zip(layout, memories)]
+
+
+TWO.update({f"{mode} by memory 1:3 24+8": by_memory([24, 8], [0.001, 0.003], *MODES[mode])
+            for mode in SPLIT_MODES})
+THREE.update({f"{mode} by memory 1:1:6 20+8+4": by_memory(
+    [20, 8, 4], [0.001, 0.001, 0.006], "--update-freq", 2, *MODES[mode]) for mode in SPLIT_MODES})
 
 # Rank 1 takes no sample of any global batch: weights 1000:1 round its share of
 # 32 to nothing. Its first update runs a zero-weight batch (DDP builds its
@@ -130,6 +148,25 @@ def test_three_uneven_ranks_with_accumulation_match_one_process(three_ranks, mod
     result = three_ranks[f"{mode} {opt} 20+8+4"]
     ref = reference("--update-freq", 2, *OPTIMIZERS[opt])
     assert max_diff(ref, params(result.state)) < EXACT
+
+
+@pytest.mark.parametrize("mode", SPLIT_MODES)
+def test_state_shares_by_memory_match_one_process(two_ranks, three_ranks, mode):
+    """Rank r holds its memory's fraction of the split state, counted from
+    its own tensors (state_bytes), and the update is one process's."""
+    two, three = two_ranks[f"{mode} by memory 1:3 24+8"], three_ranks[
+        f"{mode} by memory 1:1:6 20+8+4"]
+    ref = reference(*BY_MEMORY)
+    assert max_diff(ref, params(two.state)) < EXACT
+    assert max_diff(reference("--update-freq", 2, *BY_MEMORY), params(three.state)) < EXACT
+    # Bytes of the parameters P; --zero 1 holds 2P whole (parameters and
+    # gradients) and splits the momentum (P), --zero 2/3 split all 3P.
+    size = sum(t.numel() * t.element_size() for t in ref.values())
+    whole, split = (2 * size, size) if mode == "zero1" else (0, 3 * size)
+    for result, fractions in ((two, (1 / 4, 3 / 4)), (three, (1 / 8, 1 / 8, 6 / 8))):
+        expected = [whole + f * split for f in fractions]
+        assert all(abs(held - want) < 0.01 * split for held, want
+                   in zip(result.state_bytes, expected)), (result.state_bytes, expected)
 
 
 @pytest.mark.parametrize("mode", ["zero0", "zero3"])

@@ -229,6 +229,11 @@ def split_runs(models, tmp_path_factory):
     jobs = [(f"{task} {a}+{b}", [[*models[task], "--max-sentences", a],
                                  [*models[task], "--max-sentences", b]])
             for task, a, b in (("bert", 6, 2), ("bert", 4, 4), ("glue", 6, 2))]
+    # The state split 1:3 by memory (update/uneven.py): BERT's layers are
+    # units of their own, gathered and freed one at a time under --zero 3.
+    jobs += [(f"bert 6+2 zero{zero} by memory", [
+        [*models["bert"], "--zero", zero, "--max-sentences", batch, "--max-memory-gb", memory]
+        for batch, memory in ((6, 0.1), (2, 0.3))]) for zero in (1, 3)]
     return run_jobs(2, jobs, tmp_path_factory.mktemp("dropout-jobs"))
 
 
@@ -264,7 +269,8 @@ def largest_difference(a, b):
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("name", ["bert 6+2", "bert 4+4", "glue 6+2"])
+@pytest.mark.parametrize("name", ["bert 6+2", "bert 4+4", "glue 6+2", "bert 6+2 zero1 by memory",
+                                  "bert 6+2 zero3 by memory"])
 def test_dropout_models_split_over_ranks_match_one_process(models, split_runs, name):
     """BERT pretraining (hidden and attention dropout) and GLUE fine-tuning
     (classifier dropout, batches padded to their own longest pair) on two
@@ -274,6 +280,9 @@ def test_dropout_models_split_over_ranks_match_one_process(models, split_runs, n
     task = name.split()[0]
     reference = alone(models[task])
     assert largest_difference(reference, split_runs[name].state["model"]) < FP32_EXACT
+    if "zero3 by memory" in name:      # rank 1 held three times rank 0's share
+        small, big = split_runs[name].state_bytes
+        assert 2.9 < big / small < 3.1, (small, big)
     # The dropout took part: without it the same run lands elsewhere.
     without = alone(models[f"{task} without dropout"])
     assert largest_difference(reference, without) > 100 * FP32_EXACT

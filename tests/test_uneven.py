@@ -1,0 +1,129 @@
+"""State shares by memory (--state-shares memory, hetseq/update/uneven.py):
+units gathered and freed as --zero 2/3 promise, a model whose even share
+does not fit the small rank trains with shares by memory, the refusals.
+Parity with one process in every mode: tests/test_parity.py; checkpoints
+across shares and worlds: tests/test_sharding.py."""
+
+import re
+
+import pytest
+import torch
+
+from conftest import (EXACT_SGD, GROUP_TIMEOUT, assert_ok, build_controller, keyed,
+                      leave_process_group, portable, rank_queue, run_job, run_nodes, start_ranks,
+                      unpack)
+
+BLOCKS = [*EXACT_SGD, "--toy-blocks", 3]
+
+
+def _gathered_while_training(rank, world, init, zero, out):
+    """Rank ``rank`` of a 1:3 split: how many units were gathered during
+    each block's forward and backward, and what is left gathered after."""
+    import torch.distributed as dist
+    from hetseq import cli
+    from hetseq.distributed.launch import DistContext
+    from hetseq.tasks import TASKS
+    from hetseq.update.controller import Controller
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=GROUP_TIMEOUT)
+    ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
+    args, job, _ = cli.parse([str(a) for a in [*BLOCKS, "--zero", zero]])
+    task = TASKS.get(args.task)(args)
+    controller = Controller(job, task, task.build_model(), ctx, state_shares=[0.25, 0.75])
+    flats = [flat for _, flat in controller.sharding.flats]
+    seen = {"forward": [], "backward": []}
+
+    def count(kind):
+        seen[kind].append(sum(flat.gathered for flat in flats))
+
+    def at_backward(module, args, output):
+        output.register_hook(lambda grad: count("backward"))
+
+    # Registered after the mode's own hooks: these see a block while it runs
+    # (its forward, and its backward from the moment its output's gradient is there).
+    for block in controller.model.blocks:
+        block.register_forward_pre_hook(lambda *_: count("forward"))
+        block.register_forward_hook(at_backward)
+    data = task.load_dataset("train")
+    batch = keyed(data, list(range(8 * rank, 8 * rank + 8)))
+    controller.train_step([batch], batch)
+    left = [flat.full.untyped_storage().nbytes() for flat in flats]
+    owned = [flat.hi - flat.lo for flat in flats]
+    out.put(portable((seen, left, owned, [flat.numel for flat in flats])))
+    del controller
+    leave_process_group()
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_units_are_gathered_while_they_run_and_freed_after(tmp_path, zero):
+    """--zero 3 holds the root and one block at a time (a block is freed
+    after its forward and gathered again for its backward); --zero 2 keeps
+    each from its forward to its backward. After the update no unit is
+    gathered, and each rank owns its fraction (1:3) of every unit."""
+    queue = rank_queue()
+    start_ranks(_gathered_while_training, 2, 2, f"file://{tmp_path / 'meet'}", zero, queue)
+    results = [unpack(queue.get()) for _ in range(2)]
+    for seen, left, owned, numels in results:
+        if zero == 3:
+            assert seen["forward"] == [2, 2, 2] and seen["backward"] == [2, 2, 2], seen
+        else:
+            assert seen["forward"] == [2, 3, 4] and seen["backward"] == [4, 3, 2], seen
+        assert left == [0] * len(left)
+    owned = sorted((owned for _, _, owned, _ in results), key=sum)
+    numels = results[0][3]
+    for small, big, numel in zip(*owned, numels):
+        assert small + big == numel and abs(small - numel / 4) <= 1, (owned, numels)
+
+
+# The toy of 40 blocks of 128: 5.3 MB of float64 parameters, 21 MB of state
+# with gradients and Adam's two moments; under --zero 3 a rank also gathers
+# one block (0.26 MB with its gradient). Rank 0 has 8 MB, rank 1 25 MB.
+BIG = [*EXACT_SGD, "--optimizer", "adamw", "--lr", "0.01", "--toy-width", 128,
+       "--toy-blocks", 40, "--max-update", 2, "--no-save", "--zero", 3]
+MEMORIES = [["--max-sentences", 16, "--max-memory-gb", 0.008],
+            ["--max-sentences", 16, "--max-memory-gb", 0.024]]
+
+
+def test_a_model_too_big_for_the_small_ranks_even_share_trains_with_shares_by_memory():
+    """Half of 21 MB does not fit rank 0's 8 MB: even shares are refused
+    before the first update, in one line that names the rank, its memory,
+    what its share needs and the fix. By memory (auto: the memories differ
+    by more than 10%) each rank holds its fraction, and the bytes each
+    counts from its own tensors, checked against its memory before the
+    first update (plan/startup.py), are printed in the plan."""
+    refused = run_job([*BIG, "--state-shares", "even"], MEMORIES)
+    code, out = refused[0]
+    assert code == 2 and "Traceback" not in out, out[-2000:]
+    line = re.search(r"rank 0 has 0.008 GB for model state and its even share under --zero 3 "
+                     r"needs 0.01\d+ GB .*--state-shares memory would fit \(2[\d.]+%, 7[\d.]+%\)", out)
+    assert line, out[-2000:]
+    trained = run_job(BIG, MEMORIES)
+    assert_ok(trained)
+    out = trained[0][1]
+    assert re.search(r"state shares by memory \(ranks' memories 0.008, 0.024 GB differ", out), \
+        out[-2000:]
+    shares = re.findall(r"batch 16 in 1 micro-batch\(es\), state ([\d.]+) MB \(([\d.]+)%\)", out)
+    assert len(shares) == 2, out[-2000:]
+    (small, small_share), (big, big_share) = [(float(mb), float(p)) for mb, p in shares]
+    assert small < 8 * 1.024 and big < 24 * 1.024 and 20 < small_share < 30 < 70 < big_share
+    assert abs(big / small - big_share / small_share) < 0.05 * big / small, shares
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--local-steps", 2, "--zero", 1], "--exchange local-steps keeps even shares"),
+    (["--compile", "--zero", 3], "--compile traces whole forwards"),
+])
+def test_what_keeps_even_shares_is_named_under_state_shares_memory(flags, words):
+    [(code, out)] = run_nodes([[*EXACT_SGD, "--max-update", 1, "--no-save",
+                                "--state-shares", "memory", *flags]])
+    assert code == 2 and words in out and "--state-shares even" in out, out[-2000:]
+
+
+def test_a_lone_process_trains_as_zero_0_whatever_its_shares():
+    """One process: the whole state is its own; the flag changes nothing."""
+    from hetseq.distributed.launch import DistContext
+    controller, _ = build_controller([*BLOCKS, "--zero", 3, "--state-shares", "memory"],
+                                     DistContext(0, 1, 0, torch.device("cpu"), "gloo"))
+    assert controller.state_shares() == [None]
+    assert controller.describe_sharding().startswith("--zero 0")
