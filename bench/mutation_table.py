@@ -784,4 +784,38 @@ MUTATIONS = {
         '            if relative.startswith(NOT_HASHED):',
         '            if False:',
         ['tests/test_job_identity.py::test_the_code_digest_counts_what_decides_the_update_only']),
+    "uneven-gradient-not-divided-by-w": (
+        "a rank's gradient range under memory shares is the sum over ranks / W, as in every mode",
+        "mine = flat[self.lo:self.hi].to(self.shard.dtype).div_(world).to(self.shard.device)",
+        "mine = flat[self.lo:self.hi].to(self.shard.dtype).to(self.shard.device)",
+        ["tests/test_parity.py::test_state_shares_by_memory_match_one_process"]),
+    "uneven-zero1-ranges-kept-home": (
+        "under --zero 1 by memory each owner's updated range reaches every rank",
+        "                    flat.share_update()\n",
+        "                    pass\n",
+        ["tests/test_parity.py::test_state_shares_by_memory_match_one_process"]),
+    "uneven-zero3-keeps-units-gathered": (
+        "--zero 3 by memory frees each unit after its forward, gathers it again for backward",
+        "            if self.reshard_after_forward and module is not self._root:",
+        "            if False:",
+        ["tests/test_uneven.py::test_units_are_gathered_while_they_run_and_freed_after"]),
+    "uneven-step-count-shared": (
+        "a checkpoint written under memory shares gives each parameter its own step count",
+        "                             for _ in flat.params]",
+        "                             for _ in flat.params[:1]] * len(flat.params)",
+        ["tests/test_sharding.py::"
+         "test_resume_under_another_mode_and_world_equals_an_uninterrupted_run"]),
+    "uneven-load-takes-the-first-range": (
+        "a rank loads its own range of a full checkpoint",
+        "flat.shard.data.copy_(owned(saved, flat.lo, flat.hi))",
+        "flat.shard.data.copy_(owned(saved, 0, flat.hi - flat.lo))",
+        ["tests/test_sharding.py::"
+         "test_resume_under_another_mode_and_world_equals_an_uninterrupted_run"]),
+    "state-shares-even-whatever-memory": (
+        "shares by memory follow each rank's memory beyond what it holds whole",
+        "    room = [max(0.0, m - size.whole) for m in memories]",
+        "    room = [1.0 for m in memories]",
+        ["tests/test_parity.py::test_state_shares_by_memory_match_one_process",
+         "tests/test_uneven.py::"
+         "test_a_model_too_big_for_the_small_ranks_even_share_trains_with_shares_by_memory"]),
 }
