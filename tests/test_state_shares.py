@@ -150,14 +150,28 @@ def test_agree_gathers_the_memories_and_says_why(monkeypatch, caplog):
 
     def gather(obj, ctx):
         gathered.append(obj)
-        return [{"memory": GB, "given": True}, obj]
+        return [{"memory": GB, "activation": 0, "given": True}, obj]
     monkeypatch.setattr(hetseq.distributed, "all_gather_object", gather)
     with caplog.at_level(logging.INFO, logger="hetseq.plan.state_shares"):
         shares = agree(sharding(), 3 * GB, StateSize(GB, 0), ctx(world=2), given=True)
-    assert gathered == [{"memory": 3 * GB, "given": True}]
+    assert gathered == [{"memory": 3 * GB, "activation": 0, "given": True}]
     assert shares.kind == "memory" and shares.fractions == pytest.approx((0.25, 0.75))
     assert "state shares by memory (ranks' memories 1.0, 3.0 GB differ by more than 10%): " \
            "25%, 75%" in caplog.text
+
+
+def test_agree_takes_each_ranks_activations_off_its_memory(monkeypatch, caplog):
+    """After the plan: memory less activations at the micro-batch (the
+    other rank: 2 GB less 1 GB of activations, this one 3.5 GB less 0.5)."""
+    import hetseq.distributed
+    monkeypatch.setattr(hetseq.distributed, "all_gather_object",
+                        lambda obj, ctx: [{"memory": GB, "activation": GB, "given": True}, obj])
+    with caplog.at_level(logging.INFO, logger="hetseq.plan.state_shares"):
+        shares = agree(sharding(shares="memory"), 3.5 * GB, StateSize(GB, 0),
+                       ctx(world=2), given=True, activation=0.5 * GB)
+    assert shares.fractions == pytest.approx((0.25, 0.75))
+    assert "ranks' memories 2.0, 3.5 GB less their activations at their micro-batches, " \
+           "1.0, 0.5 GB): 25%, 75%" in caplog.text
 
 
 def test_agree_alone_is_even_and_checks_the_fit():

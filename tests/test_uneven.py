@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 
-from conftest import (EXACT_SGD, GROUP_TIMEOUT, assert_ok, build_controller, keyed,
-                      leave_process_group, portable, rank_queue, run_job, run_nodes, start_ranks,
-                      unpack)
+from conftest import (EXACT, EXACT_SGD, GROUP_TIMEOUT, alone, assert_ok, build_controller,
+                      final_params, keyed, leave_process_group, max_diff, portable, rank_queue,
+                      run_job, run_nodes, start_ranks, unpack)
 
 BLOCKS = [*EXACT_SGD, "--toy-blocks", 3]
 
@@ -49,8 +49,12 @@ def _gathered_while_training(rank, world, init, zero, out):
     batch = keyed(data, list(range(8 * rank, 8 * rank + 8)))
     controller.train_step([batch], batch)
     left = [flat.full.untyped_storage().nbytes() for flat in flats]
+    # A gradient range is its own storage (a view of the unit's whole
+    # gradient once kept that alive: memory the ranks' counts never saw).
+    grads = [(flat.shard.grad.untyped_storage().nbytes(), flat.shard.grad.nbytes)
+             for flat in flats]
     owned = [flat.hi - flat.lo for flat in flats]
-    out.put(portable((seen, left, owned, [flat.numel for flat in flats])))
+    out.put(portable((seen, left, owned, [flat.numel for flat in flats], grads)))
     del controller
     leave_process_group()
 
@@ -64,13 +68,14 @@ def test_units_are_gathered_while_they_run_and_freed_after(tmp_path, zero):
     queue = rank_queue()
     start_ranks(_gathered_while_training, 2, 2, f"file://{tmp_path / 'meet'}", zero, queue)
     results = [unpack(queue.get()) for _ in range(2)]
-    for seen, left, owned, numels in results:
+    for seen, left, owned, numels, grads in results:
+        assert all(storage == size for storage, size in grads), grads
         if zero == 3:
             assert seen["forward"] == [2, 2, 2] and seen["backward"] == [2, 2, 2], seen
         else:
             assert seen["forward"] == [2, 3, 4] and seen["backward"] == [4, 3, 2], seen
         assert left == [0] * len(left)
-    owned = sorted((owned for _, _, owned, _ in results), key=sum)
+    owned = sorted((result[2] for result in results), key=sum)
     numels = results[0][3]
     for small, big, numel in zip(*owned, numels):
         assert small + big == numel and abs(small - numel / 4) <= 1, (owned, numels)
@@ -108,6 +113,33 @@ def test_a_model_too_big_for_the_small_ranks_even_share_trains_with_shares_by_me
     (small, small_share), (big, big_share) = [(float(mb), float(p)) for mb, p in shares]
     assert small < 8 * 1.024 and big < 24 * 1.024 and 20 < small_share < 30 < 70 < big_share
     assert abs(big / small - big_share / small_share) < 0.05 * big / small, shares
+
+
+def test_shares_by_memory_leave_each_rank_room_for_its_activations(tmp_path):
+    """Equal memories, micro-batches of 48 and 8: after the plan each rank's
+    activations at its micro-batch are measured on the wrapped model and
+    taken off its memory, so the rank with the larger micro-batch holds the
+    smaller share (the state moves before the first update), and the
+    update is still one process's."""
+    common = [*EXACT_SGD, "--max-update", 2, "--toy-width", 128, "--toy-blocks", 40,
+              "--zero", 3, "--state-shares", "memory"]
+    result = run_job([*common, "--save-dir", tmp_path / "run"],
+                     [["--max-sentences", 48, "--max-memory-gb", 0.02],
+                      ["--max-sentences", 8, "--max-memory-gb", 0.02]])
+    assert_ok(result)
+    out = result[0][1]
+    line = re.search(r"memories 0.02, 0.02 GB less their activations at their micro-batches, "
+                     r"([\d.e-]+), ([\d.e-]+) GB\): ([\d.]+)%, ([\d.]+)%", out)
+    assert line, out[-2000:]
+    big, small, first, second = map(float, line.groups())
+    assert 5.5 < big / small < 6.5            # activations follow the micro-batch
+    # s_r proportional to memory - whole (one gathered block and its gradient) - activations
+    whole = 2 * (128 * 128 + 128) * 8 / 2 ** 30
+    room = [0.02 - whole - big, 0.02 - whole - small]
+    assert abs(first / 100 - room[0] / sum(room)) < 0.002 and first + second == pytest.approx(100)
+    assert re.search(rf"batch 48 in 1 micro-batch\(es\), state [\d.]+ MB \({first}%\)", out)
+    reference = alone(*common[:-4], "--max-sentences", 56)["model"]
+    assert max_diff(reference, final_params(tmp_path / "run")) < EXACT
 
 
 @pytest.mark.parametrize("flags, words", [

@@ -234,6 +234,9 @@ def saved_activation_bytes(run_batch):
         storages = {}
 
         def pack(tensor):
+            base = tensor if tensor._base is None else tensor._base
+            if base.is_leaf and base.requires_grad:
+                return tensor         # a parameter (or a view of one): state, not activations
             storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
             return tensor

@@ -111,10 +111,9 @@ def _check_state(peers):
                 "--cpu-offload), or leave this device out")
 
 
-def _measure(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size):
-    """This rank's (samples/s, micro-batch cap) on the real model and task:
-    forward and backward passes that make no update (``Controller.probe``,
-    which returns their compute seconds)."""
+def _prober(controller, dataset, collate_fn):
+    """``size -> seconds``: a forward and backward of ``size`` samples of the
+    real model and task, making no update (``Controller.probe``)."""
     from hetseq.randomness import KeyedBatch, sample_keys
 
     def run(size):
@@ -122,6 +121,21 @@ def _measure(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size
         # Keyed as training batches are, so the probe times the same draws.
         return controller.probe(KeyedBatch(collate_fn([dataset[i] for i in indices]),
                                            sample_keys(0, 0, indices)))
+    return run
+
+
+def activation_bytes(controller, dataset, collate_fn, size):
+    """Bytes autograd saves for backward in one micro-batch of ``size``
+    samples: this rank's activations at its planned micro-batch. Every rank
+    probes once (the forwards of --zero 2/3 communicate)."""
+    return saved_activation_bytes(_prober(controller, dataset, collate_fn))(max(1, size))
+
+
+def _measure(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size):
+    """This rank's (samples/s, micro-batch cap) on the real model and task:
+    forward and backward passes that make no update (``Controller.probe``,
+    which returns their compute seconds)."""
+    run = _prober(controller, dataset, collate_fn)
     # Profile at about the share this rank will get: per-step overheads make
     # a tiny probe batch under-estimate the rate.
     even_share = (cfg.global_batch_size or 8 * ctx.world_size) // ctx.world_size

@@ -111,19 +111,25 @@ def choose(cfg, memories, size, distributed=True, given=True):
     return StateShares(_by_memory(memories, size), memories, "memory")
 
 
-def agree(cfg, memory, size, ctx, given=None):
+def agree(cfg, memory, size, ctx, given=None, activation=0):
     """The job's StateShares, agreed by all ranks: a collective that gathers
-    every rank's ``memory`` (bytes for model state: ``memory_bytes``, less
-    what its activations need when known), then ``choose`` on every rank.
-    ``given``: this rank's memory is its node's --max-memory-gb."""
+    every rank's ``memory`` (``memory_bytes``) less ``activation`` (what its
+    activations need at its micro-batch, once measured; 0 before), then
+    ``choose`` on every rank. ``given``: this rank's memory is its node's
+    --max-memory-gb."""
     from hetseq.distributed import all_gather_object
-    peers = all_gather_object({"memory": memory, "given": bool(given)}, ctx)
+    peers = all_gather_object({"memory": memory - activation, "activation": activation,
+                               "given": bool(given)}, ctx)
     memories = [peer["memory"] for peer in peers]
     shares = choose(cfg, memories, size, ctx.distributed, all(p["given"] for p in peers))
     if ctx.rank == 0:
+        activations = [peer["activation"] for peer in peers]
+        reason = _reason(cfg, shares, ctx.distributed) if not any(activations) else (
+            "ranks' memories " + ", ".join(in_gb(m + a) for m, a in zip(memories, activations))
+            + " GB less their activations at their micro-batches, "
+            + ", ".join(in_gb(a) for a in activations) + " GB")
         logger.info("state shares %s (%s): %s", "by memory" if shares.kind == "memory"
-                    else "even", _reason(cfg, shares, ctx.distributed),
-                    ", ".join(_percent(f) for f in shares.fractions))
+                    else "even", reason, ", ".join(_percent(f) for f in shares.fractions))
     return shares
 
 

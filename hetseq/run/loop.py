@@ -9,7 +9,6 @@ applied; then the run checks the ranks' agreement, re-plans the split if a
 rank's speed changed, and reports.
 """
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -19,20 +18,19 @@ from hetseq.data.splits import Splits
 from hetseq.distributed import broadcast_from_main
 from hetseq.elastic.seam import FIXED
 from hetseq.errors import HetSeqError, UserError
-from hetseq.optim import OPTIMIZERS
 from hetseq.optim.lr_scheduler import planned_updates
-from hetseq.plan import capacity, rebalance, startup, state_shares
+from hetseq.plan import capacity, rebalance, startup
 from hetseq.plan import links as exchange_links
 from hetseq.reporting.report import Reporter
 from hetseq.run import checkpoint
 from hetseq.run.checkpoint import Component
 from hetseq.run.events import Events
+from hetseq.run.shares import StateSharing, held_bytes
 from hetseq.run.validation import Validation
 from hetseq.tasks import TASKS, Task, import_builtin_tasks, import_user_dir
 from hetseq.update import precision
 from hetseq.update.agreement import Agreement
 from hetseq.update.controller import CONTROLLER, MODEL, Controller
-from hetseq.update.exchange import EXCHANGES
 
 logger = logging.getLogger("hetseq.run")
 
@@ -73,8 +71,9 @@ class Run:
             raise UserError(f"--export-hf: task '{job.task}' cannot write a Hugging Face "
                             "folder (tasks that can: bert, glue)")
         model = self.task.build_model()
+        self.sharing = StateSharing(job, node, ctx, model)
         self.controller = Controller(job, self.task, model, ctx,
-                                     state_shares=_state_shares(job, node, ctx, model))
+                                     state_shares=self.sharing.fractions)
         self.splits = Splits(self.task, ctx, job.training.seed, node.num_workers, node.data)
         self.train_data, self.balance = self._plan_training()
         self.validation = Validation(self.task, self.controller, self.splits, ctx,
@@ -109,6 +108,8 @@ class Run:
         plan, devices, links, held = startup.make_plan(
             job.capacity, self.node.shares, ctx, controller, dataset,
             self.task.collater(dataset), ctx.local_world_size, elastic=job.elastic.elastic)
+        if self.sharing.again(controller, plan, dataset, self.task.collater(dataset)):
+            held = held_bytes(controller, ctx)
         per_update = controller.updates_per_exchange()
         if ctx.is_main:
             logger.info("capacity plan (%s), global batch %d, %s, %s:\n%s", job.capacity.capacity,
@@ -271,32 +272,6 @@ class Run:
         model = self.task.build_model()
         model.load_state_dict(state)
         self.task.export_hf(model, self.job.checkpoint.export_hf)
-
-
-def _state_shares(job, node, ctx, model):
-    """Every rank's fraction of the sharded state, agreed by all ranks
-    before the model is wrapped (a collective; plan/state_shares.py): None
-    for even shares (torch's engines), else by memory (update/uneven.py).
-    The exchange modes that keep even shares, and --compile under --zero
-    2/3 (the units' hooks split its graph), take even shares under auto."""
-    cfg = job.sharding
-    reasons = [why for why, holds in (
-        (f"--exchange {job.exchange.exchange} keeps even shares",
-         not EXCHANGES.get(job.exchange.exchange).shares_by_memory),
-        ("--compile traces whole forwards, which --zero 2/3 by memory splits unit by unit",
-         cfg.compile and cfg.zero >= 2)) if holds]
-    if reasons and cfg.state_shares == "memory":
-        raise UserError(f"--state-shares memory: {reasons[0]}; use --state-shares even")
-    if reasons:
-        cfg = dataclasses.replace(cfg, state_shares="even")
-    slots = OPTIMIZERS.get(job.optimizer.optimizer).state_slots(job.optimizer)
-    # One process holds everything (sharding.build), but a GPU's state on the host.
-    zero = cfg.zero if ctx.distributed or (cfg.cpu_offload and ctx.device.type == "cuda") else 0
-    size = state_shares.state_size(zero, cfg.cpu_offload, ctx.device.type, model, slots)
-    memory = state_shares.memory_bytes(node.shares, ctx, ctx.local_world_size)
-    shares = state_shares.agree(cfg, memory, size, ctx,
-                                given=node.shares.max_memory_gb is not None)
-    return shares.fractions if shares.kind == "memory" else None
 
 
 def _log_exchange(plan, devices, links, per_update, can_sit):

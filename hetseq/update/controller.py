@@ -173,6 +173,11 @@ class Controller:
             return [None] * world
         return list(self.sharding.shares or [1 / world] * world)
 
+    def reshare(self, fractions):
+        """New state shares by memory (a collective, before the first
+        update): the plan measured each rank's activations after wrapping."""
+        self.sharding.reshare(fractions, self.optimizer)
+
     def describe_sharding(self):
         """How the model and its state are spread over the ranks, in words."""
         return self.sharding.describe()

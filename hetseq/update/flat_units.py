@@ -8,10 +8,11 @@ one flat vector of n elements; rank r owns the contiguous range
 [bounds[r], bounds[r+1]), of about n * share_r elements. A parameter keeps
 its shape: it is a view of the unit's full vector while the unit is gathered.
 
-Gathering and reducing a range go owner by owner (W broadcasts, W reduces):
-over gloo, whose all-gather wants equal sizes, that moved 11M floats of a
-1:3 split in 13 ms against 50 ms for an even all-gather (/tmp measurements
-in bench/memory_shares.py's run); nccl takes them as they are.
+Gathering and reducing a range go owner by owner (W broadcasts, W
+reduces), whatever the sizes: gloo's all-gather takes only equal sizes, and
+its broadcasts of a 1:3 split of 11M floats took 13 ms on this 2-core host
+where an even all-gather took 50 ms (bench/memory_shares.py measures whole
+steps against torch's even engines).
 """
 
 import torch
@@ -104,6 +105,18 @@ class FlatUnit:
         if not kept:
             self.free()
 
+    def recut(self, cuts, rank):
+        """Own the range [cuts[rank], cuts[rank+1]) from now on (a
+        collective: the unit is gathered first, where it is not)."""
+        was = self.gathered
+        self.gather()
+        self.cuts, self.lo, self.hi = cuts, cuts[rank], cuts[rank + 1]
+        own = self.full[self.lo:self.hi]
+        self.shard = nn.Parameter(own if self.kept else
+                                  own.detach().to(self.shard.device, copy=True))
+        if not was:
+            self.free()
+
     def ranges(self):
         return [(r, self.cuts[r], self.cuts[r + 1]) for r in range(len(self.cuts) - 1)
                 if self.cuts[r + 1] > self.cuts[r]]
@@ -140,7 +153,9 @@ class FlatUnit:
             p.grad = None
         for r, lo, hi in self.ranges():
             dist.reduce(flat[lo:hi], dst=r)
-        mine = flat[self.lo:self.hi].to(self.shard.dtype).div_(world).to(self.shard.device)
+        # A copy: a view would keep the whole unit's gradient alive until the step.
+        mine = flat[self.lo:self.hi].to(self.shard.dtype, copy=True).div_(world)
+        mine = mine.to(self.shard.device)
         if self.shard.grad is None:
             self.shard.grad = mine
         else:

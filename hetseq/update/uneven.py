@@ -60,6 +60,16 @@ class UnevenOptimizer:
     def defaults(self):
         return self.optim.defaults
 
+    def rebuild(self):
+        """Over the flats' shards as they are now, before any state exists
+        (the rate the schedule set is kept)."""
+        if any(self.optim.state.values()):
+            raise RuntimeError("the state shares change only before the first update")
+        rates = [group["lr"] for group in self.optim.param_groups]
+        self.optim = rebuilt_optimizer(self.optim, [flat.shard for flat in self.flats])
+        for group, rate in zip(self.optim.param_groups, rates):
+            group["lr"] = rate
+
     def zero_grad(self, set_to_none=True):
         self.optim.zero_grad(set_to_none=set_to_none)
         for flat in self.flats:
@@ -100,6 +110,14 @@ class UnevenBase:
                 cuts = flat_units.bounds(sum(p.numel() for p in group), self.shares)
                 self.flats.append((unit, FlatUnit(group, cuts, self.ctx.rank, device, home, kept)))
         return [flat for _, flat in self.flats]
+
+    def reshare(self, shares, optimizer):
+        """Every rank's fraction of each unit from now on (a collective),
+        before the first update: the optimizer is rebuilt over the new ranges."""
+        self.shares = list(shares)
+        for _, flat in self.flats:
+            flat.recut(flat_units.bounds(flat.numel, self.shares), self.ctx.rank)
+        optimizer.rebuild()
 
     def describe_shares(self):
         return ", ".join(f"{share:.0%}" for share in self.shares)
