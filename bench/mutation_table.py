@@ -786,8 +786,8 @@ MUTATIONS = {
         ['tests/test_job_identity.py::test_the_code_digest_counts_what_decides_the_update_only']),
     "uneven-gradient-not-divided-by-w": (
         "a rank's gradient range under memory shares is the sum over ranks / W, as in every mode",
-        "mine = flat[self.lo:self.hi].to(self.shard.dtype).div_(world).to(self.shard.device)",
-        "mine = flat[self.lo:self.hi].to(self.shard.dtype).to(self.shard.device)",
+        "mine = flat[self.lo:self.hi].to(self.shard.dtype, copy=True).div_(world)",
+        "mine = flat[self.lo:self.hi].to(self.shard.dtype, copy=True)",
         ["tests/test_parity.py::test_state_shares_by_memory_match_one_process"]),
     "uneven-zero1-ranges-kept-home": (
         "under --zero 1 by memory each owner's updated range reaches every rank",
