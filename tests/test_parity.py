@@ -55,6 +55,7 @@ TWO = {"equal 16+16": job([16, 16]),
        **{f"{mode} {opt} 24+8": job([24, 8], *MODES[mode], *OPTIMIZERS[opt])
           for mode in MODES for opt in OPTIMIZERS},
        **{f"{mode} bf16 24+8": job([24, 8], *MODES[mode], *BF16) for mode in ("zero0", "zero3")},
+       "zero3 by memory bf16 24+8": job([24, 8], "--zero", 3, "--state-shares", "memory", *BF16),
        "mean loss bf16 24+8": job([24, 8], *BF16, "--toy-mean-loss"),
        **{f"{mode} compile 24+8": job([24, 8], *MODES[mode], "--compile")
           for mode in ("zero0", "zero3")}}
@@ -87,10 +88,15 @@ THREE.update({f"{mode} by memory 1:1:6 20+8+4": by_memory(
 # buckets from one backward; the stats' keys come from it), later ones none
 # where the mode can take its part in the exchange without a forward.
 IDLE_MODES = {"zero0": [], "zero1": ["--zero", 1], "zero3": ["--zero", 3],
+              "zero1 by memory": ["--zero", 1, "--state-shares", "memory"],
+              "zero3 by memory": ["--zero", 3, "--state-shares", "memory"],
+              "bf16 reduce by memory": ["--zero", 3, "--state-shares", "memory",
+                                        "--reduce-dtype", "bfloat16"],
               "local-steps": ["--local-steps", 2], "bf16 reduce": ["--reduce-dtype", "bfloat16"],
               "powersgd": ["--grad-compression", "powersgd", "--powersgd-start", 2,
                            "--powersgd-min-compression", 0, "--powersgd-rank", 8]}
-FORWARDS_AFTER_THE_FIRST = {"zero3": 6}        # FSDP's forwards communicate
+# FSDP's forwards communicate, as those of --zero 3 by memory
+FORWARDS_AFTER_THE_FIRST = {"zero3": 6, "zero3 by memory": 6, "bf16 reduce by memory": 6}
 
 
 @pytest.fixture(scope="module")
@@ -112,12 +118,14 @@ def test_a_rank_without_samples_computes_nothing_and_the_update_stays_exact(idle
     folder, results = idle_rank
     result = results[mode]
     assert result.global_batch == 32
-    if mode == "bf16 reduce":       # gradients summed in bfloat16: close, not exact
-        assert max_diff(reference(), params(result.state)) < 1e-2
+    if mode.startswith("bf16 reduce"):       # gradients summed in bfloat16: close, not exact
+        assert EXACT < max_diff(reference(), params(result.state)) < 1e-2
     else:
         assert max_diff(reference(), params(result.state)) < EXACT
     forwards = (folder / f"{mode.replace(' ', '-')}.1").read_text().split("\n")[:-1]
-    assert forwards == ["1 0.0"] * (1 + FORWARDS_AFTER_THE_FIRST.get(mode, 0)), forwards
+    # Shares by memory probe each rank's activations once, at start (run/shares.py).
+    probe = ["1 1"] if "by memory" in mode else []
+    assert forwards == probe + ["1 0.0"] * (1 + FORWARDS_AFTER_THE_FIRST.get(mode, 0)), forwards
     # The same collectives on both ranks, update by update.
     ops = [{name: [(call.op, call.tensors) for call in calls]
             for name, calls in result.updates(rank).items()} for rank in (0, 1)]
@@ -169,7 +177,7 @@ def test_state_shares_by_memory_match_one_process(two_ranks, three_ranks, mode):
                    in zip(result.state_bytes, expected)), (result.state_bytes, expected)
 
 
-@pytest.mark.parametrize("mode", ["zero0", "zero3"])
+@pytest.mark.parametrize("mode", ["zero0", "zero3", "zero3 by memory"])
 def test_bf16_on_two_uneven_ranks_stays_close_to_one_process(two_ranks, mode):
     ref, fp32 = reference(*BF16), reference("--toy-dtype", "float32")
     diff = max_diff(ref, params(two_ranks[f"{mode} bf16 24+8"].state))
