@@ -30,7 +30,6 @@ import json
 import os
 import resource
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -41,7 +40,7 @@ from hetseq import cli  # noqa: E402
 from hetseq.update.controller import Controller  # noqa: E402
 from hetseq.distributed.launch import DistContext  # noqa: E402
 from hetseq.tasks import TASKS  # noqa: E402
-from models import Bert, BertBase, register  # noqa: E402  (bench/models.py)
+from models import Bert, BertBase, register, take_turns  # noqa: E402  (bench/models.py)
 from output import emit  # noqa: E402  (bench/output.py)
 
 MODES = {"zero0": ["--zero", "0"], "zero1": ["--zero", "1"], "zero2": ["--zero", "2"],
@@ -85,14 +84,7 @@ def speed_worker(rank, world, port, steps, out):
     ctrls = {name: controller(Bert, flags, ctx) for name, flags in MODES.items()}
     g = torch.Generator().manual_seed(rank)
     batches = [Bert.batch(8, g) for _ in range(steps)]
-    spent = dict.fromkeys(ctrls, 0.0)
-    names = list(ctrls)
-    for i, batch in enumerate(batches):
-        for name in names[i % len(names):] + names[:i % len(names)]:   # rotating order
-            begin = time.perf_counter()
-            ctrls[name].train_step([batch], batch)
-            if i >= 2:   # two warm-up rounds
-                spent[name] += time.perf_counter() - begin
+    spent = take_turns(ctrls, batches)
     if rank == 0:
         out.put(spent)
     del ctrls

@@ -57,7 +57,7 @@ from hetseq.optim import OPTIMIZERS  # noqa: E402
 from hetseq.plan import state_shares  # noqa: E402
 from hetseq.tasks import TASKS  # noqa: E402
 from hetseq.update.controller import Controller  # noqa: E402
-from models import Bert, BertBase, register  # noqa: E402  (bench/models.py)
+from models import Bert, BertBase, register, take_turns  # noqa: E402  (bench/models.py)
 from output import emit  # noqa: E402  (bench/output.py)
 
 GB = 2 ** 30
@@ -278,14 +278,7 @@ def speed_worker(rank, world, port, steps, out):
     described = {name: ctrl.describe_sharding() for name, ctrl in ctrls.items()}
     g = torch.Generator().manual_seed(rank)
     batches = [Bert.batch(8, g) for _ in range(steps)]
-    spent = dict.fromkeys(ctrls, 0.0)
-    names = list(ctrls)
-    for i, batch in enumerate(batches):
-        for name in names[i % len(names):] + names[:i % len(names)]:   # rotating order
-            begin = time.perf_counter()
-            ctrls[name].train_step([batch], batch)
-            if i >= 2:   # two warm-up rounds
-                spent[name] += time.perf_counter() - begin
+    spent = take_turns(ctrls, batches)
     out.put({"rank": rank, "spent": spent, "described": described,
              "state_bytes": {name: ctrl.state_bytes() for name, ctrl in ctrls.items()}})
     del ctrls

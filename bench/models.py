@@ -1,4 +1,7 @@
-"""Models the benchmarks train, each as a HetSeq task on random in-memory batches."""
+"""Models the benchmarks train, each as a HetSeq task on random in-memory batches,
+and how several Controllers are timed side by side."""
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -79,3 +82,18 @@ def register(kind):
         register_task(kind.name)(type(kind.name, (Task,), {
             "build_model": lambda self: kind.build(),
             "loss": lambda self, model, sample: kind.loss(model, sample)}))
+
+
+def take_turns(ctrls, batches, warmup=2):
+    """Seconds each Controller of ``ctrls`` ({name: Controller}) spent on
+    ``batches``, one update each per batch, their order rotating, so the
+    drift of a shared machine hits all alike; the first ``warmup`` rounds
+    are not counted."""
+    spent, names = dict.fromkeys(ctrls, 0.0), list(ctrls)
+    for i, batch in enumerate(batches):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            begin = time.perf_counter()
+            ctrls[name].train_step([batch], batch)
+            if i >= warmup:
+                spent[name] += time.perf_counter() - begin
+    return spent
