@@ -36,6 +36,9 @@ def _gathered_while_training(rank, world, init, zero, out):
 
     def count(kind):
         seen[kind].append(sum(flat.gathered for flat in flats))
+        # Whole gradients held from an earlier micro-batch: none (reduced at once).
+        seen.setdefault("whole grads", []).append(
+            sum(p.grad is not None for flat in flats for p in flat.params))
 
     def at_backward(module, args, output):
         output.register_hook(lambda grad: count("backward"))
@@ -46,12 +49,13 @@ def _gathered_while_training(rank, world, init, zero, out):
         block.register_forward_pre_hook(lambda *_: count("forward"))
         block.register_forward_hook(at_backward)
     data = task.load_dataset("train")
-    batch = keyed(data, list(range(8 * rank, 8 * rank + 8)))
-    controller.train_step([batch], batch)
+    first, second = (keyed(data, list(range(8 * rank + 4 * i, 8 * rank + 4 * i + 4)))
+                     for i in range(2))
+    controller.train_step([first, second], first)       # two micro-batches
     left = [flat.full.untyped_storage().nbytes() for flat in flats]
     # A gradient range is its own storage (a view of the unit's whole
     # gradient once kept that alive: memory the ranks' counts never saw).
-    grads = [(flat.shard.grad.untyped_storage().nbytes(), flat.shard.grad.nbytes)
+    grads = [(flat.grad.untyped_storage().nbytes(), flat.grad.nbytes)
              for flat in flats]
     owned = [flat.hi - flat.lo for flat in flats]
     out.put(portable((seen, left, owned, [flat.numel for flat in flats], grads)))
@@ -63,17 +67,21 @@ def _gathered_while_training(rank, world, init, zero, out):
 def test_units_are_gathered_while_they_run_and_freed_after(tmp_path, zero):
     """--zero 3 holds the root and one block at a time (a block is freed
     after its forward and gathered again for its backward); --zero 2 keeps
-    each from its forward to its backward. After the update no unit is
-    gathered, and each rank owns its fraction (1:3) of every unit."""
+    each from its forward to its backward. No whole gradient waits for the
+    next micro-batch (the memory the plan counts). After the update no unit
+    is gathered, and each rank owns its fraction (1:3) of every unit."""
     queue = rank_queue()
     start_ranks(_gathered_while_training, 2, 2, f"file://{tmp_path / 'meet'}", zero, queue)
     results = [unpack(queue.get()) for _ in range(2)]
     for seen, left, owned, numels, grads in results:
         assert all(storage == size for storage, size in grads), grads
         if zero == 3:
-            assert seen["forward"] == [2, 2, 2] and seen["backward"] == [2, 2, 2], seen
+            assert seen["forward"] == [2, 2, 2] * 2 and seen["backward"] == [2, 2, 2] * 2, seen
         else:
-            assert seen["forward"] == [2, 3, 4] and seen["backward"] == [4, 3, 2], seen
+            assert seen["forward"] == [2, 3, 4] * 2 and seen["backward"] == [4, 3, 2] * 2, seen
+        # At a block's forward no parameter holds a gradient (the first
+        # micro-batch's went to the owners); in backward only its own units'.
+        assert seen["whole grads"][:3] == seen["whole grads"][6:9] == [0, 0, 0], seen
         assert left == [0] * len(left)
     owned = sorted((result[2] for result in results), key=sum)
     numels = results[0][3]
@@ -140,6 +148,62 @@ def test_shares_by_memory_leave_each_rank_room_for_its_activations(tmp_path):
     assert re.search(rf"batch 48 in 1 micro-batch\(es\), state [\d.]+ MB \({first}%\)", out)
     reference = alone(*common[:-4], "--max-sentences", 56)["model"]
     assert max_diff(reference, final_params(tmp_path / "run")) < EXACT
+
+
+def test_units_are_the_innermost_list_members_and_ties_go_to_the_root():
+    from torch import nn
+    from hetseq.update.flat_units import units
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Linear(2, 2)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(2, 2), nn.ModuleList(
+                [nn.Linear(2, 2)])) for _ in range(2))
+            self.head = nn.Linear(2, 2)
+            self.head.weight = self.blocks[0][0].weight      # a member's weight, and the root's
+    model = Tied()
+    names = {id(p): name for name, p in model.named_parameters()}
+    found = [(type(unit).__name__, sorted(names[id(p)] for p in params))
+             for unit, params in units(model)]
+    assert found == [("Sequential", ["blocks.0.0.bias"]),
+                     ("Sequential", ["blocks.1.0.bias", "blocks.1.0.weight"]),
+                     ("Linear", ["blocks.0.1.0.bias", "blocks.0.1.0.weight"]),
+                     ("Linear", ["blocks.1.1.0.bias", "blocks.1.1.0.weight"]),
+                     ("Tied", ["blocks.0.0.weight", "emb.bias", "emb.weight", "head.bias"])]
+
+
+SPARE = [*BLOCKS, "--toy-spare-above", 1000, "--momentum", 0.9]     # spares never used
+
+
+def test_a_checkpoint_with_parameters_without_optimizer_state_resumes_by_memory(tmp_path):
+    """One process leaves the never-used spares without momentum; --zero 2
+    by memory resumes it (their pieces get no state, the others theirs),
+    equals the run never interrupted, and saves the same format back."""
+    straight = run_nodes([[*SPARE, "--max-update", 6, "--max-sentences", 32,
+                           "--save-dir", tmp_path / "straight"]])
+    assert_ok(straight)
+    assert_ok(run_nodes([[*SPARE, "--max-update", 3, "--max-sentences", 32,
+                          "--save-dir", tmp_path / "run"]]))
+    assert_ok(run_job([*SPARE, "--max-update", 6, "--save-dir", tmp_path / "run", "--zero", 2],
+                      [["--max-sentences", 24, "--max-memory-gb", 0.001],
+                       ["--max-sentences", 8, "--max-memory-gb", 0.003]]))
+    assert max_diff(final_params(tmp_path / "straight"), final_params(tmp_path / "run")) < EXACT
+    [a, b] = [torch.load(tmp_path / d / "checkpoint_last.pt", weights_only=True)
+              ["controller"]["optimizer"]["state"] for d in ("straight", "run")]
+    assert sorted(a) == sorted(b) and len(a) < 4 * 3 + 4           # spares: no state
+    assert all(torch.equal(a[i]["momentum_buffer"], b[i]["momentum_buffer"]) or
+               (a[i]["momentum_buffer"] - b[i]["momentum_buffer"]).abs().max() < EXACT for i in a)
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_memory_as_in_every_mode(tmp_path):
+    assert_ok(run_nodes([[*BLOCKS, "--max-update", 1, "--max-sentences", 8,
+                          "--save-dir", tmp_path]]))
+    refused = run_job([*EXACT_SGD, "--toy-blocks", 2, "--max-update", 2, "--save-dir", tmp_path,
+                       "--zero", 3, "--state-shares", "memory"],
+                      [["--max-sentences", 4], ["--max-sentences", 4]])
+    code, out = refused[0]
+    assert code == 2 and "2 unexpected key(s), e.g. blocks.2.lin.weight" in out, out[-2000:]
 
 
 @pytest.mark.parametrize("flags, words", [

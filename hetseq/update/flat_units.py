@@ -21,23 +21,32 @@ from torch import nn
 
 
 def units(model):
-    """[(module, [its own trainable parameters])]: the ModuleLists' members
-    first, in model order, then the root with every parameter left. A
-    parameter shared by two units (tied weights) belongs to the root."""
+    """[(module, [its own trainable parameters])]: every member of an
+    ``nn.ModuleList`` (at any depth: a parameter belongs to the innermost
+    member holding it), in model order, then the root with every parameter
+    left. A parameter held by modules of two units (tied weights: a layer's
+    and the root's head's) belongs to the root, gathered all through."""
     members = [unit for module in model.modules() if isinstance(module, nn.ModuleList)
                for unit in module]
+    index = {id(unit): i for i, unit in enumerate(members)}
     owners = {}
-    for index, unit in enumerate(members):
-        for param in unit.parameters():
-            owners.setdefault(id(param), set()).add(index)
-    found = []
-    for index, unit in enumerate(members):
-        mine = [p for p in unit.parameters() if p.requires_grad and owners[id(p)] == {index}]
-        if mine:
-            found.append((unit, mine))
-    taken = {id(p) for _, params in found for p in params}
-    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
-    return found + ([(model, rest)] if rest else [])
+
+    def walk(module, unit):
+        unit = index.get(id(module), unit)
+        for param in module._parameters.values():
+            if param is not None:
+                owners.setdefault(id(param), set()).add(unit)
+        for child in module._modules.values():
+            if child is not None:
+                walk(child, unit)
+    walk(model, None)
+    held = {}
+    for param in model.parameters():
+        if param.requires_grad:
+            (unit,) = owners[id(param)] if len(owners[id(param)]) == 1 else (None,)
+            held.setdefault(unit, []).append(param)
+    found = [(unit, held[i]) for i, unit in enumerate(members) if i in held]
+    return found + ([(model, held[None])] if None in held else [])
 
 
 def bounds(numel, shares):
@@ -84,36 +93,52 @@ class FlatUnit:
     FSDP1 does: autograd's saved parameters keep their shapes and see the
     data again once it is gathered). ``kept`` (--zero 1): always gathered,
     the shard a view of ``full``; else the shard is a tensor of its own on
-    ``home`` (the host under --cpu-offload)."""
+    ``home`` (the host under --cpu-offload).
+
+    The optimizer steps ``pieces``: one parameter per model parameter the
+    range overlaps, views of the shard. A model parameter that got no
+    gradient on any rank in an update keeps no gradient in its pieces, so
+    the optimizer leaves it alone, as torch's leaves a parameter whose
+    gradient is None (momentum and weight decay would move it otherwise)."""
 
     def __init__(self, params, cuts, rank, device, home, kept):
-        self.params, self.cuts, self.kept = params, cuts, kept
-        self.lo, self.hi = cuts[rank], cuts[rank + 1]
-        self.numel = cuts[-1]
+        self.params, self.kept = params, kept
+        self.numel = sum(p.numel() for p in params)
         self.full = torch.empty(self.numel, dtype=params[0].dtype, device=device)
         self._bytes = self.full.untyped_storage().nbytes()
-        offset = 0
+        self.offsets, offset = [], 0
         with torch.no_grad():
             for param in params:
                 view = self.full[offset:offset + param.numel()]
                 view.copy_(param.detach().reshape(-1))
                 param.data = view.view(param.shape)
+                self.offsets.append(offset)
                 offset += param.numel()
-        own = self.full[self.lo:self.hi]
-        self.shard = nn.Parameter(own if kept else own.detach().to(home, copy=True))
         self.gathered = True
+        self._own(cuts, rank, home)
         if not kept:
             self.free()
+
+    def _own(self, cuts, rank, home):
+        """The range [cuts[rank], cuts[rank+1]) (the unit gathered)."""
+        self.cuts, self.lo, self.hi = cuts, cuts[rank], cuts[rank + 1]
+        own = self.full[self.lo:self.hi]
+        self.shard = own if self.kept else own.detach().to(home, copy=True)
+        self.pieces = []          # (parameter index, its first element, the piece)
+        for i, (param, offset) in enumerate(zip(self.params, self.offsets)):
+            start, end = max(self.lo, offset), min(self.hi, offset + param.numel())
+            if start < end:
+                piece = nn.Parameter(self.shard[start - self.lo:end - self.lo])
+                self.pieces.append((i, start - offset, piece))
+        self.grad = None          # this range's summed gradient / W, while an update runs
+        self.used = torch.zeros(len(self.params), dtype=torch.int32)
 
     def recut(self, cuts, rank):
         """Own the range [cuts[rank], cuts[rank+1]) from now on (a
         collective: the unit is gathered first, where it is not)."""
         was = self.gathered
         self.gather()
-        self.cuts, self.lo, self.hi = cuts, cuts[rank], cuts[rank + 1]
-        own = self.full[self.lo:self.hi]
-        self.shard = nn.Parameter(own if self.kept else
-                                  own.detach().to(self.shard.device, copy=True))
+        self._own(cuts, rank, self.shard.device)
         if not was:
             self.free()
 
@@ -143,11 +168,15 @@ class FlatUnit:
             self.full.untyped_storage().resize_(0)
             self.gathered = False
 
+    def _whole_grads(self):
+        """The parameters' gradients (zeros where none), noting which had one."""
+        self.used |= torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32)
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+
     def reduce_grads(self, world, dtype):
-        """The summed gradient of this rank's range, divided by W, into the
-        shard's gradient (accumulated: a second backward of one update
-        adds); every parameter's whole gradient freed. A collective."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        """The summed gradient of this rank's range, divided by W, added to
+        ``grad``; every parameter's whole gradient freed. A collective."""
+        grads = self._whole_grads()
         flat = torch.cat([g.reshape(-1) for g in grads]).to(dtype or grads[0].dtype)
         for p in self.params:
             p.grad = None
@@ -156,15 +185,26 @@ class FlatUnit:
         # A copy: a view would keep the whole unit's gradient alive until the step.
         mine = flat[self.lo:self.hi].to(self.shard.dtype, copy=True).div_(world)
         mine = mine.to(self.shard.device)
-        if self.shard.grad is None:
-            self.shard.grad = mine
-        else:
-            self.shard.grad.add_(mine)
+        self.grad = mine if self.grad is None else self.grad.add_(mine)
 
     def gather_grads(self):
         """--zero 1: this rank's range of the (already summed) gradients."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        self.shard.grad = owned(grads, self.lo, self.hi).to(self.shard.device)
+        self.grad = owned(self._whole_grads(), self.lo, self.hi).to(self.shard.device)
+
+    def hand_over(self, used):
+        """The gradient to the pieces of the parameters ``used`` (by any
+        rank in this update); the others' pieces get none."""
+        for i, start, piece in self.pieces:
+            lo = self.offsets[i] + start - self.lo
+            piece.grad = self.grad[lo:lo + piece.numel()] if used[i] else None
+
+    def clear(self):
+        self.grad = None
+        self.used.zero_()
+        for _, _, piece in self.pieces:
+            piece.grad = None
+        for p in self.params:
+            p.grad = None
 
     # ---- the full format ----
 
@@ -179,8 +219,5 @@ class FlatUnit:
 
     def split(self, flat):
         """``flat`` cut into one host tensor per parameter, in its shape."""
-        out, offset = [], 0
-        for param in self.params:
-            out.append(flat[offset:offset + param.numel()].view(param.shape).detach().cpu().clone())
-            offset += param.numel()
-        return out
+        return [flat[offset:offset + param.numel()].view(param.shape).detach().cpu().clone()
+                for param, offset in zip(self.params, self.offsets)]

@@ -6,13 +6,17 @@ a model whose even share would not fit the small card.
 
 Each unit's parameters are laid flat (flat_units.py); rank r owns the range
 [cuts[r], cuts[r+1]) of each flat vector: the optimizer updates that range
-(its ``shard``, an ordinary parameter), so the optimizer state is that size.
+(its ``shard``, cut into one piece per model parameter it overlaps, so a
+parameter no rank gave a gradient is left alone), so the optimizer state
+is that size.
 
     --zero 1   parameters whole on every rank (DDP sums the gradients);
                after the step each owner broadcasts its range
     --zero 2   at rest a rank holds only its ranges of the parameters, the
                gradients and the optimizer state; a unit is gathered at its
-               first forward and freed after its backward
+               forward and freed after its backward, its gradient reduced
+               to the owners after every micro-batch (never held whole
+               until the next: the memory the plan counts)
     --zero 3   as 2, and each unit freed after its forward, gathered again
                for its backward
 
@@ -30,9 +34,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from hetseq.update import flat_units
-from hetseq.update.flat_units import FlatUnit, owned
+from hetseq.update import flat_state, flat_units
+from hetseq.update.flat_units import FlatUnit
 from hetseq.update.held import rebuilt_optimizer
 from hetseq.update.sharding import SHARDS_BY_MEMORY, Replicas, Sharding
 
@@ -40,13 +45,30 @@ logger = logging.getLogger(__name__)
 
 
 class UnevenOptimizer:
-    """The optimizer the Controller steps: the job's own kind (rebuilt over
-    this rank's shards) and, under --zero 1, the ranges shared after the
-    step. ``optim`` is the inner one (as ZeroRedundancyOptimizer's)."""
+    """The optimizer the Controller steps: the job's own kind, rebuilt over
+    this rank's pieces (flat_units.py), and, under --zero 1, the ranges
+    shared after the step. ``optim`` is the inner one (as
+    ZeroRedundancyOptimizer's). ``ctx``: the run's DistContext."""
 
-    def __init__(self, optimizer, flats, kept):
-        self.optim = rebuilt_optimizer(optimizer, [flat.shard for flat in flats])
-        self.flats, self.kept = flats, kept
+    def __init__(self, optimizer, flats, kept, ctx):
+        self.flats, self.kept, self.ctx = flats, kept, ctx
+        self.optim = rebuilt_optimizer(optimizer, self._pieces())
+
+    def _pieces(self):
+        pieces = [piece for flat in self.flats for _, _, piece in flat.pieces]
+        # A rank whose ranges are all empty steps nothing (torch refuses an
+        # optimizer of no parameters).
+        return pieces or [nn.Parameter(torch.zeros(0))]
+
+    def rebuild(self):
+        """Over the flats' pieces as they are now, before any state exists
+        (the rate the schedule set is kept)."""
+        if any(self.optim.state.values()):
+            raise RuntimeError("the state shares change only before the first update")
+        rates = [group["lr"] for group in self.optim.param_groups]
+        self.optim = rebuilt_optimizer(self.optim, self._pieces())
+        for group, rate in zip(self.optim.param_groups, rates):
+            group["lr"] = rate
 
     @property
     def param_groups(self):
@@ -60,32 +82,29 @@ class UnevenOptimizer:
     def defaults(self):
         return self.optim.defaults
 
-    def rebuild(self):
-        """Over the flats' shards as they are now, before any state exists
-        (the rate the schedule set is kept)."""
-        if any(self.optim.state.values()):
-            raise RuntimeError("the state shares change only before the first update")
-        rates = [group["lr"] for group in self.optim.param_groups]
-        self.optim = rebuilt_optimizer(self.optim, [flat.shard for flat in self.flats])
-        for group, rate in zip(self.optim.param_groups, rates):
-            group["lr"] = rate
-
     def zero_grad(self, set_to_none=True):
         self.optim.zero_grad(set_to_none=set_to_none)
         for flat in self.flats:
-            for p in flat.params:
-                p.grad = None
+            flat.clear()
 
     def step(self, closure=None):
         if self.kept:
             for flat in self.flats:
                 flat.gather_grads()
+        for flat, used in zip(self.flats, self._used_anywhere()):
+            flat.hand_over(used)
         self.optim.step()
         if self.kept:
             with torch.no_grad():
                 for flat in self.flats:
                     flat.share_update()
-                    flat.shard.grad = None
+
+    def _used_anywhere(self):
+        """Per flat, which of its parameters got a gradient on some rank in
+        this update (one small all-reduce): the others are not stepped."""
+        used = torch.cat([flat.used for flat in self.flats]).to(self.ctx.device)
+        dist.all_reduce(used)
+        return used.cpu().split([len(flat.params) for flat in self.flats])
 
     def state_dict(self):
         return self.optim.state_dict()
@@ -96,11 +115,10 @@ class UnevenOptimizer:
 
 class UnevenBase:
     """What the three uneven modes share: the flats, their shares, the full
-    format of a checkpoint. Mixed into a Sharding subclass."""
-    shares = None          # every rank's fraction, set by build()
+    format of a checkpoint (flat_state.py). Mixed into a Sharding subclass;
+    ``shares`` set by build()."""
 
     def make_flats(self, model, device, home, kept):
-        self._names = {id(p): name for name, p in model.named_parameters()}
         self._index = {id(p): i for i, p in enumerate(
             p for p in model.parameters() if p.requires_grad)}
         self.flats = []
@@ -111,11 +129,14 @@ class UnevenBase:
                 self.flats.append((unit, FlatUnit(group, cuts, self.ctx.rank, device, home, kept)))
         return [flat for _, flat in self.flats]
 
+    def _flats(self):
+        return [flat for _, flat in self.flats]
+
     def reshare(self, shares, optimizer):
         """Every rank's fraction of each unit from now on (a collective),
         before the first update: the optimizer is rebuilt over the new ranges."""
         self.shares = list(shares)
-        for _, flat in self.flats:
+        for flat in self._flats():
             flat.recut(flat_units.bounds(flat.numel, self.shares), self.ctx.rank)
         optimizer.rebuild()
 
@@ -123,84 +144,19 @@ class UnevenBase:
         return ", ".join(f"{share:.0%}" for share in self.shares)
 
     def build_optimizer(self, optimizer):
-        return UnevenOptimizer(optimizer, [flat for _, flat in self.flats], self.kept)
+        return UnevenOptimizer(optimizer, self._flats(), self.kept, self.ctx)
 
     def model_state(self, model):
-        """Collective: the full state on rank 0 (an empty dict on the others)."""
-        whole = {}
-        for _, flat in self.flats:
-            was = flat.gathered
-            flat.gather()
-            if self.ctx.is_main:
-                for param, value in zip(flat.params, flat.split(flat.full)):
-                    whole[id(param)] = value
-            if not was:
-                flat.free()
-        if not self.ctx.is_main:
-            return {}
-        return {name: whole[id(value)] if id(value) in whole else value.detach().cpu()
-                for name, value in model.state_dict(keep_vars=True).items()}
+        return flat_state.model_state(self._flats(), model, self.ctx)
 
     def load_model_state(self, model, state):
-        names = dict(model.named_parameters(remove_duplicate=False))
-        for name, param in names.items():
-            if name not in state:
-                raise RuntimeError(f"the checkpoint has no parameter {name}")
-            if tuple(state[name].shape) != tuple(param.shape):
-                raise RuntimeError(f"parameter {name} has shape {tuple(param.shape)} but the "
-                                   f"checkpoint holds {tuple(state[name].shape)}")
-        with torch.no_grad():
-            for _, flat in self.flats:
-                saved = [state[self._names[id(p)]].to(flat.shard) for p in flat.params]
-                if flat.gathered:
-                    flat.full.data.copy_(owned(saved, 0, flat.numel))
-                else:
-                    flat.shard.data.copy_(owned(saved, flat.lo, flat.hi))
-        rest = {k: v for k, v in state.items() if k not in names}
-        model.load_state_dict(rest, strict=False)
+        flat_state.load_model_state(self._flats(), model, state)
 
     def optimizer_state(self, model, optimizer):
-        """Collective: a plain optimizer's state over the model's trainable
-        parameters (keyed by position), on rank 0; None on the others."""
-        inner = optimizer.optim
-        state = {}
-        for _, flat in self.flats:
-            mine = inner.state.get(flat.shard, {})
-            for key in sorted(mine):
-                value = mine[key]
-                if torch.is_tensor(value) and value.dim() > 0:
-                    parts = flat.split(flat.whole(value.to(flat.full.device)))
-                else:   # one tensor per parameter: a shared step would count each update N times
-                    parts = [value.clone() if torch.is_tensor(value) else value
-                             for _ in flat.params]
-                if self.ctx.is_main:
-                    for param, part in zip(flat.params, parts):
-                        state.setdefault(self._index[id(param)], {})[key] = part
-        if not self.ctx.is_main:
-            return None
-        groups = [{**{k: v for k, v in group.items() if k != "params"},
-                   "params": list(range(len(self._index)))} for group in inner.param_groups]
-        return {"state": state, "param_groups": groups}
+        return flat_state.optimizer_state(self._flats(), optimizer.optim, self._index, self.ctx)
 
     def load_optimizer_state(self, model, optimizer, state):
-        inner = optimizer.optim
-        saved = state["param_groups"]
-        for group, settings in zip(inner.param_groups, saved):
-            group.update({k: v for k, v in settings.items() if k != "params"})
-        for _, flat in self.flats:
-            per_param = [state["state"].get(self._index[id(p)], {}) for p in flat.params]
-            keys = set(per_param[0]) if per_param else set()
-            if not keys:
-                inner.state.pop(flat.shard, None)
-                continue
-            mine = {}
-            for key in keys:
-                values = [entry[key] for entry in per_param]
-                if torch.is_tensor(values[0]) and values[0].dim() > 0:
-                    mine[key] = owned([v.to(flat.shard) for v in values], flat.lo, flat.hi)
-                else:
-                    mine[key] = values[0].clone() if torch.is_tensor(values[0]) else values[0]
-            inner.state[flat.shard] = mine
+        flat_state.load_optimizer_state(self._flats(), optimizer.optim, state, self._index)
 
 
 @SHARDS_BY_MEMORY.register("1")
@@ -244,7 +200,7 @@ class UnevenShards(UnevenBase, Sharding):
             owner._buffers[attr] = buffer.to(self.ctx.device)
         self.make_flats(model, self.ctx.device, home, kept=False)
         self._root = model
-        self.syncing, self._waited, self._queued = True, 0.0, False
+        self._waited, self._queued = 0.0, False
         from hetseq.update.precision import DTYPES
         # float32 (the default) means: summed in the parameters' own dtype.
         low = self.precision.reduce_dtype != "float32"
@@ -309,25 +265,21 @@ class UnevenShards(UnevenBase, Sharding):
                 self._timed(lambda flat=flat: self._finish(flat))
 
     def _finish(self, flat):
-        """A unit's backward is done: its gradient reduced to the owners on
-        an update's last micro-batch (else kept whole to accumulate), the
-        unit freed."""
-        if self.syncing:
-            flat.reduce_grads(self.ctx.world_size, self._reduce_dtype)
+        """A unit's backward is done: its gradient reduced to the owners (on
+        every micro-batch: a whole gradient kept for the next would be
+        memory no share counts; FSDP2 keeps it, and reduces once), the unit
+        freed."""
+        flat.reduce_grads(self.ctx.world_size, self._reduce_dtype)
         flat.free()
-
-    def sync(self, wrapped, last):
-        self.syncing = last
-        return super().sync(wrapped, last)
 
     def can_idle(self):
         return not self.ctx.distributed
 
     def local_grads(self, params):
-        return [flat.shard.grad for _, flat in self.flats if flat.shard.grad is not None]
+        return [flat.grad for _, flat in self.flats if flat.grad is not None]
 
     def counted_params(self, params):
-        return [flat.shard for _, flat in self.flats]     # the parameters' own ranges
+        return [flat.shard for _, flat in self.flats]     # this rank's ranges
 
     def reduce(self, tensor):
         if self.ctx.distributed:

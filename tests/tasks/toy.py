@@ -30,15 +30,32 @@ class TanhDropout(nn.Module):
         return self.drop(torch.tanh(x))
 
 
+class Block(nn.Module):
+    """A residual block's body: Linear, tanh, dropout; with ``spare_above``
+    another Linear that only batches of more samples use (its parameters
+    then get no gradient in some updates)."""
+
+    def __init__(self, width, p, spare_above=None):
+        super().__init__()
+        self.lin, self.act = nn.Linear(width, width), TanhDropout(p)
+        self.spare_above = spare_above
+        self.spare = nn.Linear(width, width) if spare_above is not None else None
+
+    def forward(self, x):
+        out = self.act(self.lin(x))
+        if self.spare is not None and x.shape[0] > self.spare_above:
+            out = out + self.spare(x)
+        return out
+
+
 class Blocks(nn.Module):
     """--toy-blocks N: a Linear, N residual blocks in an nn.ModuleList (each a
     unit of its own under --zero 2/3, gathered and freed by itself), a Linear."""
 
-    def __init__(self, width, blocks, p):
+    def __init__(self, width, blocks, p, spare_above=None):
         super().__init__()
         self.inp, self.act = nn.Linear(8, width), TanhDropout(p)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), TanhDropout(p))
-                                    for _ in range(blocks))
+        self.blocks = nn.ModuleList(Block(width, p, spare_above) for _ in range(blocks))
         self.out = nn.Linear(width, 1)
 
     def forward(self, x):
@@ -79,6 +96,9 @@ class ToyTask(Task):
         parser.add_argument("--toy-blocks", type=int, default=0,
                             help="N residual hidden blocks in an nn.ModuleList (units of "
                                  "their own under --zero 2/3); 0: the plain MLP")
+        parser.add_argument("--toy-spare-above", type=int, default=None, metavar="N",
+                            help="with --toy-blocks: each block has a spare Linear that only "
+                                 "micro-batches of more than N samples use")
         parser.add_argument("--toy-dtype", choices=["float64", "float32"], default="float64",
                             help="float64: only the order of summation differs between runs "
                                  "(exact comparisons); float32: what autocast acts on")
@@ -143,7 +163,8 @@ class ToyTask(Task):
     def build_model(self):
         torch.manual_seed(0)
         width = self.args.toy_width
-        model = Blocks(width, self.args.toy_blocks, self.args.toy_dropout) \
+        model = Blocks(width, self.args.toy_blocks, self.args.toy_dropout,
+                       self.args.toy_spare_above) \
             if self.args.toy_blocks else \
             nn.Sequential(nn.Linear(8, width), TanhDropout(self.args.toy_dropout),
                           nn.Linear(width, 1))
