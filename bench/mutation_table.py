@@ -241,8 +241,8 @@ MUTATIONS = {
         ["tests/test_elastic.py::test_the_state_comes_from_the_member_with_the_most_updates"]),
     "elastic-snapshot-skips-the-update-in-flight": (
         "survivors drop the update in flight: its samples are trained in the next generation",
-        "position = dict(self._completed).get(self.controller.num_updates, self._drawn)",
-        "position = self._drawn",
+        "return dict(self._completed).get(self.controller.num_updates, self._drawn)",
+        "return self._drawn",
         ["tests/test_elastic_scale.py::test_sixteen_nodes_lose_a_killed_and_a_frozen_host_and_a_waiting_node_takes_a_place"]),
     "elastic-join-signal-ignored": (
         "a node started later joins the running job at an update boundary",
@@ -558,8 +558,8 @@ MUTATIONS = {
         ['tests/test_elastic.py::test_overlapped_rounds_go_back_to_the_last_exchange_that_arrived']),
     'snapshot-forgets-the-round-before': (
         "a snapshot's data position is the one of the update it went back to, one of two rounds",
-        "position = dict(self._completed).get(",
-        "position = dict(list(self._completed)[-1:]).get(",
+        "return dict(self._completed).get(",
+        "return dict(list(self._completed)[-1:]).get(",
         ['tests/test_local_steps.py::test_a_snapshot_takes_the_data_position_of_the_update_it_went_back_to']),
     'every-member-walks-every-member': (
         "a member that will not lead asks the previous members only up to the first that answers",
@@ -824,4 +824,15 @@ MUTATIONS = {
         ["tests/test_parity.py::test_state_shares_by_memory_match_one_process",
          "tests/test_uneven.py::"
          "test_a_model_too_big_for_the_small_ranks_even_share_trains_with_shares_by_memory"]),
+    "elastic-split-snapshot-is-partial": (
+        "under a split state a snapshot is the newest full state kept, never a partial one",
+        "        if self.split:\n            return self._full\n",
+        "",
+        ["tests/test_elastic_shares.py::test_a_node_joins_a_split_state_and_is_lost_again"]),
+    "elastic-split-state-not-kept-at-saves": (
+        "under a split state every save keeps the full state: a loss goes back to the last save",
+        "        if self.split:\n            self._keep_full()\n",
+        "",
+        ["tests/test_elastic_shares.py::"
+         "test_a_member_lost_from_a_split_state_goes_back_to_the_last_save"]),
 }

@@ -207,9 +207,6 @@ def check_elastic(args, defaults):
     if args.global_batch_size is None:
         raise UserError("--elastic needs --global-batch-size: the global batch must not change "
                         "when nodes come and go")
-    if args.zero:
-        raise UserError(f"--elastic supports --zero 0 only (got --zero {args.zero}): a sharded "
-                        "state is lost with the host that held a shard")
     if args.heartbeat_timeout and args.heartbeat_timeout < 2 * health.INTERVAL_S:
         raise UserError(f"--heartbeat-timeout {args.heartbeat_timeout:g}: expected 0 (off) or at "
                         f"least {2 * health.INTERVAL_S:g} s, two heartbeats")

@@ -91,7 +91,6 @@ def changed(host, how):
     ([], "needs --global-batch-size"),
     (["--global-batch-size", 8, "--distributed-rank", 1], "drop --distributed-rank"),
     (["--global-batch-size", 8, "--distributed-no-spawn"], "drop --distributed-no-spawn"),
-    (["--global-batch-size", 8, "--zero", 1], "--zero 0 only"),
     (["--global-batch-size", 8, "--min-nodes", 3, "--max-nodes", 2], "min-nodes <= max-nodes"),
     (["--global-batch-size", 8, "--heartbeat-timeout", 1], "at least 2 s, two heartbeats"),
 ])

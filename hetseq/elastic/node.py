@@ -189,8 +189,8 @@ def _serve(place, state, device, args, job, node, inputs, topology):
         if place.rank == 0 else None
     ctx = DistContext(place.rank, place.world_size, device.index or 0, device, topology.backend,
                       topology.nprocs, node.launch.distributed_timeout, board)
-    run, mine, watch = None, state, None
-    seam = Elastic(place, lambda: mine)
+    run, mine, watch, back = None, state, None, None
+    seam = Elastic(place, lambda: mine, split=job.sharding.zero > 0 and place.world_size > 1)
     try:
         place.process_group(topology.backend)
         watch = place.watchdog(job.elastic.heartbeat_timeout)
@@ -206,7 +206,8 @@ def _serve(place, state, device, args, job, node, inputs, topology):
         why = f"a collective failed ({str(err).strip().splitlines()[0][:160]})" \
             if isinstance(err, RuntimeError) else "the heartbeats told it between inner steps"
         logger.warning("generation %d ended: %s", gen.number, why)
-        state = seam.snapshot() if run is not None else state
+        if run is not None:
+            state, back = seam.snapshot(), seam.went_back()
     else:
         updates = run.controller.num_updates
         run = seam = mine = None  # the model and states go before the group does
@@ -218,12 +219,24 @@ def _serve(place, state, device, args, job, node, inputs, topology):
                       updates)
         return Ended(True, updates, [], []), None
     lost = _stop(watch)
+    if back and back[0] > back[1] and place.local == 0:
+        _went_back(gen.number, back, job.sharding.zero, lost)
     # Objects holding the process group (DDP) go before the group does.
     run = seam = mine = None
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
     return _ended(False, state, lost), state
+
+
+def _went_back(number, back, zero, lost):
+    """Under a split state a lost member took its shard along: the node
+    offers its newest full state, ``back`` = (updates completed, its updates)."""
+    completed, kept = back
+    who = f"rank{'s' if len(lost) > 1 else ''} {rank_ranges(lost)}" if lost else "a member"
+    logger.warning("generation %d ended: went back %d updates to update %d: the state was "
+                   "split (--zero %d) and %s was lost; save more often (--save-interval-updates) "
+                   "to lose less", number, completed - kept, kept, zero, who)
 
 
 def _ended(finished, state, lost=()):

@@ -12,12 +12,26 @@ What the loop asks, in its order:
 - ``begin_update()``: the update's batches are drawn; its word in the stats;
 - ``raise_if_over()``: between inner steps of --local-steps (GenerationOver);
 - ``completed(result)``: after an update, once its plan is observed;
-- ``raise_if_joining()``: after the update's validation and save (Reconfigure).
+- ``raise_if_joining()``: after the update's validation and save (Reconfigure);
+- ``saved()``: after each save the run makes.
 
 node.py asks ``Elastic.snapshot()`` when the generation ends.
+
+A split state (--zero 1/2/3: each rank holds only its shard) cannot be
+snapshotted without a collective, and a lost member takes its shard with
+it. There each node's first process keeps the newest *full* state it can
+offer (``Elastic._full``): the one its generation started from, then the
+one every rank takes together (a collective while all are alive) before a
+join and at every save. A snapshot is that full state, never a partial
+one: after a lost member the next generation goes back to it and trains
+those updates again (exact, repeated work).
 """
 
 import collections
+import copy
+
+from hetseq.distributed.collectives import broadcast_from
+from hetseq.update.state_keys import CONTROLLER, UPDATES
 
 RECORD = "elastic"     # the checkpoint's entry: the generation's lineage and members
 
@@ -56,6 +70,9 @@ class Fixed:
     def raise_if_joining(self):
         pass
 
+    def saved(self):
+        pass
+
 
 FIXED = Fixed()
 
@@ -67,8 +84,14 @@ class Elastic:
 
     replans = True         # the saved split was for other members
 
-    def __init__(self, place, held):
+    def __init__(self, place, held, split=False):
+        """``split``: the run's state will be split between ranks (--zero
+        1/2/3, more than one rank; attach checks the Controller's word)."""
         self.place, self._held = place, held
+        self.split = split
+        self._kept_at = None         # the update of the full state last kept
+        self._full = None            # split state: the newest full state kept (first process only)
+        self._received = None        # the state this generation started from (split state)
         self.controller = self._data = self._local_state = None
         # (updates, data position) at the last two completed updates (rounds):
         # a snapshot goes back to one of them (--outer-overlap: two rounds).
@@ -82,7 +105,16 @@ class Elastic:
         """(rank, make, check): the rank the round chose, what it holds, and
         the lineage every rank requires of it."""
         gen = self.place.generation
-        return gen.source_rank, self._held, on_line(gen.members[gen.source]["lineage"])
+        check = on_line(gen.members[gen.source]["lineage"])
+
+        def received(state):
+            refusal = check(state)
+            if refusal is None and self._keeps():
+                # A copy: the optimizer may take the loaded tensors as its own
+                # and change them in place.
+                self._received = copy.deepcopy(state)
+            return refusal
+        return gen.source_rank, self._held, received
 
     def entries(self):
         return {RECORD: self.place.record()}
@@ -92,6 +124,15 @@ class Elastic:
         the checkpoint format, with no collective."""
         self.controller, self._data, self._local_state = controller, data, local_state
         self._completed.append((controller.num_updates, data.state_dict()))
+        self.split = self.split and controller.state_shares()[0] is not None
+        if self.split and self._received is not None:
+            # The state this generation started from, under this
+            # generation's lineage (as a snapshot taken now would be: the
+            # line keeps this generation, whose checkpoints stay on it). A
+            # fresh start has none to keep: every member then offers none,
+            # and the next generation starts afresh too.
+            self._full = {**self._received, RECORD: self.place.record()}
+        self._received = None
 
     def begin_update(self):
         """The update's batches are drawn. Returns this rank's word in its
@@ -114,8 +155,48 @@ class Elastic:
         self._completed.append((self.controller.num_updates, self._drawn))
 
     def raise_if_joining(self):
+        """After the update's validation and save: under a split state, the
+        full state kept before a join (every rank reaches this update and
+        reads the same signal)."""
+        if self.split and self._reconfigure:
+            self._keep_full()
         if self._reconfigure:
             raise Reconfigure()
+
+    def saved(self):
+        """The run saved (every rank): under a split state the full state
+        is kept too, so a lost member costs the updates since the last save."""
+        if self.split:
+            self._keep_full()
+
+    def _keeps(self):
+        """Whether this process keeps a full state: its node's first process
+        (the node offers one state; its other processes would hold copies)."""
+        return self.split and self.place.local == 0
+
+    def _keep_full(self):
+        """The full state of the update just completed, taken by every rank
+        together (the Controller's collective gathers it to rank 0) and sent
+        from rank 0 to all; replaced only once it arrived whole, so a member
+        lost meanwhile leaves the previous one. Once per update (a save
+        and a join may fall on the same one)."""
+        if self._kept_at == self.controller.num_updates:
+            return
+        self._kept_at = self.controller.num_updates
+        controller_state = self.controller.state_dict()      # full on rank 0 only
+        position = self._position()
+        state = broadcast_from(0, lambda: self._local_state(position, controller_state),
+                               self.controller.ctx)
+        if self._keeps():
+            self._full = state
+
+    def went_back(self):
+        """Under a split state, once the generation ended: (updates this
+        rank completed, updates of the full state it offers), or None."""
+        if not self.split or self.controller is None:
+            return None
+        kept = -1 if self._full is None else self._full[CONTROLLER.name][UPDATES]
+        return self.controller.num_updates, max(kept, 0)
 
     def snapshot(self):
         """The state of the last update this rank completed, without a
@@ -126,16 +207,23 @@ class Elastic:
         round: one cut short is undone, Controller.state_dict). A rank that
         sits out offers the state of the last update it took part in (its
         model has not moved since: update/members.py): behind the members',
-        never ahead."""
+        never ahead. Under a split state: the newest full state kept (None
+        on a node's other processes, or after a fresh start)."""
+        if self.split:
+            return self._full
         return self._left if self.controller.members.sitting else self._now()
 
     def _now(self):
         """The state of the last update this rank completed (``snapshot``)."""
         state = self.controller.state_dict(local=True)     # may go back a round
-        # Not one of them: an update this rank completed and the others did
-        # not (it holds one more); the position after the batch it drew.
-        position = dict(self._completed).get(self.controller.num_updates, self._drawn)
-        return self._local_state(position, state)
+        return self._local_state(self._position(), state)
+
+    def _position(self):
+        """The data position of the Controller's update: one of the last two
+        completed; not one of them, an update this rank completed and the
+        others did not (it holds one more): the position after the batch it
+        drew."""
+        return dict(self._completed).get(self.controller.num_updates, self._drawn)
 
 
 def on_line(lineage):

@@ -172,6 +172,7 @@ class Run:
     def _save(self, epoch, metric):
         self.checkpointer.save(self.controller.num_updates, self.train_data.epoch, epoch, metric)
         self.report.saved(self.controller.num_updates)
+        self.seam.saved()
 
     def stop_reason(self):
         training, controller = self.job.training, self.controller
