@@ -90,7 +90,7 @@ def storage_bytes(ctrl):
     tensor that is a view of a larger one shows the larger one here."""
     params = list(ctrl.sharding.counted_params(ctrl.params))
     inner = getattr(ctrl.optimizer, "optim", ctrl.optimizer)
-    tensors = params + [p.grad for p in params if p.grad is not None] + [
+    tensors = params + list(ctrl.sharding.local_grads(ctrl.params)) + [
         v for state in inner.state.values() for v in state.values()
         if torch.is_tensor(v) and v.dim() > 0]
     storages = {}
