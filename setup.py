@@ -6,7 +6,8 @@ setup(
     description="Synchronous data-parallel training on heterogeneous infrastructure",
     packages=find_packages(include=["hetseq", "hetseq.*"]),
     python_requires=">=3.10",
-    # Install torch==2.13.0 first (README): a bare "torch" pulls CUDA wheels.
+    # Install torch first, the wheel for your machine (README: a bare "torch" pulls
+    # CUDA wheels on a CPU-only host); 2.6 or newer (CI: 2.13; docs/gpu.md: 2.11).
     install_requires=["torch>=2.6", "numpy", "h5py", "tqdm", "tensorboard", "tokenizers",
                       "matplotlib"],
     # Loading Hugging Face *.safetensors weights (optional; .bin files need nothing).

@@ -603,9 +603,11 @@ MUTATIONS = {
         ['tests/test_checkpoint.py::test_validations_between_epoch_ends_count_for_the_best_checkpoint']),
     'secret-on-a-command-line': (
         "hetseq-launch: the job secret is in no process's command line",
-        "        self.proc = subprocess.Popen(command, cwd=cwd, stdin=subprocess.PIPE,",
+        "        self.proc = subprocess.Popen(command, cwd=cwd, stdin=subprocess.PIPE,\n"
+        "                                     stdout=",
         "        command = [*command[:-1], command[-1] + ' # ' + env.get('HETSEQ_JOB_SECRET', '')]\n"
-        "        self.proc = subprocess.Popen(command, cwd=cwd, stdin=subprocess.PIPE,",
+        "        self.proc = subprocess.Popen(command, cwd=cwd, stdin=subprocess.PIPE,\n"
+        "                                     stdout=",
         ['tests/test_launch.py::test_a_heterogeneous_job_over_ssh_equals_one_process_and_never_shows_its_secret']),
     'job-flag-in-a-hostfile': (
         "hetseq-launch: a job flag in the hostfile is refused, naming it",
@@ -644,6 +646,22 @@ MUTATIONS = {
         "        self.valid_log.record(update, epoch, split, metrics)\n",
         "",
         ['tests/test_first_hour.py::test_plot_of_a_real_run']),
+    'plot-one-validation-gets-a-panel': (
+        "hetseq-plot: one validation is a marked point with its values on the loss panel, no panel of dots",
+        "    with_panel = any(len(steps) >= 2 for steps, _ in metrics.values())",
+        "    with_panel = any(len(steps) >= 1 for steps, _ in metrics.values())",
+        ['tests/test_plot.py::test_a_short_run_with_one_validation_and_equal_shares']),
+    'plot-equal-shares-show-one-rank': (
+        "hetseq-plot: the ranks' shares stacked, every rank in the legend, equal shares too",
+        '    ax_share.stackplot(times, *stacked, labels=[f"rank {r}" for r in range(count)], alpha=0.8)',
+        '    ax_share.plot(times, stacked[0], label="rank 0")',
+        ['tests/test_plot.py::test_a_short_run_with_one_validation_and_equal_shares',
+         'tests/test_plot.py::test_a_long_run_with_validations_and_unequal_shares']),
+    'plot-long-runs-marked': (
+        "hetseq-plot: a long run's series drawn as thin lines, without markers",
+        "MARKERS_UP_TO = 50 ",
+        "MARKERS_UP_TO = 10 ** 6 ",
+        ['tests/test_plot.py::test_a_long_run_with_validations_and_unequal_shares']),
     'a-slow-member-taken-for-another-job': (
         "a second node on a member's host asks a member slow to greet again before calling its port another job's",
         "HOLDER_TRIES = 3",

@@ -65,7 +65,7 @@ MODES = {
     "local32_int8": ["--local-steps", 32, "--outer-dtype", "int8"],
 }
 POWERSGD_START = 10         # its default
-LOGGED = re.compile(r"\| epoch \d+ \| update [\d/]+ (?:\| \S+ left )?\| loss=([\d.]+) \|.*"
+LOGGED = re.compile(r"\| epoch \d+ \| update [\d/]+ (?:\| [^|=]+ )?\| loss=([\d.]+) \|.*"
                     r"\| sample_size=([\d.]+) \|")
 VALID = re.compile(r"valid on 'valid' \| epoch \d+ \| loss=([\d.]+).*\| update (\d+)")
 QUALITY_SPLITS = {"even": (8, 8, 8), "uneven": (4, 8, 12)}

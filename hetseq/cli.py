@@ -9,11 +9,11 @@ exchange modes add their own flags.
 """
 
 import argparse
-import difflib
 
 from hetseq import config
 from hetseq.distributed import health
 from hetseq.errors import UserError
+from hetseq.flags import Parser
 from hetseq.optim import OPTIMIZERS, SCHEDULERS
 from hetseq.plan import capacity
 from hetseq.sections import given_flags
@@ -56,28 +56,6 @@ def add_legacy_args(group):
     group.add_argument("--fix-batches-to-gpus", action="store_true",
                        help=LEGACY + "each rank reads only its own slice of every global batch")
     group.add_argument("--use-bmuf", action="store_true", help="not supported (HetSeq flag)")
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, with a misspelt flag answered in one line by the nearest
-    flags it knows (Python 3.11's argparse prints the whole usage instead)."""
-
-    def error(self, message):
-        unknown = message.split("unrecognized arguments: ", 1)
-        if len(unknown) == 2:
-            words = unknown[1].split()
-            flags = [word for word in words if word.startswith("-")]
-            # A misspelt flag leaves its value behind too: name the flag only.
-            message = "; ".join(self._suggest(word) for word in flags or words)
-        self.exit(2, f"{self.prog}: error: {message} (all flags: --help)\n")
-
-    def _suggest(self, word):
-        flag = word.split("=", 1)[0]
-        known = [o for action in self._actions for o in action.option_strings]
-        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.7)
-        if not flag.startswith("-"):
-            return f"unexpected argument '{word}' (a value without a flag?)"
-        return f"unknown flag {flag}" + (f": did you mean {close[0]}?" if close else "")
 
 
 def build_parser(task_cls=None, add_help=True):

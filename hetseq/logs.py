@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-_FORMAT = "%(asctime)s | rank {rank} | %(levelname)s | %(name)s | %(message)s"
+_FORMAT = "%(asctime)s | {label} | %(levelname)s | %(name)s | %(message)s"
 
 
 # Lines every node prints, from its first process, whatever --log-all-ranks:
@@ -69,16 +69,19 @@ class Tally:
         return first, due
 
 
-def setup_logging(rank=0, all_ranks=False, node_first=False):
+def setup_logging(rank=0, all_ranks=False, node_first=False, label=None):
     """Log INFO on rank 0 and only WARNING and above elsewhere (unless all_ranks);
-    the node's lines (``NODE``) at INFO on each node's first process."""
+    the node's lines (``NODE``) at INFO on each node's first process. Each
+    line says ``label``, by default 'rank RANK' (a node's own process, before
+    its ranks start: 'rank 2-3', or 'node' before they are known)."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         if getattr(handler, "_hetseq", False):
             root.removeHandler(handler)
     handler = logging.StreamHandler(sys.stderr)
     handler._hetseq = True
-    handler.setFormatter(logging.Formatter(_FORMAT.format(rank=rank), "%H:%M:%S"))
+    handler.setFormatter(logging.Formatter(_FORMAT.format(label=label or f"rank {rank}"),
+                                           "%H:%M:%S"))
     root.addHandler(handler)
     root.setLevel(logging.INFO if rank == 0 or all_ranks else logging.WARNING)
     NODE.setLevel(logging.INFO if rank == 0 or all_ranks or node_first else logging.WARNING)

@@ -4,7 +4,7 @@ ranks (or its elastic member), each running hetseq/run/loop.py's Run."""
 import logging
 
 from hetseq import cli
-from hetseq.distributed.launch import WorkerFailed, exit_now, launch
+from hetseq.distributed.launch import WorkerFailed, exit_now, launch, node_label, node_topology
 from hetseq.elastic.node import train_elastic
 from hetseq.errors import HetSeqError
 from hetseq.logs import setup_logging
@@ -16,15 +16,21 @@ logger = logging.getLogger("hetseq.run")
 
 
 def main(argv=None):
-    setup_logging(0)
+    # This node's lines say its ranks from the first on: 'node' until they
+    # are known (an elastic member's come from the meeting), then its own.
+    setup_logging(0, label="node")
     try:
         args, job, node = cli.parse(argv)
+        topology = None
+        if not job.elastic.elastic:
+            topology = node_topology(node, job.distributed_backend)
+            setup_logging(0, label=node_label(topology))
         inputs = TASKS.get(job.task).resolve_inputs(args)
         if job.elastic.elastic:
             train_elastic(args, job, node, inputs)
         else:
             launch(node, job.distributed_backend, train_worker, args, job, node, inputs,
-                   identity=job.identity(), board=StatusBoard)
+                   identity=job.identity(), board=StatusBoard, topology=topology)
     except (HetSeqError, WorkerFailed) as err:
         logger.error("%s", err)
         exit_now(err.exit_code)

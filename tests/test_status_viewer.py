@@ -194,7 +194,7 @@ def test_a_job_with_a_secret_is_read_through_its_gate():
 NASTY = [0, -1, 1, 2.5, 1e308, -1e308, 10**400, -10**400, 10**15, 1e15 + 1, math.nan,
          math.inf, -math.inf, True, False, None, "", "8", "\x1b[2J", "\ud800", "\u202e",
          "a\x07b" * 3000, "\n\t\r", [], {}]
-FIELDS = ["state", "generation", "update", "planned", "left_s", "loss", "samples_per_s",
+FIELDS = ["state", "generation", "update", "planned", "left_s", "left", "loss", "samples_per_s",
           "time", "ranks", "checkpoint", "rank", "host", "batch", "wait_s", "path"]
 
 

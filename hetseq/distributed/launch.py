@@ -56,20 +56,31 @@ class WorkerFailed(Exception):
         self.exit_code = exit_code
 
 
-def launch(node, backend, worker, *worker_args, identity=None, board=None):
+def node_topology(node, backend):
+    """This node's ranks (topology.py), from its flags or its launcher's variables."""
+    cuda_count = torch.cuda.device_count() if not node.launch.cpu else 0
+    return resolve_topology(node.launch, os.environ, cuda_count, backend)
+
+
+def node_label(topology):
+    """The log prefix of this node's own process: 'rank 1', 'rank 2-3'."""
+    return f"rank {rank_ranges(range(topology.first_rank, topology.first_rank + topology.nprocs))}"
+
+
+def launch(node, backend, worker, *worker_args, identity=None, board=None, topology=None):
     """Run ``worker(ctx, *worker_args)`` on every rank this node owns.
     ``node``: the NodeConfig (config.py); ``backend``: the job's
     --distributed-backend; ``identity``: what every node must agree on to
     join (``JobConfig.identity()``); ``board(store, hosts)``: rank 0's
     status board in a job of several ranks (ctx.board), made by the caller
-    so that start-up does not depend on the view (reporting/status.py).
+    so that start-up does not depend on the view (reporting/status.py);
+    ``topology``: ``node_topology``'s, when the caller has it.
 
     Returns the worker's result when it ran in this process (one local rank).
     """
     # A bad one: exit 2 before spawning.
     secret = job_secret.read_secret(node.launch.job_secret_file, identity=identity)
-    cuda_count = torch.cuda.device_count() if not node.launch.cpu else 0
-    topology = resolve_topology(node.launch, os.environ, cuda_count, backend)
+    topology = topology or node_topology(node, backend)
     if topology.nprocs == 1:
         return _run_rank(0, topology, node, identity, worker, worker_args, board)
     with _hosted_store(topology, secret) as topology:

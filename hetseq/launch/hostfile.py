@@ -17,6 +17,7 @@ import re
 import shlex
 
 from hetseq.errors import UserError
+from hetseq.flags import nearest
 
 # A host as ssh takes it: [user@]name, an IPv4 address or a bracketless IPv6 one.
 HOST = re.compile(r"^(?!-)([A-Za-z0-9._-]+@)?[A-Za-z0-9.:_-]+$")
@@ -95,6 +96,12 @@ def _node(words, number, where):
         else:
             flags.append((name, value if eq else None))
     if slots is None:
+        for name, value in flags:           # slot=2: a misspelt slots, named as the flags are
+            if nearest(name, ["slots"]):
+                written = name if value is None else f"{name}={value}"
+                right = "slots" if value is None else f"slots={value}"
+                raise UserError(f"{where} line {number}: unknown key {written}: did you mean "
+                                f"{right}?")
         raise UserError(f"{where} line {number}: {host} has no slots=N (the ranks it runs: "
                         "its GPUs, or its CPU processes with 'cpu')")
     return HostLine(host, slots, tuple(flags), number)

@@ -23,9 +23,11 @@ import threading
 import time
 
 from hetseq.errors import UserError
+from hetseq.flags import Parser
 from hetseq.launch import hostfile, plan as planning
 from hetseq.launch.nodes import RunningNode
 from hetseq.launch.transport import TRANSPORTS
+from hetseq.launch import check as checking
 from hetseq.owned_file import read_owned
 from hetseq.store import job_secret, secret as secrets_cli
 
@@ -49,8 +51,8 @@ def port_number(text):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(
-        prog="hetseq-launch", allow_abbrev=False,
+    p = Parser(
+        prog="hetseq-launch",
         description="Start a HetSeq job on every node of a hostfile over SSH, and stop it "
                     "there too (docs/nodes.md).",
         epilog="example: hetseq-launch --hostfile hosts train.py --task bert --max-update 1000")
@@ -76,6 +78,10 @@ def build_parser():
                         "default: a new one, kept in a private file while the job runs")
     p.add_argument("--dry-run", action="store_true",
                    help="print each node's command (the secret elided) and start nothing")
+    p.add_argument("--check", action="store_true",
+                   help="reach every host as the launch would, show what each has against "
+                        "what its line asks (devices, versions, memory, interface); start "
+                        "nothing; exit 2 unless every node can run its part")
     p.add_argument("script", help="the training script each node runs (train.py)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its flags")
     return p
@@ -247,7 +253,8 @@ class Launch:
         out, label = node.outcome, node.plan.label
         if not out.reached and self.transport.unreachable(out.code):
             self.say(f"{label}: could not be reached over ssh: "
-                     f"{out.last_line or f'ssh exited {out.code}'}")
+                     f"{out.last_line or f'ssh exited {out.code}'}"
+                     f"{checking.local_hint(node.plan.host)}")
             if not self.job.elastic:
                 self._stopped_by(UNREACHABLE, f"{label} could not be reached")
         elif out.code != 0 and not self.job.elastic:
@@ -321,9 +328,12 @@ def main(argv=None):
         transport = TRANSPORTS.get(args.launcher)(args.ssh_opts)
         transport.check(lines)
         env = forwarded_env(args.env)
+        if args.check:
+            sys.exit(checking.run(job, lines, transport, args, env))
         if args.dry_run:
             dry_run(job, transport, args, env)
             return
+        checking.refuse_missing_devices(job, lines, transport, args, env)
         launch = Launch(job, transport, args, env)
         # Before the secret exists: a signal from here on ends in summary()
         # and the secret's removal.

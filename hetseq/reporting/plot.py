@@ -2,25 +2,28 @@
 SAVE_DIR``) writes ``SAVE_DIR/run.png`` from ``SAVE_DIR/balance.jsonl``
 (logging/balance.py, one line per update, written by rank 0):
 
-- the training loss and the learning rate over updates, with the
-  validation loss of each --valid-subset (``valid.jsonl``) beside it;
-- the other validation metrics (accuracy, f1, ...) over updates, when the
-  task has any;
+- the training loss over updates, with the validation loss of each
+  --valid-subset (``valid.jsonl``) beside it, the learning rate on a twin axis;
+  a single validation is a marked point with its values (accuracy too) beside it;
+- the other validation metrics (accuracy, f1, ...) on their own axis, once
+  some metric has two or more validations;
 - each rank's samples/s over time;
-- each rank's share of the global batch over time, with the updates where
-  the plan changed (--capacity auto re-planned) marked in both lower panels.
+- the ranks' shares of the global batch over time, stacked (equal shares are
+  equal bands, every rank in the legend), with the updates where the plan
+  changed (--capacity auto re-planned) marked in both lower panels.
 
-Runs where the ranks came and went (--elastic) have lines of different
-lengths: a rank's series is drawn where it took part.
+Short series are marked point by point, long ones (10,000 updates) thin lines;
+a constant series gets an axis from 0 (figure() returns the Figure, plot()
+saves it). Ranks that came and went (--elastic) are drawn where they took part.
 """
 
-import argparse
 import json
 import logging
 import os
 import sys
 
 from hetseq.errors import UserError
+from hetseq.flags import Parser
 from hetseq.reporting.balance import BalanceLog, ValidLog
 
 logger = logging.getLogger("hetseq.reporting.plot")
@@ -103,8 +106,45 @@ def plot(save_dir, out=None):
     return out
 
 
+MARKERS_UP_TO = 50      # points in a series: more, and it is drawn as a thin line alone
+
+
+def style(count, lw=1.5):
+    """Line style for a series of ``count`` points: marked when short, thin when long."""
+    if count <= MARKERS_UP_TO:
+        return {"marker": "o", "markersize": 4, "lw": lw}
+    return {"lw": 0.7 if count > 10 * MARKERS_UP_TO else 1}
+
+
+def set_limits(ax, values, bottom=None):
+    """y-limits around ``values`` that never collapse: a constant series
+    sits in the upper part of an axis that reaches 0."""
+    values = [v for v in values if v == v]      # (drop NaN)
+    if not values:
+        return
+    low, high = min(values), max(values)
+    room = 0.08
+    if high - low <= 1e-9 * max(abs(high), abs(low), 1e-30):
+        low, high, room = min(low, 0.0), max(high, 0.0), 0.3
+        if low == high:
+            low, high = -1.0, 1.0
+    pad = room * (high - low)
+    ax.set_ylim(low - pad if bottom is None else bottom, high + pad)
+
+
+def is_loss(name):
+    """Validation metrics drawn with the losses (on the loss axis), not the accuracies."""
+    return "loss" in name or name in ("ppl", "perplexity")
+
+
 def figure(save_dir):
-    """The picture of the run in ``save_dir``, a matplotlib Figure."""
+    """The picture of the run in ``save_dir``, a matplotlib Figure.
+
+    Panels: losses (training, validation; the learning rate on a twin axis);
+    the other validation metrics (accuracy, f1, ...) on their own axis, when
+    some metric has two or more validations (one validation is written as
+    values beside its point on the loss panel instead); each rank's
+    samples/s; the ranks' shares of the global batch, stacked."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -113,42 +153,73 @@ def figure(save_dir):
         raise UserError("hetseq-plot needs matplotlib: pip install matplotlib") from None
     lines = read_balance(save_dir)
     valid = validation_series(read_lines(os.path.join(save_dir, ValidLog.NAME)))
-    metrics = {key: v for key, v in valid.items() if key[1] != "loss"}
-    fig, axes = plt.subplots(4 if metrics else 3, 1, figsize=(9, 12 if metrics else 9))
+    metrics = {key: v for key, v in valid.items() if not is_loss(key[1])}
+    with_panel = any(len(steps) >= 2 for steps, _ in metrics.values())
+    fig, axes = plt.subplots(4 if with_panel else 3, 1, figsize=(9, 12 if with_panel else 9))
     ax_loss, ax_rate, ax_share = axes[0], axes[-2], axes[-1]
     updates = [line["update"] for line in lines]
 
     losses = [(u, line["loss"]) for u, line in zip(updates, lines) if line.get("loss") is not None]
+    drawn = [v for _, v in losses]
     if losses:
-        ax_loss.plot(*zip(*losses), color="tab:blue", lw=1, label="training")
-    for color, ((split, _), (steps, values)) in zip(VALID_COLORS, sorted(
-            v for v in valid.items() if v[0][1] == "loss")):
-        ax_loss.plot(steps, values, marker="o", lw=1.5, color=color, label=f"validation '{split}'")
-    if valid:
-        ax_loss.legend(loc="upper right", fontsize="small")
+        ax_loss.plot(*zip(*losses), color="tab:blue", label="training", **style(len(losses), 1))
+    for color, ((split, name), (steps, values)) in zip(VALID_COLORS, sorted(
+            v for v in valid.items() if is_loss(v[0][1]))):
+        label = f"validation '{split}'" if name == "loss" else f"{name} on '{split}'"
+        ax_loss.plot(steps, values, color=color, label=label,
+                     **dict(style(len(steps)), markersize=4 if len(steps) > 1 else 8))
+        drawn += values
+    for split in sorted({split for split, _ in valid}):
+        single = {name: v[1][0] for (s, name), v in valid.items() if s == split and len(v[0]) == 1}
+        if single and not with_panel:        # one validation: its values where it is drawn
+            steps, values = valid.get((split, "loss"), ([], []))
+            text = "\n".join(f"{name} {v:.4g}" for name, v in sorted(single.items()))
+            if len(values) == 1:
+                ax_loss.annotate(text, (steps[0], values[0]), xytext=(-8, 8), ha="right",
+                                 textcoords="offset points", fontsize="small")
+            else:
+                ax_loss.text(0.02, 0.95, f"'{split}': {text}", transform=ax_loss.transAxes,
+                             va="top", fontsize="small")
+    set_limits(ax_loss, drawn)
     ax_loss.set(xlabel="update", ylabel="loss", title=os.path.abspath(save_dir))
-    if metrics:
+    if with_panel:
         for (split, name), (steps, values) in sorted(metrics.items()):
-            axes[1].plot(steps, values, marker="o", lw=1.5, label=f"{name} on '{split}'")
+            axes[1].plot(steps, values, label=f"{name} on '{split}'", **style(len(steps)))
+        set_limits(axes[1], [v for _, values in metrics.values() for v in values])
         axes[1].legend(loc="best", fontsize="small")
         axes[1].set(xlabel="update", ylabel="validation metrics")
     rates = [(u, line["lr"]) for u, line in zip(updates, lines) if line.get("lr") is not None]
     if rates:
         ax_lr = ax_loss.twinx()
-        ax_lr.plot(*zip(*rates), color="tab:orange", lw=1)
+        ax_lr.plot(*zip(*rates), color="tab:orange", lw=1, label="learning rate")
+        set_limits(ax_lr, [r for _, r in rates], bottom=0)
         ax_lr.set_ylabel("learning rate", color="tab:orange")
+    handles = ax_loss.get_lines() + (ax_lr.get_lines() if rates else [])
+    if handles:         # one legend for the loss panel's two axes
+        ax_loss.legend(handles=handles, loc="upper right", fontsize="small")
 
     start = lines[0]["time"]
-    changed = {line["update"]: line["time"] - start for line in lines}
-    for ax, key, label in ((ax_rate, "rank_samples_per_s", "samples/s (own compute)"),
-                           (ax_share, "shares", "share of the global batch")):
-        for rank, (times, values) in sorted(per_rank(shares(lines), key).items()):
-            ax.plot(times, values, lw=1, label=f"rank {rank}")
+    times = [line["time"] - start for line in lines]
+    if len(times) == 1:     # one update: a band as wide as it took
+        times, lines = [0.0, lines[0].get("wall_s") or 1.0], lines * 2
+    for rank, (seconds, values) in sorted(per_rank(lines, "rank_samples_per_s").items()):
+        ax_rate.plot(seconds, values, label=f"rank {rank}", **style(len(values), 1))
+    set_limits(ax_rate, [v for line in lines for v in line.get("rank_samples_per_s") or []], 0)
+    ax_rate.set(xlabel="seconds since the first update", ylabel="samples/s (own compute)")
+    # Shares stacked: equal shares show as equal bands, a rank absent (elastic) as none.
+    count = max(len(line["batch_sizes"]) for line in lines)
+    stacked = [[(line["shares"] + [0.0] * count)[rank] for line in shares(lines)]
+               for rank in range(count)]
+    ax_share.stackplot(times, *stacked, labels=[f"rank {r}" for r in range(count)], alpha=0.8)
+    ax_share.set(xlabel="seconds since the first update", ylabel="share of the global batch",
+                 ylim=(0, 1))
+    changed = dict(zip(updates, times))
+    for ax in (ax_rate, ax_share):
         for update in plan_changes(lines):
             ax.axvline(changed[update], color="grey", ls=":", lw=1)
-        ax.set(xlabel="seconds since the first update", ylabel=label)
-    ax_share.set_ylim(0, 1)
-    ax_rate.legend(loc="best", fontsize="small", ncol=4)
+        if ax.get_legend_handles_labels()[0]:       # beside the panel: it hides nothing
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small",
+                      ncol=1 + (count - 1) // 12)
     if plan_changes(lines):
         ax_share.set_title("dotted: the plan changed", fontsize="small")
     fig.tight_layout()
@@ -156,7 +227,7 @@ def figure(save_dir):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="hetseq-plot", description="Draw a run (SAVE_DIR/balance.jsonl) into SAVE_DIR/run.png.")
     parser.add_argument("save_dir", metavar="SAVE_DIR", help="the --save-dir of a run")
     parser.add_argument("--out", metavar="PNG", help="where to write (default: SAVE_DIR/run.png)")

@@ -1,11 +1,13 @@
 """Progress output: a tqdm bar on rank 0, or plain log lines every N updates.
 
-A plain line reads ``epoch 001 | update 40/60 | 0:00:21 left | loss=... |``;
+A plain line reads ``epoch 001 | update 40/60 | 0:00:21 left | loss=... |``
+(the time left counts the validations and saves still due);
 the next names every rank's samples/s and share of the global batch, which
 rank 0 has from the per-update stats anyway.
 """
 
 import logging
+import math
 import time
 
 from tqdm import tqdm
@@ -39,28 +41,67 @@ def format_ranks(rank_samples, rank_times, batch_sizes):
 
 
 class Clock:
-    """The run's position (``update N/planned``) and the time left, from the
-    wall time per update since this process's first update."""
+    """The run's position (``update N/planned``) and the time left: the
+    updates still to make at the wall time per update measured since this
+    process's first update ended (validations and saves left out), plus the
+    validations and saves still due (``due(update)``: {kind: count}) at what
+    the last of each kind took. "measuring time left" until it has a rate;
+    "0:00:00 left" only once nothing is left."""
 
     def __init__(self, planned=None):
         self.planned = planned
-        self._start = None         # (time, update) of the first update seen
+        self.due = None            # due(update) -> {"validation": n, "saving": n}, or None
+        self.took = {}             # kind -> seconds the last one took
+        self._last = {}            # kind -> the update the last one followed
+        self._start = None         # (time, update) at the end of the first update seen
 
     def tick(self, update, steps=1):
         if self._start is None:
-            self._start = (time.perf_counter(), update - steps)
+            self._start = (time.perf_counter(), update)
 
-    def left(self, update):
+    def paused(self, kind, seconds, update=None):
+        """A ``kind`` ("validation", "saving") after ``update`` took
+        ``seconds``: its time, not the updates', and what the next ones are
+        expected to take (one update's validations of several splits summed)."""
+        last = self._last.get(kind)
+        self.took[kind] = seconds + (self.took[kind] if last is not None and last == update else 0)
+        self._last[kind] = update
+        if self._start is not None:
+            self._start = (self._start[0] + seconds, self._start[1])
+
+    def estimate(self, update):
+        """(seconds left, kinds still due and not yet timed); None without a rate."""
         if not self.planned or self._start is None or update <= self._start[1]:
             return None
         since, first = self._start
-        per_update = (time.perf_counter() - since) / (update - first)
-        return max(0, self.planned - update) * per_update
+        left = max(0, self.planned - update) * (time.perf_counter() - since) / (update - first)
+        untimed = []
+        for kind, count in (self.due(update) if self.due else {}).items():
+            if count and kind in self.took:
+                left += count * self.took[kind]
+            elif count:
+                untimed.append(kind)
+        return left, untimed
+
+    def left(self, update):
+        estimate = self.estimate(update)
+        return None if estimate is None else estimate[0]
+
+    def left_text(self, update):
+        """'0:00:21 left', '0:00:21 left + saving (not yet timed)', 'measuring time left'."""
+        estimate = self.estimate(update)
+        if estimate is None:
+            return "measuring time left"
+        left, untimed = estimate
+        text = f"{format_duration(math.ceil(left))} left" if left > 0 or not untimed else ""
+        if untimed:
+            text += f"{' + ' if text else ''}{' and '.join(untimed)}" \
+                f"{'' if text else ' left'} (not yet timed)"
+        return text
 
     def head(self, update):
         where = f"update {update}/{self.planned}" if self.planned else f"update {update}"
-        left = self.left(update)
-        return where if left is None else f"{where} | {format_duration(left)} left"
+        return f"{where} | {self.left_text(update)}" if self.planned else where
 
 
 class Progress:

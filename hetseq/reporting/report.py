@@ -3,6 +3,7 @@ averages, TensorBoard scalars and ``balance.jsonl``. All of it is this
 node's choice (its LogConfig and SaveConfig) and none of it communicates:
 what it shows was computed by every rank anyway."""
 
+import contextlib
 import logging
 import os
 import time
@@ -27,9 +28,33 @@ class Reporter:
         self.board = ctx.board          # rank 0's status for hetseq-status (None elsewhere)
         self.save_dir = None if save.no_save else save.save_dir
 
-    def plan(self, planned):
-        """The run's planned updates (None: no end given), for 'update N/M' and the time left."""
-        self.clock.planned = planned
+    def plan(self, planned, due=None):
+        """The run's planned updates (None: no end given), for 'update N/M' and the
+        time left; ``due(update)``: the validations and saves still due (Clock)."""
+        self.clock.planned, self.clock.due = planned, due
+
+    @contextlib.contextmanager
+    def validating(self, split, samples, update):
+        """One validation on ``split``: its start and end lines, its time for the time left."""
+        with self._timed("validation", update, "validating '%s' (%d samples)...", split, samples):
+            yield
+
+    def saving(self, update):
+        """One save after ``update`` (none written under --no-save)."""
+        return self._timed("saving", update, "saving a checkpoint of update %d...", update,
+                           shown=self.save_dir is not None)
+
+    @contextlib.contextmanager
+    def _timed(self, kind, update, start, *args, shown=True):
+        shown = shown and self.ctx.is_main
+        if shown:
+            logger.info(start, *args)
+        began = time.perf_counter()
+        yield
+        took = time.perf_counter() - began
+        self.clock.paused(kind, took, update)
+        if shown:
+            logger.info("%s in %.1f s", "validated" if kind == "validation" else "saved", took)
 
     def start_epoch(self, epoch, updates, resumed=False):
         """``resumed``: the epoch goes on from a checkpoint, and so do its
@@ -66,6 +91,7 @@ class Reporter:
         if self.board is not None and self.board.due():
             self.board.update(
                 update=update, planned=self.clock.planned, left_s=self.clock.left(update),
+                left=self.clock.left_text(update) if self.clock.planned else None,
                 loss=metrics.get("loss"), samples_per_s=stats["samples_per_s"],
                 ranks=self.board.ranks(batch_sizes, result.ranks.samples, result.ranks.seconds,
                                        wall_time))

@@ -33,6 +33,7 @@ import time
 import torch.distributed as dist
 
 from hetseq.errors import UserError
+from hetseq.flags import Parser
 from hetseq.reporting.progress import format_duration
 from hetseq.store import channel, job_secret, store as job_store
 
@@ -230,7 +231,8 @@ def clean(view):
     return {
         "state": _text(view.get("state")) or "?", "generation": _count(view.get("generation")),
         "update": _count(view.get("update")) or 0, "planned": _count(view.get("planned")),
-        "left_s": _number(view.get("left_s")), "loss": _number(view.get("loss")),
+        "left_s": _number(view.get("left_s")), "left": _text(view.get("left")),
+        "loss": _number(view.get("loss")),
         "samples_per_s": _number(view.get("samples_per_s")), "time": _number(view.get("time")),
         "ranks": [{"rank": _count(r.get("rank")), "host": _text(r.get("host")) or "?",
                    "batch": _count(r.get("batch")) or 0,
@@ -258,7 +260,9 @@ def render(view, url, now=None):
     now = time.time() if now is None else now
     planned = view["planned"]
     head = [url, f"update {view['update']}" + (f"/{planned}" if planned else "")]
-    if view["left_s"] is not None:
+    if view.get("left"):            # rank 0's words: 'measuring time left', '... + saving'
+        head.append(view["left"])
+    elif view["left_s"] is not None:
         head.append(f"{format_duration(view['left_s'])} left")
     if view["generation"] is not None:
         head.append(f"generation {view['generation']}")
@@ -332,7 +336,7 @@ def main(argv=None):
     """hetseq-status; ``argv`` None: the command itself, which leaves with
     os._exit when a worker is still blocked in C++ (interpreter shutdown
     could wait on it); called with ``argv``, it raises SystemExit as usual."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="hetseq-status", description="Show a running HetSeq job: members, shares, "
         "speed, progress, last checkpoint (read-only).")
     parser.add_argument("url", metavar="tcp://HOST:PORT",

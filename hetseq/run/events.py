@@ -7,6 +7,8 @@ update count only, so every rank answers alike."""
 
 import dataclasses
 
+MAX_EPOCH_ENDS = 10_000    # epoch ends counted ahead, at most
+
 
 @dataclasses.dataclass(frozen=True)
 class After:
@@ -33,6 +35,33 @@ class Events:
             due(training.validate_interval_updates, updates),
             saves=due(self.saving.save_interval_updates, updates),
             ends=bool(training.max_update and updates >= training.max_update))
+
+    def still_due(self, updates, planned, epoch, epoch_end, epoch_updates, saves=True):
+        """{"validation": n, "saving": n}: those still to come at or after
+        update ``updates`` (the loop makes an update's events after its
+        progress line) up to the ``planned`` end, where the run validates and
+        saves once more; ``epoch`` ends at update ``epoch_end``, the next
+        ones every ``epoch_updates`` (the end-of-epoch events of
+        --validate-interval and --save-interval). ``saves``: False under
+        --no-save. For the time left only."""
+        training, saving = self.training, self.saving
+        ends, end = [], epoch_end          # (update, epoch) of the epoch ends still due
+        while end <= planned and len(ends) < MAX_EPOCH_ENDS:
+            if end >= updates:
+                ends.append((end, epoch))
+            if epoch_updates <= 0:
+                break
+            end, epoch = end + epoch_updates, epoch + 1
+
+        def count(every_updates, every_epochs):
+            extra = {u for u, e in ends if every_epochs and e % every_epochs == 0} | {planned}
+            multiples = (planned // every_updates - (max(updates, 1) - 1) // every_updates
+                         if every_updates else 0)
+            return multiples + sum(1 for u in extra if not due(every_updates, u))
+        return {"validation": 0 if training.disable_validation else
+                count(training.validate_interval_updates, training.validate_interval),
+                "saving": count(saving.save_interval_updates, saving.save_interval) if saves
+                else 0}
 
 
 def due(every, updates):

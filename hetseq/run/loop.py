@@ -95,6 +95,7 @@ class Run:
                         self.train_data.epoch, self.controller.num_updates)
         self.agreement.due(self.controller.num_updates, now=True)
         self.events = Events(job.training, job.checkpoint)
+        self._epoch_end = None       # (epoch, its last update, updates per epoch): the time left
         self._plan_schedule()
         self._validated = None       # (update, metric) of the last validation
         seam.attach(self.controller, self.train_data, self._local_state)
@@ -132,12 +133,19 @@ class Run:
         planned = planned_updates(self.job.training, len(self.train_data.batches))
         if planned and not self.job.schedule.total_num_update:
             self.controller.set_horizon(planned)
-        self.report.plan(planned)
+        self.report.plan(planned, self._still_due if planned else None)
         if self.ctx.is_main:
             logger.info("LR schedule %s: %s; the run plans %s", self.job.schedule.lr_scheduler,
                         self.controller.lr_scheduler.describe(),
                         f"{planned} updates" if planned else
                         "no end (no --max-update or --max-epoch: stop it yourself)")
+
+    def _still_due(self, update):
+        """The validations and saves still due at ``update`` (the time left)."""
+        if self._epoch_end is None:
+            return {}
+        return self.events.still_due(update, self.report.clock.planned, *self._epoch_end,
+                                     saves=self.report.save_dir is not None)
 
     # ---- the loop ----
 
@@ -170,7 +178,9 @@ class Run:
             self.export()
 
     def _save(self, epoch, metric):
-        self.checkpointer.save(self.controller.num_updates, self.train_data.epoch, epoch, metric)
+        with self.report.saving(self.controller.num_updates):
+            self.checkpointer.save(self.controller.num_updates, self.train_data.epoch, epoch,
+                                   metric)
         self.report.saved(self.controller.num_updates)
         self.seam.saved()
 
@@ -189,8 +199,10 @@ class Run:
         data.set_shuffle(epoch > training.curriculum)
         controller.set_epoch(epoch)
         update_freq = training.update_freq_at(epoch)
-        self.report.start_epoch(epoch, -(-data.remaining_steps // update_freq),
-                                resumed=data.samples_in_epoch > 0)
+        left = -(-data.remaining_steps // update_freq)
+        self._epoch_end = (epoch, controller.num_updates + left,
+                           -(-len(data.batches) // update_freq))
+        self.report.start_epoch(epoch, left, resumed=data.samples_in_epoch > 0)
         dummy = data.dummy_batch()
         started, steps = None, 0      # the update's (--local-steps: the round's) start
         for chunk in _chunks(data.next_epoch_itr(), update_freq):
@@ -249,8 +261,9 @@ class Run:
             return self._validated[1]
         best = None
         for split in self.job.training.valid_subsets:
-            metrics = self.validation.run(split)
-            self.report.valid(split, epoch, metrics, updates)
+            with self.report.validating(split, self.validation.size(split), updates):
+                metrics = self.validation.run(split)
+                self.report.valid(split, epoch, metrics, updates)
             if best is None:
                 best = metrics.get(self.job.checkpoint.best_checkpoint_metric)
         self._validated = (updates, best)

@@ -49,6 +49,10 @@ class Validation:
         totals, _ = stats.result()
         return self.task.reduce_metrics(totals)
 
+    def size(self, split):
+        """The samples of ``split`` (a collective the first time: every rank calls it)."""
+        return self._iterator(split).dataset_size
+
     def _iterator(self, split):
         plan = self.balance.plan
         key = (split, tuple(plan.sitting))

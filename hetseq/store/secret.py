@@ -8,12 +8,12 @@ beyond what job_secret.read_secret asks, so that no recorded handshake can be
 used to find it by guessing.
 """
 
-import argparse
 import os
 import secrets
 import sys
 
 from hetseq.errors import UserError
+from hetseq.flags import Parser
 
 BYTES = 32
 
@@ -42,7 +42,7 @@ def write_new(path, text):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="hetseq-secret", description="Print a new job secret (HETSEQ_JOB_SECRET), or "
         "write it to a new file readable only by you (--job-secret-file).")
     parser.add_argument("--file", metavar="PATH", help="write it to PATH (mode 600) instead")
