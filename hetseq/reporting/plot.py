@@ -158,46 +158,69 @@ def figure(save_dir):
     fig, axes = plt.subplots(4 if with_panel else 3, 1, figsize=(9, 12 if with_panel else 9))
     ax_loss, ax_rate, ax_share = axes[0], axes[-2], axes[-1]
     updates = [line["update"] for line in lines]
+    _losses(ax_loss, lines, updates, valid, annotate=not with_panel)
+    ax_loss.set(xlabel="update", ylabel="loss", title=os.path.abspath(save_dir))
+    if with_panel:
+        _metrics(axes[1], metrics)
+    _learning_rate(ax_loss, lines, updates)
+    _speeds_and_shares(ax_rate, ax_share, lines, updates)
+    fig.tight_layout()
+    return fig
 
+
+def _losses(ax, lines, updates, valid, annotate):
+    """Training and validation losses; with ``annotate`` (no metrics
+    panel), a single validation's values written beside its point."""
     losses = [(u, line["loss"]) for u, line in zip(updates, lines) if line.get("loss") is not None]
     drawn = [v for _, v in losses]
     if losses:
-        ax_loss.plot(*zip(*losses), color="tab:blue", label="training", **style(len(losses), 1))
+        ax.plot(*zip(*losses), color="tab:blue", label="training", **style(len(losses), 1))
     for color, ((split, name), (steps, values)) in zip(VALID_COLORS, sorted(
             v for v in valid.items() if is_loss(v[0][1]))):
         label = f"validation '{split}'" if name == "loss" else f"{name} on '{split}'"
-        ax_loss.plot(steps, values, color=color, label=label,
-                     **dict(style(len(steps)), markersize=4 if len(steps) > 1 else 8))
+        ax.plot(steps, values, color=color, label=label,
+                **dict(style(len(steps)), markersize=4 if len(steps) > 1 else 8))
         drawn += values
     for split in sorted({split for split, _ in valid}):
         single = {name: v[1][0] for (s, name), v in valid.items() if s == split and len(v[0]) == 1}
-        if single and not with_panel:        # one validation: its values where it is drawn
+        if single and annotate:        # one validation: its values where it is drawn
             steps, values = valid.get((split, "loss"), ([], []))
             text = "\n".join(f"{name} {v:.4g}" for name, v in sorted(single.items()))
             if len(values) == 1:
-                ax_loss.annotate(text, (steps[0], values[0]), xytext=(-8, 8), ha="right",
-                                 textcoords="offset points", fontsize="small")
+                ax.annotate(text, (steps[0], values[0]), xytext=(-8, 8), ha="right",
+                            textcoords="offset points", fontsize="small")
             else:
-                ax_loss.text(0.02, 0.95, f"'{split}': {text}", transform=ax_loss.transAxes,
-                             va="top", fontsize="small")
-    set_limits(ax_loss, drawn)
-    ax_loss.set(xlabel="update", ylabel="loss", title=os.path.abspath(save_dir))
-    if with_panel:
-        for (split, name), (steps, values) in sorted(metrics.items()):
-            axes[1].plot(steps, values, label=f"{name} on '{split}'", **style(len(steps)))
-        set_limits(axes[1], [v for _, values in metrics.values() for v in values])
-        axes[1].legend(loc="best", fontsize="small")
-        axes[1].set(xlabel="update", ylabel="validation metrics")
+                ax.text(0.02, 0.95, f"'{split}': {text}", transform=ax.transAxes,
+                        va="top", fontsize="small")
+    set_limits(ax, drawn)
+
+
+def _metrics(ax, metrics):
+    """The validation metrics that are not losses, on their own axis."""
+    for (split, name), (steps, values) in sorted(metrics.items()):
+        ax.plot(steps, values, label=f"{name} on '{split}'", **style(len(steps)))
+    set_limits(ax, [v for _, values in metrics.values() for v in values])
+    ax.legend(loc="best", fontsize="small")
+    ax.set(xlabel="update", ylabel="validation metrics")
+
+
+def _learning_rate(ax_loss, lines, updates):
+    """The learning rate on a twin axis of the loss panel; one legend for both."""
     rates = [(u, line["lr"]) for u, line in zip(updates, lines) if line.get("lr") is not None]
+    handles = list(ax_loss.get_lines())
     if rates:
         ax_lr = ax_loss.twinx()
         ax_lr.plot(*zip(*rates), color="tab:orange", lw=1, label="learning rate")
         set_limits(ax_lr, [r for _, r in rates], bottom=0)
         ax_lr.set_ylabel("learning rate", color="tab:orange")
-    handles = ax_loss.get_lines() + (ax_lr.get_lines() if rates else [])
-    if handles:         # one legend for the loss panel's two axes
+        handles += list(ax_lr.get_lines())
+    if handles:
         ax_loss.legend(handles=handles, loc="upper right", fontsize="small")
 
+
+def _speeds_and_shares(ax_rate, ax_share, lines, updates):
+    """Each rank's samples/s and the ranks' shares, stacked, over seconds;
+    dotted where the plan changed."""
     start = lines[0]["time"]
     times = [line["time"] - start for line in lines]
     if len(times) == 1:     # one update: a band as wide as it took
@@ -222,8 +245,6 @@ def figure(save_dir):
                       ncol=1 + (count - 1) // 12)
     if plan_changes(lines):
         ax_share.set_title("dotted: the plan changed", fontsize="small")
-    fig.tight_layout()
-    return fig
 
 
 def main(argv=None):
