@@ -20,14 +20,15 @@ import torch.distributed as dist
 from torch import nn
 
 
-def units(model):
-    """[(module, [its own trainable parameters])]: every member of an
-    ``nn.ModuleList`` (at any depth: a parameter belongs to the innermost
-    member holding it), in model order, then the root with every parameter
-    left. A parameter held by modules of two units (tied weights: a layer's
-    and the root's head's) belongs to the root, gathered all through."""
-    members = [unit for module in model.modules() if isinstance(module, nn.ModuleList)
-               for unit in module]
+def _members(model):
+    """Every member of an ``nn.ModuleList`` (at any depth), in model order."""
+    return [unit for module in model.modules() if isinstance(module, nn.ModuleList)
+            for unit in module]
+
+
+def _owners(model, members):
+    """{id(parameter): the innermost member (its index, None for the root)
+    holding it}, one entry per module holding it: a tied weight has several."""
     index = {id(unit): i for i, unit in enumerate(members)}
     owners = {}
 
@@ -40,6 +41,17 @@ def units(model):
             if child is not None:
                 walk(child, unit)
     walk(model, None)
+    return owners
+
+
+def units(model):
+    """[(module, [its own trainable parameters])]: every member of an
+    ``nn.ModuleList`` (at any depth: a parameter belongs to the innermost
+    member holding it), in model order, then the root with every parameter
+    left. A parameter held by modules of two units (tied weights: a layer's
+    and the root's head's) belongs to the root, gathered all through."""
+    members = _members(model)
+    owners = _owners(model, members)
     held = {}
     for param in model.parameters():
         if param.requires_grad:
@@ -47,6 +59,19 @@ def units(model):
             held.setdefault(unit, []).append(param)
     found = [(unit, held[i]) for i, unit in enumerate(members) if i in held]
     return found + ([(model, held[None])] if None in held else [])
+
+
+def wrapped_members(model):
+    """The members FSDP2 may wrap on their own, innermost first (it wraps
+    bottom-up: a member wrapped after its parent finds its parameters taken):
+    units()'s members, less any holding a parameter tied outside it, which
+    FSDP2 refuses to split between groups; those go to the root's group."""
+    members = _members(model)
+    owners = _owners(model, members)
+    tied = {param for param, held in owners.items() if len(held) > 1}
+    inner_first = [m for m in reversed(list(model.modules())) if id(m) in
+                   {id(unit) for unit in members}]
+    return [m for m in inner_first if not any(id(p) in tied for p in m.parameters())]
 
 
 def bounds(numel, shares):

@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hetseq.errors import UserError
 from hetseq.registry import Registry
 from hetseq.sections import Section, flag, section
-from hetseq.update import full_state, timing
+from hetseq.update import flat_units, full_state, timing
 from hetseq.update.held import optimizer_tensors, settings
 
 logger = logging.getLogger(__name__)
@@ -278,10 +278,8 @@ class FullyShard(Sharding):
         mesh = DeviceMesh(self.ctx.device.type, list(range(self.ctx.world_size)))
         options = dict(mesh=mesh, reshard_after_forward=self.reshard_after_forward,
                        shard_placement_fn=self._placement, **self.policies())
-        for module in list(model.modules()):
-            if isinstance(module, nn.ModuleList):
-                for unit in module:
-                    fully_shard(unit, **options)
+        for unit in flat_units.wrapped_members(model):
+            fully_shard(unit, **options)
         fully_shard(model, **options)
         timing.time_fsdp_waits()
         return model

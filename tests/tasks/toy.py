@@ -35,33 +35,43 @@ class Block(nn.Module):
     another Linear that only batches of more samples use (its parameters
     then get no gradient in some updates)."""
 
-    def __init__(self, width, p, spare_above=None):
+    def __init__(self, width, p, spare_above=None, nest=False):
         super().__init__()
         self.lin, self.act = nn.Linear(width, width), TanhDropout(p)
         self.spare_above = spare_above
         self.spare = nn.Linear(width, width) if spare_above is not None else None
+        # --toy-nest: a list inside the block, whose member is a unit of its own
+        self.inner = nn.ModuleList([nn.Linear(width, width)] if nest else [])
 
     def forward(self, x):
         out = self.act(self.lin(x))
         if self.spare is not None and x.shape[0] > self.spare_above:
             out = out + self.spare(x)
+        for layer in self.inner:
+            out = out + torch.tanh(layer(out))
         return out
 
 
 class Blocks(nn.Module):
     """--toy-blocks N: a Linear, N residual blocks in an nn.ModuleList (each a
-    unit of its own under --zero 2/3, gathered and freed by itself), a Linear."""
+    unit of its own under --zero 2/3, gathered and freed by itself), a Linear.
+    --toy-tie: the root also runs a head whose weight is the first block's."""
 
-    def __init__(self, width, blocks, p, spare_above=None):
+    def __init__(self, width, blocks, p, spare_above=None, nest=False, tie=False):
         super().__init__()
         self.inp, self.act = nn.Linear(8, width), TanhDropout(p)
-        self.blocks = nn.ModuleList(Block(width, p, spare_above) for _ in range(blocks))
+        self.blocks = nn.ModuleList(Block(width, p, spare_above, nest) for _ in range(blocks))
+        self.head = nn.Linear(width, width) if tie else None
+        if tie:
+            self.head.weight = self.blocks[0].lin.weight
         self.out = nn.Linear(width, 1)
 
     def forward(self, x):
         hidden = self.act(self.inp(x))
         for block in self.blocks:
             hidden = hidden + block(hidden)
+        if self.head is not None:
+            hidden = hidden + torch.tanh(self.head(hidden))
         return self.out(hidden)
 
 
@@ -99,6 +109,12 @@ class ToyTask(Task):
         parser.add_argument("--toy-spare-above", type=int, default=None, metavar="N",
                             help="with --toy-blocks: each block has a spare Linear that only "
                                  "micro-batches of more than N samples use")
+        parser.add_argument("--toy-nest", action="store_true",
+                            help="with --toy-blocks: each block holds an nn.ModuleList of one "
+                                 "Linear (a unit inside a unit)")
+        parser.add_argument("--toy-tie", action="store_true",
+                            help="with --toy-blocks: a head in the root whose weight is the "
+                                 "first block's (a weight tied between a unit and the root)")
         parser.add_argument("--toy-dtype", choices=["float64", "float32"], default="float64",
                             help="float64: only the order of summation differs between runs "
                                  "(exact comparisons); float32: what autocast acts on")
@@ -164,7 +180,7 @@ class ToyTask(Task):
         torch.manual_seed(0)
         width = self.args.toy_width
         model = Blocks(width, self.args.toy_blocks, self.args.toy_dropout,
-                       self.args.toy_spare_above) \
+                       self.args.toy_spare_above, self.args.toy_nest, self.args.toy_tie) \
             if self.args.toy_blocks else \
             nn.Sequential(nn.Linear(8, width), TanhDropout(self.args.toy_dropout),
                           nn.Linear(width, 1))
