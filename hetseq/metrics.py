@@ -1,15 +1,10 @@
 """Evaluation metrics that stay exact when the data is split across ranks.
 
-A mean of per-rank F1 scores or correlations is not the F1 or correlation of
-the whole set. So each metric is computed from sufficient statistics that
-add up across micro-batches and ranks (counts, sums), summed in the stats
-all-reduce, and only then turned into the metric, giving the value one
-process would compute on the whole set. Spearman's correlation depends on
-ranks over the whole set, which no sum carries: its (prediction, label)
-pairs are gathered (``hetseq.update.stats.Gathered``).
-
-``*_stats(...)`` give the logs of one batch (tensors); the functions taking
-``totals`` turn the summed logs into the metric.
+Each metric is computed from statistics that add up across micro-batches and
+ranks, summed in the stats all-reduce (Spearman's pairs gathered), so the
+value is the one a single process computes on the whole set (docs/bert.md).
+``*_stats(...)`` give one batch's logs; the functions taking ``totals`` turn
+the summed logs into the metric.
 """
 
 import math
@@ -65,6 +60,8 @@ def average_ranks(values):
 
 def spearman(pairs):
     """Spearman's rho of gathered (prediction, label) rows."""
+    # Ranks over the whole set, which no sum carries: hence the pairs are gathered
+    # (hetseq.update.stats.Gathered), not summed.
     pairs = torch.as_tensor(pairs, dtype=torch.float64).reshape(-1, 2).numpy()
     if len(pairs) < 2:
         return 0.0

@@ -1,33 +1,10 @@
 """Randomness that belongs to the sample, not to the rank, so that the update
-stays one device's, dropout included.
-
-Every random draw made for a sample while training (a dropout mask, an
-augmentation) comes from a stream fixed by
-
-    (--seed, epoch, the sample's index in its dataset, the call site)
-
-so a sample gets the same draws whichever rank, micro-batch, padding,
-capacity plan, resume or set of elastic members processes it (torch's
-generators are one stream per process: the split would decide the masks).
-
-The keying rule, the same integer arithmetic on every device (the hash is
-kernels/words.py's), so a CPU node and a GPU node draw identical masks:
-
-- each sample's key: one 32-bit word hashed from (seed, epoch, index)
-  (``sample_keys``), handed to each micro-batch by the iterator;
-- the call site (a ``hetseq.nn.Dropout``'s module path or a task's name,
-  and how many times it has drawn in this forward) hashed into each key
-  (``_site_keys``);
-- each element's 32 bits: ``absorb(coordinate word, site key)``, the
-  coordinate word hashed from the element's indices, never from the
-  tensor's size, so padding leaves the draws of real positions unchanged.
-
-The Controller opens ``using(keys)`` around each micro-batch's forward;
-outside it nothing is keyed and ``dropout`` is torch's. A site draws once
-per call, in call order; a recompute inside backward is refused unless
-``checkpoint_context`` replays the forward's call counts.
-docs/design.md says where the bits are drawn (hetseq/kernels/) and what
-they cost; docs/tasks.md how a task draws.
+stays one device's, dropout included: every draw made for a sample while
+training comes from a stream fixed by (--seed, epoch, the sample's index,
+the call site), the same integer arithmetic on every device. The Controller
+opens ``using(keys)`` around each micro-batch's forward; outside it
+``dropout`` is torch's. docs/design.md, 'Where randomness comes from';
+docs/tasks.md says how a task draws.
 """
 
 import contextlib

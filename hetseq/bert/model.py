@@ -227,7 +227,7 @@ def init_weights(module, std):
 
 class BertForPreTraining(nn.Module):
     """``forward`` returns masked-LM logits at ``masked_lm_positions`` only
-    ([B, P, vocab]; computing all L positions is ~3x slower on CPU) and
+    ([B, P, vocab]; all L positions would be much slower, docs/bert.md) and
     next-sentence logits ([B, 2])."""
 
     def __init__(self, config):

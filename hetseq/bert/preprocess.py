@@ -1,14 +1,8 @@
-"""Raw text -> WordPiece -> NSP pairs and masking -> NVIDIA-format HDF5 shards.
-
-Input text: documents separated by blank lines; inside a document each line
-is a sentence or a paragraph (paragraphs are split into sentences). Instances
-follow Google's ``create_pretraining_data.py``: sentence pairs packed up to
-``max_seq_length`` (shorter with ``short_seq_prob``), the second segment a
-random document's text half the time (``next_sentence_labels`` 1), 15% of the
-tokens chosen for prediction (80% [MASK], 10% random, 10% unchanged), the
-whole repeated ``dupe_factor`` times with different masks. Everything is
-seeded per input file, so the same seed writes identical shards.
-Tokenization uses Hugging Face ``tokenizers`` (Rust) for speed.
+"""Raw text -> WordPiece -> NSP pairs and masking -> NVIDIA-format HDF5 shards,
+with instances made as Google's ``create_pretraining_data.py`` makes them, so
+that ``--task bert`` trains on them as on NVIDIA's own shards. Seeded per
+input file: the same seed writes identical shards.
+preprocessing/README.md gives the input format and the instances' rules.
 """
 
 import collections

@@ -1,17 +1,8 @@
 """BERT pretraining data in the HDF5 format of NVIDIA's BERT recipe, read as is.
-
-Each shard holds six datasets with one row per sequence:
-    input_ids [N, L]  input_mask [N, L]  segment_ids [N, L]
-    masked_lm_positions [N, P]  masked_lm_ids [N, P]  next_sentence_labels [N]
-(positions/ids padded with 0; position 0 is [CLS] and never masked).
-
-Start-up reads only each shard's shape (never the data), so the time to the
-first step does not grow with the size of the data set. NVIDIA's shards are
-gzip-compressed in chunks that span many rows, so reading rows at random
-decompresses a chunk per row; instead a shard is decompressed whole, once,
-when first needed, and kept (the last ``cached_shards`` of them, per
-process). ``shard_sizes`` lets the global batch order visit one shard at a
-time (rows shuffled within it), so each shard is loaded about once an epoch.
+Start-up reads only each shard's shape, so the time to the first step does not
+grow with the data set; a shard is decompressed whole when first needed and
+kept, since its gzip chunks span many rows and random rows would decompress a
+chunk each. docs/bert.md, "How shards are read".
 """
 
 import collections

@@ -1,16 +1,10 @@
 """Global batches, cut per rank by capacity; resumable mid-epoch.
 
-One epoch is a seeded permutation of the dataset cut into global batches of
-size B. The sequence of global batches depends only on (seed, epoch, the dataset's
-size and shard sizes, B): never on the world size or on how B is split, which is what makes a
-run's mathematics independent of the machines that took part. Rank i takes a
-contiguous slice of each global batch whose size is proportional to its share
-(b_i for full batches, so sum(b_i) = B). Every index is used exactly once per
-epoch. A rank whose slice is empty (the short last batch) still takes part,
-with no samples: the iterator yields ``None`` for it.
-
-Each micro-batch comes with its samples' keys (hetseq/randomness.py): the
-random draws made for a sample depend on (seed, epoch, its index) only.
+An epoch's global batches depend only on (seed, epoch, the dataset's size and
+shard sizes, B), never on the world size or on how B is split, so a run's
+mathematics does not depend on the machines that took part. Rank i takes a
+contiguous slice of each, proportional to its share, with its samples' keys
+(hetseq/randomness.py). docs/design.md, 'The route of one update', step 2.
 """
 
 import numpy as np

@@ -1,14 +1,9 @@
-"""Naming the rank that stopped answering.
-
-A collective whose peer died raises within a second (gloo: connection
-closed) or, for a frozen peer, after --distributed-timeout; neither says
-which rank it was. Every rank therefore bumps a counter in the rendezvous
-store once a second from a daemon thread. When a collective fails, the
-survivors watch the counters for a few seconds: the ranks whose counters
-stand still are the lost ones, named with the host and pid they registered.
-
-An elastic member does not wait for the timeout: its heartbeats are
-hetseq/elastic/watchdog.py's, which cuts a silent member off.
+"""Naming the rank that stopped answering: a failed collective does not say
+which peer it lost, so every rank bumps a counter in the rendezvous store,
+and after a failure the survivors name the ranks whose counters stand still
+(with the host and pid they registered). An elastic member's heartbeats are
+watchdog.py's, which cuts a silent member off. docs/nodes.md, "The manual
+way: one command per node".
 """
 
 import threading

@@ -103,9 +103,10 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed.fsdp", "hetseq.distribut
 def start_method(device_type, *modules):
     """How to start ranks on ``device_type``. CPU ranks fork from a fork
     server that imported PRELOAD and ``modules`` once, in a fresh process of
-    its own (nothing of the caller is copied): a spawned rank spends about
-    2 s of CPU importing them again, each. CUDA ranks are spawned: a process
-    forked after an import touched the CUDA driver cannot use it."""
+    its own (nothing of the caller is copied): a spawned rank would import
+    them again, each (docs/design.md gives the cost). CUDA ranks are
+    spawned: a process forked after an import touched the CUDA driver
+    cannot use it."""
     if device_type == "cuda":
         return "spawn"
     multiprocessing.set_forkserver_preload(

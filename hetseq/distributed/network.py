@@ -1,26 +1,12 @@
 """Which address each rank's collectives bind to, and a check that peers reach it.
 
-gloo (and nccl's socket bootstrap) bind to whatever the machine's hostname
-resolves to and advertise that address to the peers. On Debian the hostname
-resolves to 127.0.1.1, in many containers and VMs to 127.0.0.1, elsewhere to
-a bridge or VPN address the other hosts cannot reach: the peers then connect
-to the wrong place and the job hangs until its timeout. So every rank picks,
-unless told otherwise, the interface whose address the kernel would use to
-reach the master (the host of tcp://HOST:PORT or MASTER_ADDR):
-
-1. ``choose``: --distributed-interface, else the backend's own variable
-   (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME), else the route to the master;
-   with file:// (no master address) this host's primary address.
-2. The choice is registered with the rank's claim in the store, so every rank
-   sees every rank's address. ``reconcile`` corrects two first guesses that
-   only the peers can reveal: on the master's own host the master name may
-   resolve to loopback (route instead to a peer's address), and with file://
-   every rank routes to the address rank 0 registered.
-3. ``check_reachability``: each rank listens on its address and connects to
-   one rank of every other address, before the backend's full-mesh connect;
-   an address that a peer cannot reach ends every rank with one message that
-   names it (exit 2), instead of a gloo traceback and a hang.
-4. ``apply`` sets the backend's variable, which is how gloo and nccl take it.
+gloo (and nccl's socket bootstrap) bind to whatever the hostname resolves
+to, often an address the other hosts cannot reach, and the job then hangs.
+So each rank picks the interface that routes to the master (``choose``),
+corrects that guess from the addresses the ranks registered (``reconcile``),
+checks before the backend connects that every peer reaches it
+(``check_reachability``), and sets the backend's variable (``apply``).
+docs/nodes.md, "The manual way: one command per node" (network interface).
 """
 
 import concurrent.futures

@@ -1,26 +1,9 @@
 """The rules of an elastic job's generations, as pure functions (no network),
-so that they can be read and tested in one place: whether a round may close,
-who gets which rank, and whose state the next generation continues from.
-membership.py runs the rounds; docs/elastic.md ("One job, always") says why
-these rules and what they cost.
-
-**Quorum: one job, never two.** A round for generation g+1 closes only with
-a strict majority of generation g's members, or exactly half when that half
-holds generation g's rank 0. A member takes part in one round at a time, so
-two rounds cannot both have a quorum: a network split, a paused meeting point
-that wakes up or a node restarted by hand leaves at most one part training;
-the other waits --distributed-timeout, saves and stops (exit 3). The first
-generation of a fresh start has no previous members and needs only --min-nodes.
-
-**Lineage.** Every generation has a token made by its leader; a state's
-lineage is the chain of the tokens of the generations that trained it
-(``"<number>-<token>"`` strings, oldest first), saved with every checkpoint
-and snapshot. A state is *on the line* of another when one lineage is a
-prefix of the other. A state from another line (the other side of a split,
-another run's checkpoint in the same --save-dir) is refused as the source:
-its holder takes the job's state like a newcomer. The source is the newest
-state on the line: the deepest lineage, then the most updates (the update in
-flight may have finished on some ranks: they hold one more).
+so that they can be read and tested in one place: whether a round may close
+(a quorum of the previous generation: one job, never two), who gets which
+rank, and whose state the next generation continues from (the newest on the
+job's line). membership.py runs the rounds; docs/elastic.md, "One job,
+always", gives the rules and what they cost.
 """
 
 import dataclasses

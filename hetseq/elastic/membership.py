@@ -1,29 +1,9 @@
 """Elastic membership (--elastic): who trains in each generation of the job.
-Nodes run the same command and are given ranks here, over the network; the
-rules (quorum, ranks, lineage, whose state) are generations.py's, a round as
-its leader runs it rounds.py's. docs/elastic.md tells the story.
-
-Meeting points. Every member serves a store of its own (behind the job
-secret's gate, channel.py) on its job address, at the URL's port when that is
-free there (so ``tcp://ANY_MEMBER:PORT`` finds the job), else at a port the
-OS picks. The *leader*, whose store the others meet at, is always rank 0;
-the first is the node that serves the URL's own address. Every member
-writes its generation and leader into its own store (``e/leader``). When a
-generation ends, a member asks the previous members it reaches which
-generation they are in (a newer one: the job went on without it, and it
-joins that generation's leader late); else it meets at the first previous
-member, in rank order, whose store answers the handshake. Only that member
-asks every other one (``_walk``); the others ask only it.
-
-One round (generation g, keys ``e/<g>/...`` in the leader's store): every
-participant ``add``s itself to ``e/<g>/n`` and writes what it brings to
-``e/<g>/who/<i>`` (its id, addresses, generation, and the updates and
-lineage of its state); the leader publishes the outcome in ``e/<g>/members``;
-a participant not leading writes where it meets into its own store
-(``e/<g>/at``), so a node that took it for the leader follows. A node with
-no place (--max-nodes) waits at the leader's store for the next round; one
-that missed its round joins the next (``e/join`` tells rank 0, which tells
-every rank in the update's stats).
+Nodes run the same command and are given ranks here, over the network:
+every member serves a store of its own, and when a generation ends the
+members meet at the first previous member that answers. The rules are
+generations.py's, a round as its leader runs it rounds.py's. docs/elastic.md,
+"How it works" (meeting points, the keys of a round), tells the story.
 """
 
 import concurrent.futures
@@ -149,8 +129,7 @@ class Membership:
         it alone must know who refused and whether the job went on
         elsewhere. A member that meets elsewhere asks only that first one
         (``_newer``): a meeting costs the job's stores N handshakes, not N
-        x N (bench/elastic_scale.py: at 64 nodes on one machine the full
-        walk of every member took 15-60 s)."""
+        x N (docs/elastic.md, "How it works")."""
         answers, size = [], 1
         while len(answers) < len(members) and ANSWERS not in answers:
             answers += self._probe(members[len(answers):len(answers) + size])

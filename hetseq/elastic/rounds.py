@@ -1,17 +1,9 @@
 """A round of an elastic job, as its leader runs it (LeadRound) and as the
 others wait for it (FollowRound); what a store says of its rounds
-(placed, full, next_number). membership.py finds the leader
-and arrives.
-
-The leader waits at its own store for a quorum of the previous generation
-and --min-nodes (generations.has_quorum), then for all previous members,
---max-nodes, or SETTLE_S without a newcomer; it orders and cuts the
-arrivals, picks the source state and the lineage, and publishes them in
-``e/<number>/members``. While it waits it asks the previous members every
-PROBE_EVERY_S whether the job is elsewhere (a newer generation, or this
-round held by a lower-ranked member) and then gives the round up: it
-publishes ``moved`` for everyone in it and raises Moved. Without a quorum
-for --distributed-timeout it publishes ``stop``.
+(placed, full, next_number). The leader waits for a quorum, then lets the
+arrivals settle; it gives the round up when the job is elsewhere and stops
+it without a quorum. membership.py finds the leader and arrives.
+docs/elastic.md, "How it works" and "One job, always".
 """
 
 import json

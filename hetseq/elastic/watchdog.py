@@ -1,12 +1,10 @@
 """An elastic member does not wait for --distributed-timeout to learn that
 another member is lost: a member whose heartbeat stood still for
---heartbeat-timeout is lost (rank 0 watches every counter and tells the
-others), and each process shuts down its TCP connections to that member's
-address (``cut``). A collective blocked on the member then fails at once,
-as it would had the member been killed (gloo's own abort does not unblock a
-waiting collective: measured with torch 2.13, ../shared/PLATFORM_NOTES.md).
-A rank whose collective failed tells the others, who shut down their
-process group's connections too.
+--heartbeat-timeout is lost, and each process shuts down its TCP connections
+to that member's address (``cut``), so a collective blocked on it fails at
+once, as had it been killed (gloo's own abort does not unblock a waiting
+collective). A rank whose collective failed tells the others, who shut down
+their process group's connections too. docs/elastic.md, "How it works".
 """
 
 import ipaddress
@@ -23,22 +21,15 @@ logger = logging.getLogger(__name__)
 
 
 class Watchdog:
-    """An elastic generation's heartbeats, in the leader's ``store`` under
-    ``prefix``. Every rank beats twice a second (``beat/<rank>``). Only rank
-    0, the leader, whose process serves the store, reads every beat: it
-    publishes the ranks silent for ``timeout_s`` (``lost``). Every other
-    rank reads rank 0's beat, ``lost`` and ``ended``: a constant number of
-    small requests a beat, so the leader's store serves work linear in the
-    ranks (each rank reading all N beats, as before, was N^2). A rank cuts
-    its connections to the hosts of the ranks found lost; rank 0's beat or
-    store silent for ``timeout_s`` means the leader is lost.
-
-    ``ended``: a rank whose collective failed says so before it leaves
-    (``end``). Every rank then shuts down its connections to the members'
-    hosts but the stores', so a collective blocked on a member that left to
-    meet fails at once (in a ring, only the lost rank's neighbours see the
-    loss; the others would wait on a survivor that stopped beating). From
-    then on silence is not loss: the members are meeting."""
+    """An elastic generation's heartbeats (``beat/<rank>``), in the leader's
+    ``store`` under ``prefix``. Rank 0, whose process serves the store, reads
+    every beat and publishes the ranks silent for ``timeout_s`` (``lost``);
+    the others read only rank 0's beat, ``lost`` and ``ended``, so the store's
+    work grows linearly with the ranks. A rank cuts its connections to the
+    ranks found lost. ``ended`` (``end``): a rank's collective failed; every
+    rank then cuts its connections to the members' hosts but the stores', and
+    silence is no longer loss: the members are meeting. docs/elastic.md,
+    "How it works"."""
 
     def __init__(self, store, rank, addresses, own_address, timeout_s, prefix="e/0", spare=()):
         self.store, self.rank, self.timeout_s = store, rank, timeout_s

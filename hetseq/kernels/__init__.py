@@ -1,20 +1,8 @@
 """The kernels keyed draws run in (hetseq/randomness.py chooses what to
-draw; these draw it and apply it).
-
-Two paths give the same bits for every element (words.py's hash):
-
-    torch   int32 tensor passes (about ten per element), the mask applied by
-            torch's own dropout backward; attention computed explicitly, its
-            L x L probabilities kept for backward. CPUs, and the reference.
-    triton  the hash computed inside the kernel that uses it: elementwise
-            dropout in one pass, attention flash-style (triton_attention.py),
-            nothing L x L in memory, masks drawn again in backward. CUDA
-            devices of sm_80 or newer, when Triton is installed (it ships
-            with torch's CUDA builds); fp16, bf16 and fp32.
-
-``HETSEQ_KERNELS=torch|triton`` forces one (the default, ``auto``, is the
-above). ``triton`` on a CPU tensor runs Triton's interpreter and needs
-``TRITON_INTERPRET=1``: how the tests run the kernels without a GPU.
+draw; these draw it and apply it), on two paths that give the same bits for
+every element (words.py's hash): torch passes (CPUs, and the reference) or
+Triton kernels (CUDA), chosen per device or by ``HETSEQ_KERNELS=torch|triton``.
+docs/design.md, "Where randomness comes from"; docs/gpu.md, "Choosing the path".
 """
 
 import dataclasses

@@ -1,19 +1,8 @@
 """The keyed draws as PyTorch custom operators (torch.library): autograd
 knows their backward and torch.compile traces a forward that calls them
 without a graph break (each has a fake implementation for the shapes).
-
-    hetseq::site_keys(keys, site_word, call)        the samples' keys for one draw of a site
-    hetseq::keyed_bits(site_keys, shape)            int32 bits, [n, *shape] (the torch path)
-    hetseq::keyed_dropout(x, keys, word, call, threshold, scale)   Triton, one pass
-    hetseq::keyed_attention(q, k, v, key_mask, keys, word, call, threshold, keep_scale, scale)
-                                                    Triton, flash-style: (out, stats)
-
-The Triton operators take the samples' keys and the site (its word, its
-call) and make each sample's site key inside the kernel.
-
-keyed_dropout's backward is keyed_dropout of the gradient (the same mask,
-drawn again); keyed_attention's is keyed_attention_backward, which draws
-its tiles' masks again from the keys and the saved row statistics.
+Backward draws the masks again from the keys instead of saving them.
+docs/gpu.md, "The operators".
 """
 
 from typing import Optional

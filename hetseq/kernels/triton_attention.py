@@ -1,28 +1,8 @@
 """Attention with keyed dropout on the probabilities, flash-style, so that
 nothing L x L reaches memory: each tile's mask is drawn where the tile is
-computed (words.py's hash of (head, query, key) and the sample's site key:
-the torch path's mask, bit for bit), and backward draws it again.
-
-Forward, per (sample, head, block of queries), over blocks of keys:
-
-    s = q k^T * scale, a masked key's score the smallest float32 (as the
-        explicit path fills it: a sample with no real key gets even weights)
-    m = running row max,  l = running sum of exp(s - m)
-    acc += (exp(s - m) * kept) v            (rescaled as m grows)
-    out = acc / l / (1 - p)
-
-and the rows' m and l are kept (8 bytes a row) for backward, where
-P = exp(s - m) / l is recomputed tile by tile:
-
-    dV = (P * kept / (1 - p))^T dO
-    dP = dO V^T * kept / (1 - p)
-    dS = P * (dP - D),   D = rowsum(dO * out)   (= sum_j P dP, dropout included)
-    dQ = dS K * scale,   dK = dS^T Q * scale    (dS is 0 at a masked key)
-
-One kernel walks the queries for a block of keys (dK, dV), another the
-keys for a block of queries (dQ): no atomics, so for given tiles the result
-does not vary from run to run (docs/gpu.md). Inputs are [batch, heads, L, d]
-of any strides.
+computed (the torch path's mask, bit for bit), and backward draws it again.
+Two backward kernels and no atomics, so a result does not vary from run to
+run. docs/gpu.md, "The attention kernel" (the arithmetic is beside each kernel).
 """
 
 import torch
@@ -82,6 +62,12 @@ def _put(PTR, stride_b, stride_h, stride_l, stride_d, b, h, idx, L, dims, D, val
     tl.store(ptrs, value.to(PTR.dtype.element_ty), mask=(idx < L)[:, None] & (dims < D)[None, :])
 
 
+# Forward, per (sample, head, block of queries), over blocks of keys:
+#   s = q k^T * scale, a masked key's score the smallest float32 (as the explicit
+#       path fills it: a sample with no real key gets even weights)
+#   m = running row max,  l = running sum of exp(s - m)
+#   acc += (exp(s - m) * kept) v   (rescaled as m grows);  out = acc / l / (1 - p)
+# The rows' m and l are kept (8 bytes a row) for backward.
 @triton.jit(do_not_specialize=["word", "call"])
 def _forward(Q, K, V, O, STATS, KEY_MASK, KEYS,
              sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd,
@@ -136,6 +122,12 @@ def _probabilities(s, STATS, bh, n_bh, rows, Lq):
     return tl.where(inside[:, None], p, 0.0)
 
 
+# Backward recomputes P = exp(s - m) / l tile by tile:
+#   dV = (P * kept / (1 - p))^T dO,   dP = dO V^T * kept / (1 - p)
+#   dS = P * (dP - D),   D = rowsum(dO * out)   (= sum_j P dP, dropout included)
+#   dQ = dS K * scale,   dK = dS^T Q * scale    (dS is 0 at a masked key)
+# _backward_kv walks the queries for a block of keys (dK, dV), _backward_q the
+# keys for a block of queries (dQ): no atomics.
 @triton.jit
 def _tile_grads(q, kT, vT, do, delta, rows, cols, Lq, Lk, attend, STATS, bh, row_words, site,
                 threshold, keep_scale, scale, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,

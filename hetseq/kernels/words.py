@@ -1,16 +1,8 @@
 """The hash every keyed draw is made of, on Python integers (the reference)
 and on int32 tensors (the torch path; the Triton kernels compute the same).
-
-``mix`` is Wellons's lowbias32 (two multiply-xorshift rounds, full
-avalanche); ``absorb(state, word) = mix((state ^ word) + GOLDEN)`` takes in
-one 32-bit word. Tensors hold int32 and wrap on overflow; their shifts are
-made logical with a mask. An element's bits are
-
-    absorb(coordinate word, site key),   coordinate word = absorb(...absorb(0, i0)..., ik)
-
-hashed from the element's indices in its sample's tensor, dimension by
-dimension, never from the sizes: a padded sequence keeps the bits of its
-real positions.
+Bits are hashed from an element's indices, never from the tensor's sizes,
+so a padded sequence keeps the bits of its real positions.
+docs/design.md, "Where randomness comes from"; docs/gpu.md, "The hash".
 """
 
 import functools
@@ -19,6 +11,8 @@ import torch
 
 WORD = 1 << 32
 GOLDEN = 0x9E3779B9            # added at every absorb, so that a zero word still mixes
+# mix is Wellons's lowbias32: two multiply-xorshift rounds, full avalanche;
+# absorb(state, word) = mix((state ^ word) + GOLDEN).
 MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
 SHIFTS = (16, 15, 16)
 

@@ -1,14 +1,9 @@
-"""``hetseq-launch --check``: before a launch, every host of the hostfile
-reached the way the launch reaches it (ssh, or local), in parallel and
-within ``DEADLINE_S``, its Python asked (probe.py) for HetSeq's version and
-code digest, torch's version, its CUDA devices, its free memory and the
-interface a rank would bind to; one table, then each problem with its fix.
-Exit 0 only when every host can run its part and they agree on HetSeq's
-version and code (the meeting point would refuse a node that does not).
-
-A launch checks too, but only what would otherwise go wrong in silence:
-a line that asks for GPUs (no ``cpu``) on a host that has fewer
-(``missing_devices``: a node without them would train on CPU).
+"""``hetseq-launch --check``: before a launch, every host of the hostfile is
+reached the way the launch reaches it, in parallel and within
+``DEADLINE_S``, and asked (probe.py) what it has; one table, then each
+problem with its fix. A launch itself checks only what would go wrong in
+silence: a line that asks for GPUs on a host that has fewer
+(``missing_devices``). docs/nodes.md, "Check before you launch".
 """
 
 import dataclasses

@@ -1,15 +1,8 @@
 """The hostfile of ``hetseq-launch``: one line per node, DeepSpeed's form
-plus that node's own flags::
-
-    # host     ranks    its per-node flags (docs/flags.md, without the dashes)
-    nodeA      slots=4  max-sentences=48
-    nodeB      slots=2  max-sentences=20 distributed-interface=eth1
-    cpu-box    slots=1  cpu max-sentences=8 save-dir=/scratch/me/ckpt
-
-Words are split as a shell would (quotes keep spaces in a value); a word
-that starts with ``#`` starts a comment. ``name=value`` becomes ``--name value``, a bare ``name``
-``--name``. Whether a name is a per-node flag is the plan's question
-(plan.py asks the parser); here only the form is checked.
+(``HOST slots=N``) plus that node's own flags (``name=value`` becomes
+``--name value``, a bare ``name`` ``--name``), words split as a shell would.
+Whether a name is a per-node flag is the plan's question (plan.py asks the
+parser); here only the form is checked. docs/nodes.md, "One command".
 """
 
 import dataclasses

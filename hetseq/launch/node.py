@@ -1,16 +1,10 @@
-"""One node of a ``hetseq-launch`` job, as the launcher starts it on its host
-(over ssh, or directly for ``--launcher local``)::
-
-    python -m hetseq.launch.node -- PYTHON train.py FLAGS...
-
-It reads one JSON line from standard input, ``{"env": {...}}``: the job
-secret and the forwarded variables, which so never appear in a command
-line (``/proc/*/cmdline`` is readable by every user of the host). It
-starts the command in a session of its own and then holds standard input:
-the launcher closes it to stop the node (Ctrl-C, another node failed), and
-so does ssh when the connection drops. Either way every process of the
-session gets SIGTERM, and SIGKILL ``STOP_S`` later. It exits with the
-command's code (128 + N after signal N).
+"""One node of a ``hetseq-launch`` job, as the launcher starts it on its host:
+``python -m hetseq.launch.node -- PYTHON train.py FLAGS...``. It reads the
+job secret and the forwarded variables as one JSON line on standard input
+(never a command line), runs the command in a session of its own, and stops
+that session (SIGTERM, SIGKILL ``STOP_S`` later) when its input closes. It
+exits with the command's code (128 + N after signal N). docs/nodes.md,
+"One command".
 """
 
 import ctypes

@@ -1,16 +1,9 @@
-"""How ``hetseq-launch`` reaches a node: the local command that starts the
-node's ``python -m hetseq.launch.node`` on its host (``--launcher``).
-
-- ``ssh``: OpenSSH as installed, so the user's ``~/.ssh/config`` (users,
-  keys, jump hosts) applies; ``--ssh-opts`` come first, since ssh keeps the
-  first value it reads for an option. ``BatchMode`` makes a host that
-  would ask for a password fail at once instead of waiting for a terminal.
-- ``local``: the node runs on this machine (a hostfile of ``localhost``
-  lines, or tests), without ssh.
-
-pdsh is not offered: it runs one command on many hosts and does not
-forward standard input, and every node here has its own command and takes
-the job secret on standard input (node.py).
+"""How ``hetseq-launch`` reaches a node (``--launcher``): the local command
+that starts the node's ``python -m hetseq.launch.node`` on its host, over
+OpenSSH as installed (the user's ``~/.ssh/config`` applies) or, with
+``local``, on this machine. pdsh is not offered: it does not forward
+standard input, which carries each node's secret (node.py). docs/nodes.md,
+"One command".
 """
 
 import os
@@ -22,6 +15,8 @@ from hetseq.launch.plan import meeting_host
 from hetseq.registry import Registry
 
 TRANSPORTS = Registry("launcher")
+# BatchMode: a host that would ask for a password fails at once instead of
+# waiting for a terminal.
 SSH_DEFAULTS = ("-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10",
                 "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3")
 
@@ -53,6 +48,7 @@ class Ssh:
 
     def command(self, host, remote_dir, python, argv):
         remote = f"cd -- {remote_path(remote_dir)} && exec {shlex.join(node_command(python, argv))}"
+        # --ssh-opts first: ssh keeps the first value it reads for an option.
         # "--": a host is never read as an option of ssh's.
         return ["ssh", *self.opts, *SSH_DEFAULTS, "--", host, remote], None
 

@@ -1,18 +1,8 @@
 """Capacity planning: how many samples of each global batch every rank takes.
-
-With equal batches every step waits for the slowest device, so the job runs at
-N x (slowest rate). Giving rank i a share b_i proportional to its rate r_i
-makes all ranks finish together and the job runs at sum(r_i). The global
-batch B = sum(b_i) never changes, so neither does the mathematics: any split
-gives the same update (see controller.py).
-
-Modes (``--capacity``): ``manual`` (each node's --max-sentences), ``equal``,
-weights (``3,1,1`` per rank, or ``--capacity-weight`` per node) and ``auto``
-(measured). A rank's micro-batch is capped by its memory (``micro_cap``); the
-rest of its share is accumulated locally, without extra communication.
-While training, ``rebalance.Rebalancer`` follows the per-rank compute times of
-the stats all-reduce and recomputes an ``auto`` plan when a rank's speed
-changes by more than the noise of its measurements.
+With equal batches every step waits for the slowest device; shares
+proportional to the ranks' rates make them finish together. The global batch
+never changes, so neither does the mathematics: any split gives the same
+update. docs/capacity.md gives the modes (``--capacity``) and the memory cap.
 """
 
 import dataclasses

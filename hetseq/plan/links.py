@@ -1,26 +1,8 @@
 """What the gradient exchange costs on the job's real links, and which ranks
 pay for their place in it: a CPU rank beside a GPU, or a fast machine behind
 a slow link, can add fewer samples/s than its link costs, and the job is
-then faster without it (docs/capacity.md, "When a rank sits out").
-
-Measuring (``measure``, a collective, at start and when the plan changes):
-rank 0 times a round trip with each other rank in turn, point to point (no
-process group; the others go on), at two sizes capped by ``PROBE_BYTES``,
-and fits one direction's seconds = a_i + bytes * b_i (latency and seconds
-per byte of rank i's link). Rank 0's figures go to every rank, so every rank
-makes the same choice.
-
-Predicting: the exchange of the ranks S (rank 0 among them) is a ring
-all-reduce of the gradient, G bytes: 2(n-1) steps, each a message of G/n,
-paced by the slowest link (n = |S|):
-
-    X(S) = max_{i in S, i != 0} [ 2 (n-1) a_i + 2 (n-1)/n G b_i ],   X({0}) = 0
-
-An update of S takes T(S) = max_{i in S} s_i / r_i + X(S) / H, with s the
-fastest whole-sample split of B among S at rates r (capacity.fastest_split)
-and H the updates one exchange serves (1; --local-steps: H). ``best_plan``
-picks the S of least T. Rank 0 always takes part: it writes checkpoints and
-tells a rank that sits out how each update went.
+then faster without it. Rank 0 times each link; every rank then makes the
+same choice from rank 0's figures. docs/capacity.md, "When a rank sits out".
 """
 
 import dataclasses
@@ -49,7 +31,10 @@ class Links:
     gradient_bytes: int
 
     def seconds(self, members):
-        """Predicted seconds of one exchange among ``members`` (X above)."""
+        """Predicted seconds of one exchange among ``members`` (X, below)."""
+        # A ring all-reduce of the G gradient bytes among n members: 2(n-1) steps,
+        # each a message of G/n, paced by the slowest link (a_i, b_i: its fit):
+        #   X(S) = max_{i in S, i != 0} [2(n-1) a_i + 2(n-1)/n G b_i],  X({0}) = 0
         n = len(members)
         if n < 2:
             return 0.0
@@ -123,6 +108,7 @@ class Choice:
 def update_seconds(shares, rates, members, links, per_update=1):
     """(compute, exchange) seconds of an update: the slowest member's share
     and the exchange among the members, per update served."""
+    # T(S) = max_{i in S} s_i / r_i + X(S) / H: H updates served by one exchange.
     compute = max((shares[i] / rates[i] for i in members if shares[i]), default=0.0)
     exchange = links.seconds(members) / per_update if links is not None else 0.0
     return compute, exchange

@@ -1,24 +1,8 @@
 """Rebalancing while training: a new ``auto`` plan when, and only when, a
 rank's speed has changed by more than the noise of its measurements, so the
-split follows real changes of speed and not a neighbour's burst.
-
-Each update's stats bring every rank's compute seconds and samples of the
-previous update: its rate r_i = n_i / t_i. A plan's predicted update time
-is its slowest member's b_i / r_i plus the exchange among its members
-(plan/links.py, and what was measured beyond that model: ``_overhead``);
-the gain is the current plan's predicted time over the best plan's, minus 1.
-A new plan is made when the gain beats ``min_gain``, ``z`` standard errors
-of the rates' levels (``levels``, ``_standard_error``) and the gains
-predicted while nothing lasting happened (``_gain_noise``), or when the
-slow view of every rate since the last change shows it (``_long_view``);
-the measured update time then judges it, and a change that did not pay is
-undone (``_judge_trial``). docs/capacity.md gives the rules in numbers and
-what they did on real runs.
-
-A rank that sits out measures nothing: its level is the last one known.
-Under a plan the user fixed (``advisory``) nothing changes; the run is told
-once when it would be faster without a rank. The global batch never
-changes: any split gives the same update.
+split follows real changes of speed and not a neighbour's burst; a change
+that did not pay is undone. Under a plan the user fixed it only advises.
+docs/capacity.md gives the rules in numbers and what they did on real runs.
 """
 
 import dataclasses

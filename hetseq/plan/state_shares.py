@@ -1,17 +1,9 @@
 """Each rank's share of the sharded model state (``--state-shares``), and
-whether the state fits at all, decided before the first update.
-
-With ``--zero 1/2/3`` the model state is split between ranks. Split evenly,
-the smallest memory sets the largest model the job can train while the big
-cards' memory sits idle: the batch already follows each rank's speed
-(capacity.py), so the state follows each rank's memory (Cephalo, Guo et al.
-2024). Part of the state is held whole by every rank whatever its share
-(``StateSize.whole``); only the rest is split (``sharded``), so a rank's
-share is proportional to the memory it has beyond that whole part.
-
-Pure arithmetic (``choose``, ``describe``) apart from one collective
-(``agree``), so that every rank reaches the same shares, or the same refusal,
-from the same gathered numbers: none is left waiting in a collective.
+whether the state fits at all, decided before the first update. As the batch
+follows each rank's speed, the state follows each rank's memory beyond what
+every rank holds whole (Cephalo, Guo et al. 2024). Pure arithmetic apart from
+one collective (``agree``), so every rank reaches the same shares or the same
+refusal. docs/memory-and-precision.md, "State shares by memory".
 """
 
 import dataclasses

@@ -1,18 +1,8 @@
 """The balance of a run, one JSON line per update in ``<save-dir>/balance.jsonl``
 (rank 0, unless --no-save), so that a user can plot their own run (as
-``bench/hetero.py`` does):
-
-    {"update": 12, "time": 1790000000.1, "wall_s": 0.21, "samples": 128,
-     "batch_sizes": [85, 43], "loss": 2.31, "lr": 0.001, "rank_compute_s": [0.19, 0.2],
-     "rank_samples": [85, 43], "rank_samples_per_s": [447.4, 215.0]}
-
-``loss`` is the update's training loss per sample and ``lr`` its learning
-rate (``hetseq-plot SAVE_DIR`` draws both with the balance, and the
-validations of ``valid.jsonl``, ValidLog below).
-
-``batch_sizes`` is the plan the update ran with; the per-rank compute times
-reach every rank with the NEXT update's stats, so a line is written one
-update late (the last update's line at the end, with what is known).
+``bench/hetero.py`` and ``hetseq-plot`` do). A line is written one update
+late: the ranks' compute times arrive with the next update's stats.
+docs/capacity.md, "What a run records" (the fields, an example line).
 """
 
 import json

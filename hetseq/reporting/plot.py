@@ -1,20 +1,8 @@
-"""A picture of a run: ``hetseq-plot SAVE_DIR`` (or ``python -m hetseq.reporting.plot
-SAVE_DIR``) writes ``SAVE_DIR/run.png`` from ``SAVE_DIR/balance.jsonl``
-(logging/balance.py, one line per update, written by rank 0):
-
-- the training loss over updates, with the validation loss of each
-  --valid-subset (``valid.jsonl``) beside it, the learning rate on a twin axis;
-  a single validation is a marked point with its values (accuracy too) beside it;
-- the other validation metrics (accuracy, f1, ...) on their own axis, once
-  some metric has two or more validations;
-- each rank's samples/s over time;
-- the ranks' shares of the global batch over time, stacked (equal shares are
-  equal bands, every rank in the legend), with the updates where the plan
-  changed (--capacity auto re-planned) marked in both lower panels.
-
-Short series are marked point by point, long ones (10,000 updates) thin lines;
-a constant series gets an axis from 0 (figure() returns the Figure, plot()
-saves it). Ranks that came and went (--elastic) are drawn where they took part.
+"""A picture of a run: ``hetseq-plot SAVE_DIR`` writes ``SAVE_DIR/run.png``
+from ``balance.jsonl`` and ``valid.jsonl``, so that a user sees the losses,
+each rank's speed and the plan's shares without writing a plotting script
+(figure() returns the Figure, plot() saves it).
+docs/capacity.md, "What a run records" (the panels).
 """
 
 import json

@@ -1,15 +1,8 @@
 """Checkpoints of a run: what they hold (components, their keys declared in
-hetseq/state.py), when rank 0 saves, and how a run resumes. The files themselves, written
-atomically and read safely, are checkpoint_files.py's.
-
-Sharded state (--zero 1/2/3) is gathered to rank 0 and saved in the same
-full format as an unsharded run, rather than written per rank with
-torch.distributed.checkpoint: checkpoint_last.pt has to hold the full weights
-for everything that reads it (export, fine-tuning, users' scripts); one file
-resumes under any mode and world size, loads with weights_only, and needs
-no shared filesystem. The price is that rank 0's host holds the full state
-while saving, which fits every model whose state fits in one host's memory
-(with --cpu-offload the state lives on the host anyway).
+hetseq/state.py), when rank 0 saves, and how a run resumes. The files
+themselves, written atomically and read safely, are checkpoint_files.py's.
+Sharded state is gathered to rank 0 and saved in the one full format
+(docs/design.md, 'Checkpoints', says why not torch.distributed.checkpoint).
 """
 
 import logging
@@ -136,24 +129,14 @@ def _misfit(err):
 
 
 class Checkpointer:
-    """When and what a run saves, and how it resumes.
-
-    It is handed named components, each with ``state_dict()`` and
-    ``load_state_dict()`` (the model with its optimizer and schedule, the data
-    position, the capacity plan, the meters: torchtitan's "Stateful"), and
-    never reaches into the training run. Each component's state is saved
-    under its name; ``skip`` names what a resume leaves out (the --reset-*
-    flags): a component ("meters"), or one part of a component's state
-    ("controller.optimizer"). Components load in the order given.
-
+    """When and what a run saves, and how it resumes: each named component's
+    state (``state_dict()``/``load_state_dict()``, loaded in the order given)
+    under its name; ``skip`` is what a resume leaves out (the --reset-*
+    flags): a component ("meters") or one part of one ("controller.optimizer").
     ``cfg`` is the job's CheckpointConfig, ``save`` this node's SaveConfig
-    (rank 0's decides where the job's checkpoints go), ``flags`` the plain
-    flags a checkpoint keeps for people to read, ``entries`` plain entries
-    it keeps as given (an elastic generation's lineage: elastic/seam.py).
-
-    ``save`` must be called on every rank (each rank's RNG state is gathered
-    into the checkpoint); rank 0 writes. ``restore`` reads rank 0's copy and
-    sends it to all ranks, so nodes need no shared filesystem.
+    (rank 0's decides where checkpoints go), ``flags`` the plain flags kept for
+    people to read, ``entries`` plain entries kept as given (elastic/seam.py).
+    ``save`` is called on every rank; ``restore`` sends rank 0's copy to all.
     """
 
     def __init__(self, cfg, save, ctx, components, skip=(), flags=None, entries=None):

@@ -1,23 +1,10 @@
 """The authenticated channel to the job's store, for jobs with a secret:
-c10d's TCPStore lets anyone who reaches its port read and write every key
-(rank claims, the job identity, gloo's addresses), so with a secret the
-store is the job's own (store.py), reached only through this channel:
-
-    rank k's RemoteStore == handshake, then sealed frames over the job's network ==>
-    Gate on HOST:PORT (the job's interface only) -> the serving process's Table
-
-Handshake (mutual, the secret never travels): the gate sends MAGIC, its
-job's salt and a nonce Ns; K is the secret stretched with that salt
-(job_secret.py: scrypt, memory-hard against an offline guesser who recorded
-a handshake; docs/security.md gives its cost); the client answers with its
-nonce Nc and HMAC(K, "client" Ns Nc); the gate checks it and answers OK with
-the address it listens on, W, and HMAC(K, "server" Nc Ns W) (or NO; or FULL
-and HMAC(K, "full" Nc Ns) when it serves SERVED connections already). Each
-direction then has its own key, HMAC(K, "c2s"/"s2c" Ns Nc), and every frame
-carries HMAC(key, sequence number, data): a frame changed, replayed,
-reordered or injected by a process without the secret closes the
-connection. Nothing read from the network is unpickled. The listener side
-(caps under a flood) is gate.py; the secret's rules, job_secret.py.
+c10d's TCPStore lets anyone who reaches its port read and write every key,
+so with a secret each rank reaches the job's own store (store.py) only
+through a mutual HMAC handshake (the secret never travels) and sealed
+frames. Nothing read from the network is unpickled. The listener's side is
+gate.py; the secret's rules, job_secret.py. docs/security.md, "The handshake
+and the store's protocol".
 """
 
 import hashlib

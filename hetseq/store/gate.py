@@ -1,17 +1,10 @@
 """The gate: the listener on the job's address that takes each connection
 through channel.py's handshake before the job's store serves it, and stays
-open under a flood (channel.py has the handshake, the caps' numbers and the
-client's side).
-
-- at most HANDSHAKES handshakes at once, PER_SOURCE from one address, each
-  for at most HANDSHAKE_S; a connection over either cap is answered BUSY
-  and closed at once (no thread, no descriptor kept);
-- at most SERVED connections past the handshake (each holds a thread), the
-  next answered FULL under the gate's proof; a place is given back however
-  its connection ends;
-- failed accepts (out of descriptors) are waited out, and an error taking
-  one connection (no thread can be started) costs that connection only;
-- refused handshakes are logged once per source and interval (Tally).
+open under a flood: handshakes and served connections are capped (per
+address too), a connection over a cap costs no thread, an accept error costs
+one connection at most, and refusals are logged once per source and
+interval. channel.py has the caps' numbers and the client's side;
+docs/security.md, "Who is kept out", what each cap keeps out.
 """
 
 import logging

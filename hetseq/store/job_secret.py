@@ -1,19 +1,9 @@
 """The job secret: where it is read from, what it must look like, and the
-key the handshake (channel.py) derives from it.
-
-A recorded handshake lets anyone test guesses of the secret offline. Two
-things make that hopeless:
-
-- the key is memory-hard to derive: scrypt (N=2^15, r=8: 32 MiB and about
-  0.1 s a guess) salted with the job's identity, so that a guess costs an
-  attacker about 10^5 times an HMAC, and a table made for one job is
-  useless for another. Each process derives it once per salt;
-- the secret itself must look generated: its bits are counted as the
-  generator that could have printed it would hold them (a uuid4 holds
-  122, not 36 characters' worth; a uuid1 is a timestamp and a MAC address),
-  and the shapes of typed text are refused (words, a keyboard walk,
-  counting, repeated parts). A rule cannot tell every typed secret from a
-  generated one: use a generator (``hetseq-secret``).
+key the handshake (channel.py) derives from it. A recorded handshake lets
+anyone test guesses of the secret offline, so the key is memory-hard to
+derive (scrypt, salted with the job's identity) and only secrets that look
+generated are accepted. docs/security.md, "Who is kept out", gives the
+rules and the cost of a guess.
 """
 
 import collections
@@ -273,7 +263,7 @@ def _english_bits(text):
 @functools.lru_cache(maxsize=1)
 def _english():
     """Letter-pair log-odds against uniform, from the English of Python's own
-    documentation (pydoc_data, in the standard library; 0.07 s once): the
+    documentation (pydoc_data, in the standard library; built once): the
     first letter of a word, and each next letter across word boundaries."""
     from pydoc_data.topics import topics
     words = re.findall(rb"[a-z]+", " ".join(topics.values()).lower().encode())

@@ -1,29 +1,11 @@
 """The job's key-value store for jobs with a secret, served only through the
-authenticated channel (channel.py). c10d's TCPStore has no authentication,
-and a loopback listener cannot be kept from other local users without root,
-so with a secret no TCPStore runs at all (docs/security.md):
-
-    rank 0:  Table (store_table.py, in memory) <- LocalStore (its own view, no network)
-             Gate on HOST:PORT (gate.py, channel.py) -> serve_connection(table), a thread each
-    rank k:  RemoteStore: its own TCP connection, handshake_as_client, then sealed requests
-
-Both stores are ``torch.distributed.Store`` subclasses, so gloo, PrefixStore
-and HetSeq's own code use them as they use a TCPStore. The data have c10d's
-semantics (store_table.py); the protocol (store_wire.py) has one request in
-flight per connection, every length bounded before anything is gathered,
-nothing unpickled, and a request that breaks it closes only its connection
-(one WARNING naming the peer).
-
-Timeouts follow c10d: ``get``/``wait``/``multi_get`` wait up to the store's
-timeout (``set_timeout``, or the one given to ``wait``), then raise
-``DistStoreError``; a lost connection raises
-``DistNetworkError``; a client gives up on a server that does not answer in
-time, so no call blocks forever unless its timeout is 0.
-
-Lifetime: torch calls a Python store through a trampoline that holds only the
-C++ half of the object. Keep the store referenced from Python while torch may
-call it (rendezvous returns it to its caller); its clones are held by the
-store they were cloned from.
+authenticated channel (channel.py): c10d's TCPStore has no authentication,
+and a loopback port cannot be kept from other local users without root, so
+with a secret no TCPStore runs at all. Both stores are torch Stores with
+c10d's semantics and timeouts. torch holds only a Python store's C++ half:
+keep the store referenced from Python while torch may call it (its clones
+are held by the store they were cloned from). docs/security.md, "The
+handshake and the store's protocol".
 """
 
 import datetime

@@ -1,15 +1,8 @@
 """The wire protocol of the job's store (store.py), inside channel.py's sealed
-frames: a message is a 4-byte big-endian length and its body, split over as
-many frames as channel.CHUNK needs. A request body is an op code (1 byte) and
-the op's fields; a response body is a status byte (OK, TIMEOUT, INVALID) and
-the result's fields. Fields: a key or value is a 4-byte length and its
-bytes, a list a 4-byte count and its items, an integer 8 bytes signed, a
-timeout 8 bytes of milliseconds (0: none, as in c10d). Nothing is unpickled
-or evaluated.
-
-Bounds, checked before anything is gathered or sliced: a key at most
-MAX_KEY bytes, a value at most MAX_VALUE, a list at most MAX_KEYS items, a
-message at most MAX_MESSAGE (from its length header).
+frames: length-prefixed messages of fixed fields, every length bounded
+(MAX_KEY, MAX_VALUE, MAX_KEYS, MAX_MESSAGE) before anything is gathered or
+sliced, nothing unpickled or evaluated. docs/security.md, "The handshake and
+the store's protocol", gives the layout.
 """
 
 import struct

@@ -1,15 +1,8 @@
 """Fine-tuning BERT on GLUE (or sentence pairs of your own): a classification
-head on the pooled [CLS] vector, or a regression for STS-B.
-
-Weighting: ``sample_size`` is the number of examples and the loss the SUM of
-their cross-entropies (squared errors for a regression), so the update is
-the one of the mean loss over the global batch, whatever the split.
-
-Metrics are exact across ranks: accuracy from summed counts, F1 and
-Matthews' correlation from summed confusion counts, Pearson's r from summed
-moments, Spearman's rho from the gathered (prediction, label) pairs
-(``hetseq/metrics.py``); each equals what one process computes on the whole
-dev set.
+head on the pooled [CLS] vector, or a regression for STS-B. The loss is a sum
+over examples and the metrics are built from summed counts and moments, so
+the update and every metric equal one process's on the whole batch or dev
+set, whatever the split. docs/bert.md, "Fine-tuning on GLUE".
 """
 
 import dataclasses

@@ -1,24 +1,9 @@
 """Keeping every rank's copy of the model equal to rank 0's, for runs of any
-length: two kinds of device (a CPU and a GPU, an A100 and a V100) round the
-same optimizer step differently, so replicas drift apart by about one
-rounding per step.
-
-Every ``--divergence-check-interval`` updates each rank sends an exact
-checksum of what it replicates (parameters, and the optimizer state where
-every rank holds all of it: ``Sharding.replicated_state``) in the stats
-all-reduce (stats.py), at no extra communication. When a checksum differs
-from rank 0's, every rank receives rank 0's tensors (one broadcast) and
-measures ||x_r - x_0|| / ||x_0|| over all of them: up to
-``--divergence-tolerance`` that is rounding and the rank takes rank 0's
-copy; beyond it a rank's code, data or flags differ (or memory is corrupt)
-and the run stops with exit 4, naming the ranks and their distances.
-
-The checksum sums the tensors' bit patterns as integers: exact, the same on
-every kind of device, and 0 only by chance (a float norm can differ between
-devices in its last bit and resync for nothing). ``Agreement`` is the run's
-side: it checksums after an update when a check is due (the checksum
-travels with the next update's stats) and resyncs right after an update
-whose checksums differed. docs/checkpoints.md gives the cost (bench/drift.py).
+length: two kinds of device round the same optimizer step differently, so
+replicas drift apart by about one rounding per step. Every
+``--divergence-check-interval`` updates the ranks compare an exact checksum
+in the stats all-reduce; rank 0's copy replaces a rounding difference, and a
+larger one stops the run with exit 4 (docs/checkpoints.md, the divergence check).
 """
 
 import logging

@@ -1,22 +1,8 @@
 """Fewer bytes over slow links: the codecs of the outer exchange
 (``--outer-dtype``, modes/local_steps.py) and PowerSGD for the synchronous
-update (``--grad-compression powersgd``, modes/powersgd.py).
-
-A codec sums one flat tensor over the ranks, in as many bytes as it says:
-
-    float32   the tensor as it is (an all-reduce; a float64 model stays float64)
-    bfloat16  cast to bfloat16, all-reduced, cast back: half the bytes, ~3
-              significant digits per value and per partial sum
-    int8      a reduce-scatter and an all-gather of int8 values with one
-              float32 scale per block of 256 (max |x| / 127): a quarter of the
-              bytes, plus 1.6% for the scales. Each rank sums its partition of
-              everyone's dequantized values in float32 and quantizes the sum
-              once more, so every value carries at most two roundings of half
-              a step of its block's scale, whatever the world size.
-
-The ring all-reduce of n values moves 2 (W-1)/W n values per rank; the int8
-path moves the same count of int8s (an all-to-all of W partitions, then an
-all-gather of the sums), so the three codecs move 4 : 2 : 1.06 bytes per value.
+update (``--grad-compression powersgd``, modes/powersgd.py). A codec sums one
+flat tensor over the ranks in as many bytes as it says (docs/slow-links.md,
+'`--outer-dtype`', gives each codec's bytes and rounding).
 """
 
 import torch
@@ -36,6 +22,7 @@ def _full(flat, group=None):
 
 @CODECS.register("bfloat16")
 def _bfloat16(flat, group=None):
+    # Half the bytes; about 3 significant digits per value and per partial sum.
     low = flat.to(torch.bfloat16)
     dist.all_reduce(low, group=group)
     return low.to(flat.dtype)
@@ -55,6 +42,13 @@ def dequantize(q, scales):
 
 @CODECS.register("int8")
 def _int8(flat, group=None):
+    # A quarter of the bytes, plus 1.6% for the scales (one float32 per BLOCK).
+    # A ring all-reduce of n values moves 2 (W-1)/W n values per rank; this moves
+    # as many int8s (an all-to-all of W partitions, then an all-gather of the
+    # sums), so float32, bfloat16 and int8 move 4 : 2 : 1.06 bytes per value.
+    # Each rank sums its partition of everyone's dequantized values in float32
+    # and quantizes the sum once more: every value carries at most two roundings
+    # of half a step of its block's scale, whatever the world size.
     world = dist.get_world_size(group)
     n = flat.numel()
     padded = torch.zeros(-(-n // (world * BLOCK)) * world * BLOCK, dtype=flat.dtype,

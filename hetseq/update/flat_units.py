@@ -1,18 +1,9 @@
 """The model's state cut into units and laid flat, for state shares that are
-not even (``--state-shares memory``, uneven.py).
-
-A unit is what FSDP would wrap (sharding.py): every module inside an
-``nn.ModuleList`` (the layers of most models), then the root for the
-parameters left. Each unit's parameters of one dtype are laid end to end in
-one flat vector of n elements; rank r owns the contiguous range
-[bounds[r], bounds[r+1]), of about n * share_r elements. A parameter keeps
-its shape: it is a view of the unit's full vector while the unit is gathered.
-
-Gathering and reducing a range go owner by owner (W broadcasts, W
-reduces), whatever the sizes: gloo's all-gather takes only equal sizes, and
-its broadcasts of a 1:3 split of 11M floats took 13 ms on this 2-core host
-where an even all-gather took 50 ms (bench/memory_shares.py measures whole
-steps against torch's even engines).
+not even (``--state-shares memory``, uneven.py): a unit is what FSDP would
+wrap, its parameters of one dtype lie end to end in one flat vector, and
+rank r owns a contiguous range of about n * share_r of its n elements.
+Ranges are gathered and reduced owner by owner, since gloo all-gathers only
+equal sizes (docs/memory-and-precision.md, 'State shares by memory').
 """
 
 import torch
@@ -113,18 +104,13 @@ def owned(tensors, lo, hi):
 
 class FlatUnit:
     """One unit's parameters (of one dtype) as one flat vector ``full``, of
-    which this rank owns [lo, hi). The parameters are views of ``full``;
-    when the unit is not gathered its storage is freed (resized to 0, as
-    FSDP1 does: autograd's saved parameters keep their shapes and see the
-    data again once it is gathered). ``kept`` (--zero 1): always gathered,
-    the shard a view of ``full``; else the shard is a tensor of its own on
-    ``home`` (the host under --cpu-offload).
-
-    The optimizer steps ``pieces``: one parameter per model parameter the
-    range overlaps, views of the shard. A model parameter that got no
-    gradient on any rank in an update keeps no gradient in its pieces, so
-    the optimizer leaves it alone, as torch's leaves a parameter whose
-    gradient is None (momentum and weight decay would move it otherwise)."""
+    which this rank owns [lo, hi). The parameters are views of ``full``,
+    whose storage is freed while the unit is not gathered. ``kept`` (--zero
+    1): always gathered, the shard a view of ``full``; else the shard is a
+    tensor of its own on ``home`` (the host under --cpu-offload). The
+    optimizer steps ``pieces``: one parameter per model parameter the range
+    overlaps, views of the shard; a model parameter no rank gave a gradient
+    in an update gives its pieces none, so the optimizer leaves it alone."""
 
     def __init__(self, params, cuts, rank, device, home, kept):
         self.params, self.kept = params, kept
@@ -190,6 +176,8 @@ class FlatUnit:
 
     def free(self):
         if self.gathered and not self.kept:
+            # Resized to 0, as FSDP1 does: autograd's saved parameters keep their
+            # shapes and see the data again once the unit is gathered.
             self.full.untyped_storage().resize_(0)
             self.gathered = False
 
@@ -221,6 +209,8 @@ class FlatUnit:
         rank in this update); the others' pieces get none."""
         for i, start, piece in self.pieces:
             lo = self.offsets[i] + start - self.lo
+            # No gradient: the optimizer leaves the piece alone, as torch's leaves a
+            # parameter whose gradient is None (momentum and weight decay would move it).
             piece.grad = self.grad[lo:lo + piece.numel()] if used[i] else None
 
     def clear(self):

@@ -1,19 +1,9 @@
 """Mixed precision: ``--bf16`` (CPU and CUDA) and ``--fp16`` (CUDA, loss scaling).
 
-Both keep fp32 master weights and optimizer state: the forward runs under
-``torch.autocast`` (matrix products in 16 bits, reductions and the loss in
-fp32), the backward outside it, and gradients arrive in fp32. Gradients are
-reduced in fp32 unless ``--reduce-dtype`` asks for 16 bits (half the traffic).
-Under FSDP (``--zero 2/3``) the parameters are also all-gathered in 16 bits
-(``MixedPrecisionPolicy``), as Accelerate does.
-
-fp16 has a narrow range, so the loss is multiplied by a scale S before
-backward and the Controller divides S out in the same pass that weights the
-gradients (controller.py: factor W / (N * S)); ``LossScaler`` below moves S.
-
-Everything here is decided once, when the run is built, from the job's
-PrecisionConfig (below: its fields are the flags): the update itself reads
-no flag.
+Both keep fp32 master weights and optimizer state and run the forward under
+``torch.autocast``; fp16 scales the loss and ``LossScaler`` below moves the
+scale. Everything here is decided once, when the run is built, from the job's
+PrecisionConfig: the update itself reads no flag (docs/memory-and-precision.md).
 """
 
 import contextlib

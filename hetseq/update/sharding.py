@@ -1,30 +1,9 @@
 """How the model state is held across ranks (``--zero 0|1|2|3``, ``--cpu-offload``):
-DeepSpeed ZeRO's stages built on PyTorch's own engines, so a job trades
-memory for communication without changing the update.
-
-    --zero 0   replicas: parameters, gradients and optimizer state on every
-               rank (DDP; gradients all-reduced)
-    --zero 1   + optimizer state sharded (DDP + ZeroRedundancyOptimizer,
-               whole parameters per rank)
-    --zero 2   + gradients sharded (FSDP2 ``fully_shard``, no resharding after
-               forward: gradients reduce-scattered; SHARD_GRAD_OP)
-    --zero 3   + parameters sharded (FSDP2 ``fully_shard``, each unit
-               all-gathered for its forward and backward only; FULL_SHARD)
-    --cpu-offload  with --zero 3: parameters, gradients and the optimizer step
-               on the host (FSDP2 ``CPUOffloadPolicy``)
-
-Whatever the mode, each rank holds (a shard of) the SUM over ranks divided
-by the world size W, which the Controller multiplies by W/N (controller.py).
-``local_grads`` gives the tensors this rank owns; ``reduce`` sums a small
-tensor over ranks when gradients are sharded (the norm and the overflow
-flag, in one all-reduce every update).
-
-A mode is built from the job's ShardingConfig (its fields are the flags) and
-PrecisionConfig only: every rank of a job wraps, buckets and communicates the
-same way. Checkpoints hold the FULL state in one format whatever the mode
-(the model's ``state_dict``, a plain optimizer's index-keyed one over
-``model.parameters()``): any mode on any world size loads what any other
-wrote (checkpoint.py says why gathered, not DCP).
+DeepSpeed ZeRO's stages built on PyTorch's own engines (DDP,
+ZeroRedundancyOptimizer, FSDP2), so a job trades memory for communication
+without changing the update. Every mode leaves each rank (a shard of) the
+gradients' sum over ranks divided by W, and checkpoints hold the full state in
+one format (docs/memory-and-precision.md; docs/design.md, 'The gradient math').
 """
 
 import contextlib

@@ -1,32 +1,9 @@
 """--zero 1, 2 and 3 with state shares that follow memory (--state-shares
 memory): rank r holds the fraction ``shares[r]`` of each unit's sharded
-state, where torch's engines (ZeroRedundancyOptimizer, FSDP2) split evenly.
-A small card beside a big one then holds a small share, and the job trains
-a model whose even share would not fit the small card.
-
-Each unit's parameters are laid flat (flat_units.py); rank r owns the range
-[cuts[r], cuts[r+1]) of each flat vector: the optimizer updates that range
-(its ``shard``, cut into one piece per model parameter it overlaps, so a
-parameter no rank gave a gradient is left alone), so the optimizer state
-is that size.
-
-    --zero 1   parameters whole on every rank (DDP sums the gradients);
-               after the step each owner broadcasts its range
-    --zero 2   at rest a rank holds only its ranges of the parameters, the
-               gradients and the optimizer state; a unit is gathered at its
-               forward and freed after its backward, its gradient reduced
-               to the owners after every micro-batch (never held whole
-               until the next: the memory the plan counts)
-    --zero 3   as 2, and each unit freed after its forward, gathered again
-               for its backward
-
-The gradient math is the other modes': a rank's gradient shard is the SUM
-over ranks of that range divided by W (the reduce below), which the
-Controller multiplies by W/N. Only element-wise optimizers (SGD, Adam(W),
-Adadelta: every element's update depends on its own gradient and state)
-give the same update on a range as on the whole tensor, and all of
-HetSeq's do. Checkpoints hold the full state in the one format of the
-other modes: a run resumes under even shares, another world size and back.
+state, where torch's engines split evenly, so a small card beside a big one
+holds a small share. Each unit is laid flat (flat_units.py) and the optimizer
+updates this rank's range of it; the gradient math and the checkpoint format
+are the other modes' (docs/memory-and-precision.md, 'State shares by memory').
 """
 
 import logging

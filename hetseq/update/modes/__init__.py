@@ -1,15 +1,10 @@
 """The exchange modes (update/exchange.py), and which one a job runs.
 
-Every module of this package registers one mode; importing the package
-imports them all (as fairseq's optimizers are found). A ``--user-dir``
-module may register more: cli.py imports it before the parser is built,
-so its flags are the parser's too, and every rank imports it again.
-
-A job runs ``--exchange NAME``; without it, the mode whose own flags ask
-for it (``--local-steps H``, ``--grad-compression powersgd``), else
-synchronous. The job's ExchangeConfig (below; --exchange is its field)
-holds the name and every registered mode's flags, each declared once in
-its mode's Config: all of them are the job's, whichever mode runs.
+Every module of this package registers one mode; a ``--user-dir`` module may
+register more. A job runs ``--exchange NAME``; without it, the mode whose own
+flags ask for it, else synchronous. The job's ExchangeConfig (below) holds the
+name and every registered mode's flags (docs/design.md, 'Exchange modes and
+slow links').
 """
 
 import dataclasses
