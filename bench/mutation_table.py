@@ -436,7 +436,7 @@ MUTATIONS = {
         ["tests/test_launchers.py::test_torchrun_restart_resumes_from_the_checkpoint_exactly"]),
     "local-steps-ranks-weighted-equally": (
         "--local-steps: a round's changes are weighted by the samples each rank processed",
-        "self.exchange(samples / everyone if everyone > 0 else 0.0, settle=boundary)",
+        "self.end_round(samples / everyone if everyone > 0 else 0.0, settle=boundary)",
         "self.exchange(1.0 / self.ctx.world_size, settle=boundary)",
         ["tests/test_local_steps.py::test_exact_where_the_mathematics_says_so"]),
     "local-steps-inner-gradient-averaged-over-ranks": (
@@ -799,9 +799,25 @@ MUTATIONS = {
         ['tests/test_status_viewer.py::test_a_crafted_leader_address_gives_one_line']),
     'helpers-hashed-into-the-identity': (
         "the job identity hashes the code that decides the update, not test helpers or the plot",
-        '            if relative.startswith(NOT_HASHED):',
+        '            if not every_file and relative.startswith(NOT_HASHED):',
         '            if False:',
         ['tests/test_job_identity.py::test_the_code_digest_counts_what_decides_the_update_only']),
+    "user-dir-code-not-in-the-identity": (
+        "a --user-dir's code (a task or exchange mode there) is part of the job's identity",
+        "            out[\"user_code\"] = self.user_code\n",
+        "            pass\n",
+        ['tests/test_job_identity.py::test_a_user_dirs_code_is_part_of_the_job_wherever_it_lies']),
+    "mode-update-without-figures": (
+        "an exchange mode that ends an update without recording this rank's figures is told",
+        "        if result is not None and not self._recorded:",
+        "        if False:",
+        ['tests/test_exchange_modes.py::'
+         'test_a_mode_that_ends_an_update_without_its_figures_is_told']),
+    "epoch-end-events-ignore-their-interval": (
+        "--validate-interval and --save-interval count epochs, in the one schedule",
+        "                     (stopping or due(training.validate_interval, epoch)),",
+        "                     (stopping or epoch is not None),",
+        ['tests/test_events.py::test_an_epochs_end_and_the_stop_come_from_the_same_schedule']),
     "uneven-gradient-not-divided-by-w": (
         "a rank's gradient range under memory shares is the sum over ranks / W, as in every mode",
         "mine = flat[self.lo:self.hi].to(self.shard.dtype, copy=True).div_(world)",

@@ -9,6 +9,7 @@ exchange modes add their own flags.
 """
 
 import argparse
+import contextlib
 
 from hetseq import config
 from hetseq.distributed import health
@@ -66,12 +67,25 @@ def build_parser(task_cls=None, add_help=True):
         group = parser if title is None else parser.add_argument_group(title)
         for section in sections:
             section.add_args(group)
-    modes.add_args(parser)      # the exchange modes' flags, a --user-dir's too
+    with _declared_by("an exchange mode (update/modes/ or a --user-dir's)"):
+        modes.add_args(parser)
     add_legacy_args(parser.add_argument_group("Flags of the original HetSeq"))
     if task_cls is not None:
-        task_cls.add_args(parser.add_argument_group(f"Task '{task_cls.registered_name}'"))
+        with _declared_by(f"task '{task_cls.registered_name}'"):
+            task_cls.add_args(parser.add_argument_group(f"Task '{task_cls.registered_name}'"))
         set_task_defaults(parser, task_cls)
     return parser
+
+
+@contextlib.contextmanager
+def _declared_by(who):
+    """A plugin's flag that HetSeq (or another plugin) already declares: one
+    line naming it, not argparse's traceback."""
+    try:
+        yield
+    except argparse.ArgumentError as err:
+        raise UserError(f"{who} declares a flag that is already taken ({err}); "
+                        "give it a name of its own, e.g. with the plugin's prefix") from None
 
 
 def task_dests(task_cls):

@@ -1,36 +1,20 @@
-"""The two configurations of a run, built once from the flags.
-
-``JobConfig`` holds what every node must agree on: the job identity that
-nodes present at rendezvous (distributed/identity.py) is computed from it, so
-the two cannot drift apart. ``NodeConfig`` holds what may differ per node: its
-devices, its share of the work, where it keeps files and what it prints.
-
-The update path (controller.py, sharding.py, precision.py, stats.py,
-agreement.py) receives sections of ``JobConfig`` only. A node's own choices
-therefore cannot change which collectives its ranks issue: ranks that paired
-different collectives would hang or compute wrong numbers.
-
-A flag is declared once, as a ``flag(...)`` field of its section
-(sections.py): the parser (cli.py) is built from the sections, so a field is
-named after its flag (``--clip-norm`` is ``clip_norm``) and the flag's help
-is the field's documentation. A section lives beside the component it
-configures (ShardingConfig in update/sharding.py, CheckpointConfig in
-run/checkpoint.py, each exchange mode's in its module...), which imports
-sections.py and never this module; this module only assembles them, and
-declares the sections of the loop, membership, start-up and reporting.
-``tests/test_config.py`` checks that every flag lands in exactly one of the
-two configurations and is declared by exactly one field.
-"""
+"""The two configurations of a run, built once from the flags: ``JobConfig``
+(what every node must agree on; the job identity is computed from it) and
+``NodeConfig`` (what may differ per node). The update path receives
+sections of ``JobConfig`` only, so a node's own flags cannot change which
+collectives its ranks issue. A flag is declared once, as a field of its
+section; sections live beside their components, and this module assembles
+them (docs/design.md, "Two configurations")."""
 
 import json
 import os
 
 import hetseq
-from hetseq.digests import code_digest, file_digest
+from hetseq.digests import code_digest, file_digest, source_digest
 from hetseq.optim import OptimizerConfig, ScheduleConfig
 from hetseq.plan.capacity import CapacityConfig, ShareConfig
 from hetseq.run.checkpoint import CheckpointConfig
-from hetseq.sections import Section, flag, frozen, int_list, section
+from hetseq.sections import Section, flag, frozen, int_list, not_a_flag, section
 from hetseq.update.agreement import AgreementConfig
 from hetseq.update.modes import ExchangeConfig
 from hetseq.update.precision import PrecisionConfig
@@ -120,6 +104,8 @@ class JobConfig(Section):
     checkpoint: CheckpointConfig
     elastic: ElasticConfig
     task_flags: tuple = ()        # (dest, value) of the task's own job-wide flags
+    # The --user-dir's code: a task or exchange mode there decides the update.
+    user_code: str | None = not_a_flag()
 
     def identity(self):
         """{flag: value} that a node presents at rendezvous, plus HetSeq's
@@ -127,6 +113,8 @@ class JobConfig(Section):
         compared by the file's content, since each node may keep its copy
         elsewhere; one naming a folder is each node's own location."""
         out = {"hetseq_version": hetseq.__version__, "hetseq_code": code_digest()}
+        if self.user_code is not None:
+            out["user_code"] = self.user_code
         flags = self.flags()
         for dest in self.exchange.unused():     # at their defaults; maybe not on every node
             del flags[dest]
@@ -275,7 +263,9 @@ def build(args, task_dests=(), task_per_node=frozenset(), exchange=None):
     job = JobConfig(task=args.task, distributed_backend=args.distributed_backend,
                     **{name: cls.from_args(args) if cls is not ExchangeConfig else exchange
                        for name, cls in JOB_SECTIONS.items()},
-                    task_flags=tuple((d, v) for d, v in task_flags if d not in task_per_node))
+                    task_flags=tuple((d, v) for d, v in task_flags if d not in task_per_node),
+                    user_code=source_digest(args.user_dir, every_file=True)
+                    if args.user_dir and os.path.isdir(args.user_dir) else None)
     node = NodeConfig(data=args.data, num_workers=args.num_workers, user_dir=args.user_dir,
                       **{name: cls.from_args(args) for name, cls in NODE_SECTIONS.items()},
                       task_flags=tuple((d, v) for d, v in task_flags if d in task_per_node))

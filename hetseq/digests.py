@@ -36,16 +36,16 @@ def code_digest():
     return _CODE[0]
 
 
-def source_digest(root):
+def source_digest(root, every_file=False):
     """A digest of the .py files under ``root`` that decide the update
-    (all but NOT_HASHED), by relative path and content."""
+    (all but NOT_HASHED; ``every_file``: all), by relative path and content."""
     digest = hashlib.sha256()
     for folder, dirs, files in sorted(os.walk(root)):
         dirs.sort()
         for name in sorted(f for f in files if f.endswith(".py")):
             path = os.path.join(folder, name)
             relative = os.path.relpath(path, root).replace(os.sep, "/")
-            if relative.startswith(NOT_HASHED):
+            if not every_file and relative.startswith(NOT_HASHED):
                 continue
             digest.update(relative.encode())
             with open(path, "rb") as source:

@@ -1,26 +1,17 @@
 """Config sections whose fields are their flags: a flag is declared once.
 
 A section is a small frozen dataclass that a component receives instead of
-the whole flag namespace. Each field declared with ``flag(...)`` is also the
-command-line flag ``--field-name`` (argparse's keywords: type, choices,
-help...), so the parser, the section and the job identity read one
-declaration (torchtitan keeps each component's config beside the component
-the same way). Sections live beside what they configure; config.py only
-assembles them into the job's and the node's configuration, and cli.py
-builds the parser from them (``Section.add_args``).
-
-    @section
-    class ShardingConfig(Section):
-        zero: int = flag(0, type=int, choices=(0, 1, 2, 3), help="ZeRO stage")
-
-This module imports nothing of HetSeq: every component may import it (and
-none imports config.py, which imports them all).
+the whole flag namespace; each field declared with ``flag(...)`` is also the
+flag ``--field-name``. This module imports nothing of HetSeq, so every
+component may import it (docs/design.md, 'Two configurations: the job's and
+the node's').
 """
 
 import argparse
 import dataclasses
 
 _FLAG = "hetseq.flag"
+_NOT_A_FLAG = "hetseq.not_a_flag"
 
 
 def frozen(value):
@@ -35,6 +26,12 @@ def flag(default=None, *, help, names=(), **argparse_kwargs):
     (a help that lists a registry's names, a --user-dir's included)."""
     spec = {"default": default, "help": help, "names": tuple(names), **argparse_kwargs}
     return dataclasses.field(default=frozen(default), metadata={_FLAG: spec})
+
+
+def not_a_flag(default=None):
+    """A section field that no flag sets (a digest the build computes): not in
+    ``flags()``."""
+    return dataclasses.field(default=default, metadata={_NOT_A_FLAG: True})
 
 
 def section(cls):
@@ -77,7 +74,7 @@ class Section:
             value = getattr(self, field.name)
             if isinstance(value, Section):
                 out.update(value.flags())
-            elif field.name != "task_flags":
+            elif field.name != "task_flags" and _NOT_A_FLAG not in field.metadata:
                 out[field.name] = value
         out.update(dict(getattr(self, "task_flags", ())))
         return out

@@ -99,3 +99,27 @@ def test_one_mode_is_one_identity_however_it_is_asked_for():
         with pytest.raises(UserError, match="--exchange powersgd compresses with "
                                             "--grad-compression powersgd, not"):
             cli.parse([*TOY, "--exchange", "powersgd", *contradiction])
+
+
+def test_a_mode_that_ends_an_update_without_its_figures_is_told():
+    """A mode's finish must record this rank's figures (rebalancing reads
+    them); one that forgets is named at its first update, not left blank."""
+    from types import SimpleNamespace
+    from hetseq.update.exchange import Exchange
+    from hetseq.update.stats import StepResult
+
+    class Forgetful(Exchange):
+        registered_name = "forgetful"
+
+        def finish(self, stats, seconds, boundary):
+            return StepResult({}, None, 0.1, True)
+
+    mode = Forgetful(None, None, SimpleNamespace(world_size=1, distributed=False))
+    assert mode.ended(None) is None                  # inside a round: nothing yet
+    with pytest.raises(UserError, match=r"exchange mode 'forgetful' ended an update without "
+                                        r"self.record\(seconds, samples\)"):
+        mode.ended(mode.finish(None, 0.0, True))
+    mode.record(0.5, 8)
+    assert mode.ended(mode.finish(None, 0.0, True)).updated
+    with pytest.raises(UserError):                   # each update records its own
+        mode.ended(mode.finish(None, 0.0, True))

@@ -50,6 +50,24 @@ def test_files_compare_by_content_and_folders_are_left_out(tmp_path):
     assert bert_identity("b")["config_file"] != ids[0]["config_file"]
 
 
+def test_a_user_dirs_code_is_part_of_the_job_wherever_it_lies(tmp_path):
+    """A task or exchange mode in --user-dir decides the update: nodes whose
+    copies differ are told so; the same files in another folder agree."""
+    import shutil
+    tasks = os.path.join(os.path.dirname(__file__), "tasks")
+    copies = [shutil.copytree(tasks, tmp_path / name) for name in ("a", "b")]
+    base = toy_identity()                       # TOY's --user-dir is tests/tasks
+    assert [digests.source_digest(copy, every_file=True) for copy in copies] == \
+        [base["user_code"]] * 2
+    with open(copies[1] / "toy.py", "a") as source:
+        source.write("\n# another loss here\n")
+    changed = {**base, "user_code": digests.source_digest(copies[1], every_file=True)}
+    assert identity.differences(changed, base).startswith(
+        "the --user-dir's code (the same files on every node) ")
+    _, job, _ = cli.parse(["--task", "bert"])                  # no --user-dir: no code
+    assert "user_code" not in job.identity()
+
+
 def test_node_with_other_seed_and_epochs_is_refused_naming_both():
     # Rank 0 then waits for a rank 1 that never comes (test_startup.py tests
     # that it names it at the timeout): once rank 1 is refused it is stopped.

@@ -74,8 +74,17 @@ def import_graph(root):
                     if package in known and package != name and \
                             (i == len(parts) or not name.startswith(package + ".")):
                         edges.add(package)
+        if path.name == "__init__.py" and _walks_its_modules(tree):
+            edges |= {module for module in known if module.rpartition(".")[0] == name}
         graph[name] = edges
     return graph
+
+
+def _walks_its_modules(tree):
+    """A package that imports every module in it (pkgutil.iter_modules, as
+    update/modes/ does for its plugins): it imports each of them."""
+    return any(isinstance(node, ast.Attribute) and node.attr == "iter_modules"
+               for node in ast.walk(tree))
 
 
 def cycles(graph):
@@ -148,3 +157,28 @@ def test_the_graph_sees_lazy_imports_packages_and_cycles(tmp_path):
     assert cycles(graph) == [["pkg.a", "pkg.sub", "pkg.sub.b", "pkg.sub.c"]]
     (pkg / "sub" / "c.py").write_text("import logging\nlogging.getLogger('pkg.a')\n")
     assert cycles(import_graph(pkg)) == []                   # a logger's name is no import
+    (pkg / "plugins").mkdir()
+    (pkg / "plugins" / "__init__.py").write_text(
+        "import importlib, pkgutil\nfor m in pkgutil.iter_modules(__path__):\n"
+        "    importlib.import_module(f'{__name__}.{m.name}')\n")
+    (pkg / "plugins" / "mine.py").write_text("import pkg.a\n")
+    (pkg / "a.py").write_text("import pkg.plugins\n")
+    assert "pkg.plugins.mine" in import_graph(pkg)["pkg.plugins"]     # its plugins, by walking
+    assert cycles(import_graph(pkg)) == [["pkg.a", "pkg.plugins", "pkg.plugins.mine"]]
+
+
+MAX_DOCSTRING_LINES = 10
+
+
+def test_docstrings_say_what_and_why_in_a_few_lines():
+    """A docstring says what and why; essays and figures live in docs/ and
+    bench/, where they are kept true (the gradient math sits beside its code)."""
+    long = []
+    for name, path in modules(LIBRARY).items():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in [tree, *ast.walk(tree)]:
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=False)
+                if doc and len(doc.strip().splitlines()) > MAX_DOCSTRING_LINES:
+                    long.append(f"{name}.{getattr(node, 'name', '')}")
+    assert long == [], f"docstrings over {MAX_DOCSTRING_LINES} lines: {long}"

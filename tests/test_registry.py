@@ -183,3 +183,17 @@ def test_a_task_with_the_old_one_argument_constructor_still_runs(tmp_path):
     result = run_train("--task", "old_style", "--user-dir", folder, "--max-sentences", 4,
                        "--max-update", 2, "--no-save")
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_plugin_flag_that_is_taken_is_one_line_naming_it():
+    """A task (or exchange mode) declaring a flag HetSeq has: a UserError
+    naming the plugin and the flag, not argparse's traceback."""
+    class Clash(Task):
+        registered_name = "clash"
+
+        @classmethod
+        def add_args(cls, parser):
+            parser.add_argument("--zero", type=int)
+    with pytest.raises(UserError, match=r"task 'clash' declares a flag that is already taken "
+                                        r"\(argument --zero: conflicting option string: --zero\)"):
+        cli.build_parser(Clash)

@@ -250,4 +250,4 @@ def test_an_outcome_from_rank_0_is_checked_before_it_is_used(monkeypatch, messag
     monkeypatch.setattr(members.dist, "recv", lambda tensor, src: tensor.copy_(
         torch.tensor(message, dtype=torch.float64)))
     with pytest.raises(PeerLost, match="as an update's outcome"):
-        members.Members(ctx).hear()
+        members.Members(ctx).receive_outcome()

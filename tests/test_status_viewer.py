@@ -248,7 +248,7 @@ def test_a_crafted_leader_address_gives_one_line(leader):
     store.set("e/leader", leader)
     secret = job_secret.read_secret(None, {job_secret.SECRET_VARIABLE: "c41e9a07d3b25f68e1a4c7093bd2f5e6"})
     try:
-        status.follow_leader(store, "tcp://10.0.0.2:29500", secret)
+        status.leader_store(store, "tcp://10.0.0.2:29500", secret)
     except UserError as err:
         message = str(err)
     except Exception as err:       # the promise: never a traceback

@@ -1,14 +1,11 @@
 """The job's identity at rendezvous: what every node must agree on before it may join.
 
-Nodes are started by hand, by different people, from different shells. Two
-jobs on one ``file://`` path, or one node started with another ``--seed`` or
-``--max-epoch``, would otherwise train together and silently damage the run
-(samples trained twice or never, a node waiting for one that stopped). So
-each node presents its job's identity (``JobConfig.identity()``: every job
-flag, files by content, plus HetSeq's code) at rendezvous; rank 0 sets it,
-and a node whose identity differs is refused, before it claims a rank, with
-the flags that differ named. What may differ per node is ``NodeConfig``
-(config.py): it is not part of the identity.
+Nodes are started by hand, from different shells: a node with other job
+flags or code would silently damage the run. So each node presents
+``JobConfig.identity()`` at rendezvous; rank 0 sets it, and a node whose
+identity differs is refused before it claims a rank, the differing flags
+named. ``NodeConfig`` (config.py) is not part of it. docs/checkpoints.md,
+"Checked across nodes".
 """
 
 import json
@@ -17,9 +14,12 @@ import time
 from hetseq.errors import UserError
 
 
+CODE = {"hetseq_code": "HetSeq's code (install the same version on every node)",
+        "user_code": "the --user-dir's code (the same files on every node)"}
+
+
 def _flag(name):
-    return "HetSeq's code (install the same version on every node)" if name == "hetseq_code" \
-        else "--" + name.replace("_", "-")
+    return CODE.get(name, "--" + name.replace("_", "-"))
 
 
 def differences(mine, theirs):

@@ -1,29 +1,10 @@
 """An elastic node (--elastic): train in generations and carry the state
-across them, so the job goes on while members are lost or join. Each
-generation's Run talks to it through one seam (seam.py).
-
-A node is one member of the job and runs --distributed-gpus processes (its
-ranks: consecutive, joining and leaving together). Its process 0, the
-node's *first process*, meets for the node (membership.py); the others
-follow it over a pipe each: for every generation the first process sends
-them where they stand, and each sends back how its part ended and what
-state it holds. A generation ends when a member is lost (every rank then
-snapshots its last completed update), when a node asks to join, or when a
-process of the node ends on its own (the node leaves with its exit code);
-below --min-nodes for --distributed-timeout each node saves its first
-process's snapshot to its --save-dir and stops (exit 3). docs/elastic.md
-says how each is noticed.
-
-Why the result is exact: each generation starts from the state of the rank
-holding the most completed updates (a member offers the newest among its
-processes). An update completed on every rank or on none before the failure
-was seen (the optimizer steps only after all of the update's collectives),
-except that some ranks may have completed update k+1 while others failed
-inside it: taking the most updates covers that. The data position counts
-samples of the world-independent global batches (data/iterators.py), and
-the global batch never changes with the members, so the next update is the
-one a single process would make next.
-"""
+across them, so the job goes on while members are lost or join. The node's
+first process meets for it (membership.py) and sends its other processes
+their places over a pipe; each generation's Run talks to it through one
+seam (seam.py). Each generation starts from the newest state on the job's
+line, so the next update is the one a single process would make next
+(docs/elastic.md says why that is exact)."""
 
 import dataclasses
 import gc
@@ -78,7 +59,7 @@ def train_elastic(args, job, node, inputs):
                         f"HETSEQ_JOB_SECRET or --job-secret-file on every node ({job_secret.MAKE_ONE} "
                         "makes one)")
     # This process trains the first process's rank: it imports what the first update
-    # needs (about 1.5 s of CPU) before it meets, not while members wait
+    # needs (seconds of CPU) before it meets, not while members wait
     # for it in a new generation.
     for module in PRELOAD:
         importlib.import_module(module)
@@ -87,26 +68,26 @@ def train_elastic(args, job, node, inputs):
     membership = Membership(node.launch, topology.backend, secret, job.elastic.min_nodes,
                             job.elastic.max_nodes, job.identity(), ranks=topology.nprocs)
     work = (args, job, node, inputs, topology)
-    followers = [start_linked(local, _follow_first_process, (*work, membership.binding, secret),
-                              topology.device_type, "hetseq.run.loop")
-                 for local in range(1, topology.nprocs)]
+    others = [start_linked(local, _run_other_process, (*work, membership.binding, secret),
+                           topology.device_type, "hetseq.run.loop")
+              for local in range(1, topology.nprocs)]
     try:
-        _lead_node(membership, followers, *work)
+        _run_first_process(membership, others, *work)
     finally:
-        for process, conn in followers:
-            conn.close()              # a follower still waiting reads the end of the pipe
+        for process, conn in others:
+            conn.close()              # another process still waiting reads the end of the pipe
             process.join(30)
             if process.is_alive():
                 process.kill()
 
 
-def _lead_node(membership, followers, args, job, node, inputs, topology):
-    """The first process's loop: meet for the node, tell its followers where they
-    stand, train its own rank."""
+def _run_first_process(membership, others, args, job, node, inputs, topology):
+    """The first process's loop: meet for the node, tell the node's other
+    processes where they stand, train its own rank."""
     set_threads(topology)
     device = device_of(topology, 0)
     state = _own_checkpoint(node.save)
-    ends = [_ended(False, state)] + [_end_of(local, f) for local, f in enumerate(followers, 1)]
+    ends = [_ended(False, state)] + [_end_of(local, f) for local, f in enumerate(others, 1)]
     while True:
         holder = _newest(ends)
         try:
@@ -119,17 +100,17 @@ def _lead_node(membership, followers, args, job, node, inputs, topology):
         except JobDone as done:
             logger.warning("--elastic: %s before this node could join", done)
             return
-        for _, conn in followers:
+        for _, conn in others:
             conn.send(dataclasses.replace(generation, store=None))
         place = Place(generation, 0, membership.binding, node.launch.distributed_timeout)
         ended, state = _serve(place, state, device, args, job, node, inputs, topology)
-        ends = [ended] + [_end_of(local, f) for local, f in enumerate(followers, 1)]
+        ends = [ended] + [_end_of(local, f) for local, f in enumerate(others, 1)]
         if ended.finished:
             return
         membership.mark_lost({rank for end in ends for rank in end.lost})
 
 
-def _follow_first_process(local, conn, args, job, node, inputs, topology, binding, secret):
+def _run_other_process(local, conn, args, job, node, inputs, topology, binding, secret):
     """Process ``local`` (1 and up) of a node: train where the first process says,
     each generation, until the job ends or the first process does."""
     from hetseq.tasks import import_builtin_tasks, import_user_dir
@@ -156,10 +137,10 @@ def _follow_first_process(local, conn, args, job, node, inputs, topology, bindin
         exit_now(err.exit_code)
 
 
-def _end_of(local, follower):
-    """How follower ``local``'s part ended (what it sent); WorkerFailed when
+def _end_of(local, other):
+    """How process ``local``'s part ended (what it sent); WorkerFailed when
     it ended instead."""
-    process, conn = follower
+    process, conn = other
     try:
         return conn.recv()
     except (EOFError, OSError):

@@ -1,31 +1,11 @@
 """The training loop's one door to membership (torchft's Manager, in a few
-verbs). ``Run`` (run/loop.py) makes the same calls whatever the job:
-``Fixed`` for a job without --elastic does nothing, ``Elastic`` carries a
-member's run through its generation (node.py starts one per generation).
-
-What the loop asks, in its order:
-
-- ``source``, ``replans``, ``entries()``: where the run's state comes from
-  (Checkpointer.restore), whether the saved split of the batch is dropped,
-  what a checkpoint keeps beside the components;
-- ``attach(controller, data, local_state)``: once the state is restored;
-- ``begin_update()``: the update's batches are drawn; its word in the stats;
-- ``raise_if_over()``: between inner steps of --local-steps (GenerationOver);
-- ``completed(result)``: after an update, once its plan is observed;
-- ``raise_if_joining()``: after the update's validation and save (Reconfigure);
-- ``saved()``: after each save the run makes.
-
-node.py asks ``Elastic.snapshot()`` when the generation ends.
-
-A split state (--zero 1/2/3: each rank holds only its shard) cannot be
-snapshotted without a collective, and a lost member takes its shard with
-it. There each node's first process keeps the newest *full* state it can
-offer (``Elastic._full``): the one its generation started from, then the
-one every rank takes together (a collective while all are alive) before a
-join and at every save. A snapshot is that full state, never a partial
-one: after a lost member the next generation goes back to it and trains
-those updates again (exact, repeated work).
-"""
+verbs): ``Fixed`` for a job without --elastic does nothing, ``Elastic``
+carries a member's run through its generation. The loop calls, in order:
+``source``/``members_change``/``entries()`` at restore, ``attach`` once
+restored, ``begin_update``, ``raise_if_over`` between inner steps,
+``completed`` after an update, ``raise_if_joining`` after its events, and
+``saved`` after each save; node.py asks ``snapshot()`` at the end. Under
+--zero 1/2/3 a snapshot is the newest *full* state (docs/elastic.md)."""
 
 import collections
 import copy
@@ -50,7 +30,7 @@ class Fixed:
     """A job without --elastic: its members never change; nothing to do."""
 
     source = None          # rank 0 reads --restore-file
-    replans = False
+    members_change = False
 
     def entries(self):
         return {}
@@ -82,7 +62,7 @@ class Elastic:
     (rank, store, heartbeats); ``held()``: the state this process holds
     (the source's goes to every rank)."""
 
-    replans = True         # the saved split was for other members
+    members_change = True  # a saved split was for other members; B stays fixed
 
     def __init__(self, place, held, split=False):
         """``split``: the run's state will be split between ranks (--zero

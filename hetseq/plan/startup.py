@@ -74,11 +74,11 @@ def _weights(cfg, peers):
     return parse_weights(cfg.capacity, len(peers))
 
 
-def _global_batch(cfg, peers, elastic=False):
+def _global_batch(cfg, peers, members_change=False):
     sizes = [peer["max_sentences"] for peer in peers]
     total = sum(sizes) if None not in sizes else None
     batch = cfg.global_batch_size or total
-    if elastic:
+    if members_change:
         return batch
     if batch is None:
         raise UserError("set --global-batch-size, or --max-sentences on every node (the global "
@@ -160,12 +160,12 @@ def _measure(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size
 
 
 def make_plan(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size=1,
-              elastic=False):
+              members_change=False):
     """Every rank's share of the global batch, agreed by all ranks: (plan,
     every rank's device, the links measured (links.py; None alone), every
     rank's bytes of model state as it counts them (``Controller.state_bytes``,
     host and device)). ``cfg``: the job's CapacityConfig; ``shares``: this
-    node's ShareConfig. ``elastic``: the members change while B stays
+    node's ShareConfig. ``members_change``: the members change while B stays
     (--elastic), so each node's --max-sentences is its weight and the most it
     takes per forward. With ``auto`` the plan counts the exchange too: a rank
     that would slow the job sits out where the --zero mode and exchange allow.
@@ -179,14 +179,14 @@ def make_plan(cfg, shares, ctx, controller, dataset, collate_fn, local_world_siz
                               "state": controller.state_bytes()}, ctx)
     _check_state(held)
     rate, cap = 0.0, shares.micro_batch_cap
-    if elastic and cfg.capacity == "manual" and shares.max_sentences:
+    if members_change and cfg.capacity == "manual" and shares.max_sentences:
         cap = min(cap, shares.max_sentences) if cap else shares.max_sentences
     if cfg.capacity == "auto":
         rate, cap = _measure(cfg, shares, ctx, controller, dataset, collate_fn, local_world_size)
     peers = all_gather_object({"max_sentences": shares.max_sentences,
                                "weight": shares.capacity_weight, "rate": rate, "cap": cap,
                                "device": device_name(ctx.device)}, ctx)
-    batch, caps = _global_batch(cfg, peers, elastic), [peer["cap"] for peer in peers]
+    batch, caps = _global_batch(cfg, peers, members_change), [peer["cap"] for peer in peers]
     rates = [peer["rate"] for peer in peers]
     plan = proportional(batch, _weights(cfg, peers), caps, rates, controller.can_sit_out(),
                         fixed=cfg.capacity != "auto")

@@ -1,23 +1,9 @@
-"""``hetseq-status tcp://HOST:PORT``: a running job, seen from any machine
-that reaches its meeting point (with the job's secret, when it has one).
-
-Rank 0 writes one JSON value into the store it serves (``StatusBoard``, at
-most once per ``INTERVAL_S``, a write into its own process's table or its
-loopback TCPStore): the update and the planned count, the time left, each
-rank's host, share, samples/s and waiting time, the generation (--elastic)
-and the last checkpoint. ``hetseq-status`` connects as any node would (the
-gate's handshake), reads that one key and draws it; ``--watch`` reads it
-again every few seconds over the same connection, ``--json`` prints it
-for scripts. It only reads, one bounded value per look, so it never
-disturbs the job. Under --elastic it follows the member it asked to the
-generation's leader (``e/leader``).
-
-The URL may be mistyped and, without a secret, anyone may write the key:
-every network step runs in a worker thread with a deadline (``--timeout``)
-while the main thread waits in short joins, which Ctrl-C interrupts (a
-thread in TCPStore's C++ ``recv`` never lets SIGINT's handler run), and any
-value read gives a status or one line, never a traceback.
-"""
+"""``hetseq-status tcp://HOST:PORT``: a running job seen from any machine that
+reaches its meeting point. Rank 0 writes one JSON value into the store it
+serves (``StatusBoard``); the viewer passes the gate as a node would, reads
+that one bounded key and draws it. Every network step has a deadline and
+Ctrl-C works at any moment (docs/security.md), and any value read gives a
+status or one line, because without a secret anyone may write the key."""
 
 import argparse
 import datetime
@@ -110,7 +96,7 @@ def open_store(url, secret, timeout_s=CONNECT_S):
         raise UserError(f"could not read the job at {url}: {str(err).splitlines()[0]}") from None
 
 
-def follow_leader(store, url, secret, timeout_s=CONNECT_S):
+def leader_store(store, url, secret, timeout_s=CONNECT_S):
     """Under --elastic, the store of the generation's leader (every member
     names it in ``e/leader``); otherwise ``store`` itself."""
     if secret is None or not store.check(["e/leader"]):
@@ -130,7 +116,7 @@ def follow_leader(store, url, secret, timeout_s=CONNECT_S):
 
 def look(url, secret, timeout_s=CONNECT_S):
     """(store, its URL) where the job's status is: ``url``'s, or its leader's."""
-    return follow_leader(open_store(url, secret, timeout_s), url, secret, timeout_s)
+    return leader_store(open_store(url, secret, timeout_s), url, secret, timeout_s)
 
 
 _workers = []                # bounded()'s threads; one alive is blocked in the network

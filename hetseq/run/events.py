@@ -1,9 +1,8 @@
-"""The run's events: what follows an update (a validation, a save, the
-run's end). One answer
-for both moments that ask: before the update (--local-steps ends its round
-there, so that every rank holds one model when it is used) and after it
-(the loop then validates, saves or stops). From the job's flags and the
-update count only, so every rank answers alike."""
+"""The run's schedule: what follows an update (a validation, a save, the
+run's end) and when the run stops. One answer for every moment that asks:
+before an update (--local-steps ends its round there), after it and at an
+epoch's end (the loop validates, saves or stops), and the time left. From
+the job's flags and the run's counts only, so every rank answers alike."""
 
 import dataclasses
 
@@ -22,10 +21,11 @@ class After:
 
 
 class Events:
-    """``training``: the TrainingConfig; ``saving``: the CheckpointConfig."""
+    """``training``: the TrainingConfig; ``saving``: the CheckpointConfig;
+    ``schedule``: the ScheduleConfig (--min-lr)."""
 
-    def __init__(self, training, saving):
-        self.training, self.saving = training, saving
+    def __init__(self, training, saving, schedule=None):
+        self.training, self.saving, self.schedule = training, saving, schedule
 
     def after(self, updates):
         """What follows the update that brings the count to ``updates``."""
@@ -35,6 +35,27 @@ class Events:
             due(training.validate_interval_updates, updates),
             saves=due(self.saving.save_interval_updates, updates),
             ends=bool(training.max_update and updates >= training.max_update))
+
+    def at_epoch_end(self, epoch, stopping=False):
+        """What follows the end of ``epoch`` (--validate-interval and
+        --save-interval count epochs), or the last update when ``stopping``:
+        the run validates and saves once more before it ends."""
+        training = self.training
+        return After(validates=not training.disable_validation and
+                     (stopping or due(training.validate_interval, epoch)),
+                     saves=stopping or due(self.saving.save_interval, epoch), ends=stopping)
+
+    def stop_reason(self, epoch, updates, lr):
+        """Why the run stops before ``epoch`` (the epoch it would train next)
+        after ``updates`` at learning rate ``lr``; None: it goes on."""
+        training = self.training
+        if training.max_epoch and epoch > training.max_epoch:
+            return f"reached --max-epoch {training.max_epoch}"
+        if training.max_update and updates >= training.max_update:
+            return f"reached --max-update {training.max_update}"
+        if self.schedule is not None and lr <= self.schedule.min_lr:
+            return f"learning rate {lr:.3g} reached --min-lr {self.schedule.min_lr:.3g}"
+        return None
 
     def still_due(self, updates, planned, epoch, epoch_end, epoch_updates, saves=True):
         """{"validation": n, "saving": n}: those still to come at or after
@@ -53,15 +74,14 @@ class Events:
                 break
             end, epoch = end + epoch_updates, epoch + 1
 
-        def count(every_updates, every_epochs):
-            extra = {u for u, e in ends if every_epochs and e % every_epochs == 0} | {planned}
+        def count(every_updates, kind):
+            extra = {u for u, e in ends if getattr(self.at_epoch_end(e), kind)} | {planned}
             multiples = (planned // every_updates - (max(updates, 1) - 1) // every_updates
                          if every_updates else 0)
             return multiples + sum(1 for u in extra if not due(every_updates, u))
         return {"validation": 0 if training.disable_validation else
-                count(training.validate_interval_updates, training.validate_interval),
-                "saving": count(saving.save_interval_updates, saving.save_interval) if saves
-                else 0}
+                count(training.validate_interval_updates, "validates"),
+                "saving": count(saving.save_interval_updates, "saves") if saves else 0}
 
 
 def due(every, updates):

@@ -85,7 +85,7 @@ class Run:
                       PLAN.name: self.balance, METERS.name: self.report.meters}
         # What a resume leaves out: the --reset-* flags' keys, and the split
         # of the batch where the seam re-plans (it was for other members).
-        skip = Component.left_out(job.checkpoint) | ({PLAN.name} if seam.replans else set())
+        skip = Component.left_out(job.checkpoint) | ({PLAN.name} if seam.members_change else set())
         self.checkpointer = checkpoint.Checkpointer(
             job.checkpoint, node.save, ctx, components, skip=skip,
             flags=checkpoint.plain_args(args), entries=seam.entries())
@@ -94,7 +94,7 @@ class Run:
             logger.info("resumed from %s: epoch %d, %d updates done", resumed,
                         self.train_data.epoch, self.controller.num_updates)
         self.agreement.due(self.controller.num_updates, now=True)
-        self.events = Events(job.training, job.checkpoint)
+        self.events = Events(job.training, job.checkpoint, job.schedule)
         self._epoch_end = None       # (epoch, its last update, updates per epoch): the time left
         self._plan_schedule()
         self._validated = None       # (update, metric) of the last validation
@@ -108,7 +108,8 @@ class Run:
         dataset = self.splits.load(job.training.train_subset)
         plan, devices, links, held = startup.make_plan(
             job.capacity, self.node.shares, ctx, controller, dataset,
-            self.task.collater(dataset), ctx.local_world_size, elastic=job.elastic.elastic)
+            self.task.collater(dataset), ctx.local_world_size,
+            members_change=self.seam.members_change)
         if self.sharing.again(controller, plan, dataset, self.task.collater(dataset)):
             held = held_bytes(controller, ctx)
         per_update = controller.updates_per_exchange()
@@ -159,17 +160,14 @@ class Run:
             raise
 
     def _train(self):
-        training = self.job.training
         while not self.stop_reason():
             epoch = self.train_data.epoch
             self.train_epoch(epoch)
             end_of_epoch = self.train_data.samples_in_epoch == 0
-            stopping = self.stop_reason() is not None
-            metric = None
-            if not training.disable_validation and (
-                    stopping or (end_of_epoch and epoch % training.validate_interval == 0)):
-                metric = self.validate(epoch)
-            if stopping or (end_of_epoch and epoch % self.job.checkpoint.save_interval == 0):
+            after = self.events.at_epoch_end(epoch if end_of_epoch else None,
+                                             stopping=self.stop_reason() is not None)
+            metric = self.validate(epoch) if after.validates else None
+            if after.saves:
                 self._save(epoch if end_of_epoch else None, metric)
         self.report.done(self.stop_reason())
         self.report.close()
@@ -185,14 +183,8 @@ class Run:
         self.seam.saved()
 
     def stop_reason(self):
-        training, controller = self.job.training, self.controller
-        if training.max_epoch and self.train_data.epoch > training.max_epoch:
-            return f"reached --max-epoch {training.max_epoch}"
-        if training.max_update and controller.num_updates >= training.max_update:
-            return f"reached --max-update {training.max_update}"
-        if controller.lr <= self.job.schedule.min_lr:
-            return f"learning rate {controller.lr:.3g} reached --min-lr {self.job.schedule.min_lr:.3g}"
-        return None
+        return self.events.stop_reason(self.train_data.epoch, self.controller.num_updates,
+                                       self.controller.lr)
 
     def train_epoch(self, epoch):
         training, controller, data = self.job.training, self.controller, self.train_data

@@ -11,7 +11,7 @@ samples and sends zeros.
 import logging
 
 from hetseq.distributed import all_gather_object
-from hetseq.update.stats import StatsExchange
+from hetseq.update.stats import StatsSum
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class Validation:
         self.task, self.controller, self.splits, self.ctx = task, controller, splits, ctx
         self.batch_size, self.balance = batch_size, balance
         self.iterators = {}     # (split, ranks sitting out) -> its iterator, built on first use
-        self.layouts = {}       # split -> its stats' keys (StatsExchange.layout)
+        self.layouts = {}       # split -> its stats' keys (StatsSum.layout)
 
     def run(self, split):
         """The task's metrics on ``split`` (a collective: every rank calls it)."""
@@ -34,7 +34,7 @@ class Validation:
         # Start with the task's keys at zero (a rank may get no samples at all)
         # so every rank all-reduces a vector of the same layout: learnt from
         # one forward at the split's first validation.
-        stats = StatsExchange(self.ctx)
+        stats = StatsSum(self.ctx)
         if split not in self.layouts:
             controller.valid_step(data.dummy_batch(), stats)
             self.layouts[split] = stats.layout()

@@ -1,18 +1,9 @@
-"""BERT pretraining (masked LM + next sentence) on NVIDIA-format HDF5 shards.
-
-Weighting: ``sample_size`` is the number of sequences, as in HetSeq. Each
-sequence's loss is its masked-LM loss averaged over ITS real masked positions
-(padding positions excluded) plus its next-sentence loss; the batch loss is
-the sum over sequences. The loss is therefore a per-sequence quantity and the
-global update is exact whatever the split across ranks. (NVIDIA's recipe
-averages the masked-LM loss over all masked tokens of a batch, which depends
-on the batch; both agree when sequences have equally many masked tokens.)
-The token-level masked-LM loss and accuracy are reported too.
-
-Without ``--data`` the task trains on the built-in demo: a small corpus from
-Python's own documentation, with its own vocab and a 4-layer BERT config
-(``hetseq/bert/demo.py``), chosen in ``resolve_inputs`` and logged.
-"""
+"""BERT pretraining (masked LM + next sentence) on NVIDIA-format HDF5 shards,
+or, without ``--data``, on the built-in demo corpus (hetseq/bert/demo.py).
+Each sequence's loss averages its masked-LM loss over its own masked
+positions, so the batch loss is a sum of per-sequence losses and the update
+is exact whatever the split (docs/bert.md says how this differs from
+NVIDIA's recipe)."""
 
 import dataclasses
 import logging

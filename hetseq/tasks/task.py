@@ -1,27 +1,9 @@
-"""The Task API: what a user implements to train anything with HetSeq.
-
-A task turns a split name into a dataset, builds the model and computes the
-loss of one batch. The Controller owns everything else (optimizer, gradient
-averaging, schedule). Convention shared by every task:
-
-    loss, sample_size, logs = task.loss(model, sample)
-
-``loss`` is the SUM of the per-sample losses (not the mean) and
-``sample_size`` the number of samples (or tokens) it covers. The Controller
-divides the all-reduced gradient by the all-reduced ``sample_size``, which
-gives exactly the gradient of the mean loss over the whole global batch.
-``logs`` maps names to numbers that are summed over micro-batches and ranks
-(e.g. ``{"correct": 17}``); it must have the same keys at every step.
-
-Set-up, in this order, each step visible:
-- ``defaults``: the task's own defaults for general flags (batch size,
-  optimizer, learning rate, schedule...), shown in ``--help`` and overridden
-  by any flag given on the command line.
-- ``resolve_inputs(args)``: once per node, before its ranks start. What the
-  flags leave open (no ``--data``: a built-in demo corpus) is chosen, built if
-  need be, logged, and returned; ``args`` is never rewritten.
-- ``__init__(args, inputs)``: every rank, with what ``resolve_inputs`` returned.
-"""
+"""The Task API: what a user implements to train anything with HetSeq. A task
+turns a split name into a dataset, builds the model and computes one batch's
+``loss, sample_size, logs``: the SUM of the per-sample losses and the count
+it covers, so the Controller's division by the global count gives the mean
+loss's gradient exactly. docs/tasks.md gives the set-up order (defaults,
+resolve_inputs, __init__) and an example."""
 
 import torch
 from torch.utils.data import default_collate

@@ -1,36 +1,8 @@
-"""The Controller: model wrapping, optimizer, LR schedule and the gradient
-math that makes the update the one of large-batch single-device training.
-
-Gradient math
--------------
-Rank r processes n_r samples and its task returns the SUM of their losses,
-so after backward rank r holds g_r = grad( sum_{s in r} l_s ). Every sharding
-mode (sharding.py) then leaves, on each rank, (its shard of) G/W with
-G = sum_r g_r: DDP all-reduces and averages, FSDP reduce-scatters and
-averages. The counts travel in the stats all-reduce (stats.py). We scale by W/N:
-
-    (G/W) * (W/N) = (1/N) * sum_r g_r = grad( (1/N) * sum_s l_s ),   N = sum_r n_r,
-
-the gradient of the mean loss over the global batch. (Plain DDP averages
-per-rank MEAN gradients, (1/W) * sum_r g_r / n_r, which equals G/N only when
-every n_r is the same.) Micro-batches and --update-freq accumulate into the
-same sums. With fp16 the loss was multiplied by the loss scale S, so the
-factor becomes W / (N * S): one pass.
-
-W is the exchange mode's ``divisor`` (exchange.py, modes/; the Controller
-does not know which mode runs): 1 under --local-steps, where rank r's
-gradient is scaled by 1/n_r and the ranks' changes are averaged per round.
-A rank without samples contributes g_r = 0, n_r = 0 (where its mode allows
-it computes nothing and sends zeros: ``_idle``); a rank that sits out
-(members.py) sends nothing, and W and N are the members'.
-
-The --clip-norm norm is the whole gradient's: under sharding one all-reduce
-sums the shards' squares with an overflow flag, every update, clipped or
-not, so every rank skips the same updates and issues the same collectives
-whatever it logs (an unsharded norm is computed locally: ``StepResult``).
-DDP's own averaging, not a SUM communication hook, keeps the all-reduce in
-C++ (docs/design.md gives the cost of a Python hook).
-"""
+"""The Controller: the model as trained, the optimizer, the LR schedule and
+the gradient math that makes each update the large-batch single-device one
+(written beside ``apply_update``; docs/design.md, "The gradient math").
+The --clip-norm norm is the whole gradient's, summed over shards with an
+overflow flag every update, so every rank skips the same updates."""
 
 import gc
 import logging
@@ -210,13 +182,13 @@ class Controller:
         self.optimizer.zero_grad(set_to_none=True)
         if self.members.sitting:
             stats.add_zeros(self._layout[0])
-            return self.exchange.sit(stats)
+            return self.exchange.ended(self.exchange.sit(stats))
         if not self.lockstep:   # a padding batch matters only where every forward communicates
             samples = [sample for sample in samples if sample is not None] or [None]
         if samples == [None] and self._wrapper_ran and self.sharding.can_idle():
             self._idle(stats)
             clock.stamp()
-            return self.exchange.finish(stats, clock.seconds(), boundary)
+            return self.exchange.ended(self.exchange.finish(stats, clock.seconds(), boundary))
         loss_scale = self.scaler.scale if self.scaler else 1.0
         for i, sample in enumerate(samples):
             last = i == len(samples) - 1
@@ -235,7 +207,7 @@ class Controller:
         # travel before the gradients (announced) or after.
         self._layout = (stats.layout(), backward.announced)
         self._wrapper_ran = True
-        return self.exchange.finish(stats, clock.seconds(), boundary)
+        return self.exchange.ended(self.exchange.finish(stats, clock.seconds(), boundary))
 
     def _idle(self, stats):
         """An update without samples on this rank, after one with (DDP has
@@ -254,7 +226,7 @@ class Controller:
         return move_to(batch, self.ctx.device), None
 
     def apply_update(self, sample_size):
-        """Scale the gradients to the mean-loss gradient (math above), clip,
+        """Scale the gradients to the mean-loss gradient (math below), clip,
         step: the exchange calls it once the gradients are complete. Returns
         (whether the update was made, its gradient norm or a function
         measuring it). Only job-wide flags decide what runs here."""
@@ -262,6 +234,15 @@ class Controller:
             logger.warning("update %d had no samples on any rank; skipped", self.num_updates + 1)
             return False, None
         grads = self.sharding.local_grads(self.params)
+        # Rank r's task returns the SUM of its n_r samples' losses, so it holds
+        # g_r = grad(sum_{s in r} l_s); the mode leaves (its shard of) G/W,
+        # G = sum_r g_r (DDP and FSDP average over the W members). Times W/N,
+        # N = sum_r n_r from the stats all-reduce:
+        #     (G/W) * (W/N) = (1/N) sum_r g_r = grad((1/N) sum_s l_s),
+        # the global batch's mean-loss gradient, whatever the split (plain DDP
+        # averages per-rank means: G/N only when every n_r is the same). fp16
+        # scaled the loss by S: W/(N S). W is the mode's divisor (1 under
+        # --local-steps); a rank without samples adds g_r = 0, n_r = 0.
         scale = self.exchange.divisor / (sample_size * (self.scaler.scale if self.scaler else 1.0))
         finite, norm = self.stepper(grads, scale, self.cfg.clip_norm, self._steps)
         try:
@@ -279,12 +260,12 @@ class Controller:
         self.count_update()
         return True, norm
 
-    def follow(self, sample_size):
+    def update_as_rank_0(self, sample_size):
         """A rank that sits out: the update as rank 0 made it (apply_update's
         decisions, from its message): the count, the LR, skips in a row."""
         if sample_size <= 0:
             return False
-        made, updates, stops = self.members.hear()
+        made, updates, stops = self.members.receive_outcome()
         if stops:
             raise TrainingFailed(f"rank 0 stopped the run at update {self.num_updates + 1} "
                                  "(its log says why); this rank sat out of the exchange")
@@ -335,7 +316,7 @@ class Controller:
         return seconds
 
     def valid_step(self, sample, stats, weight=1.0):
-        """Add one validation batch's stats to ``stats`` (a StatsExchange);
+        """Add one validation batch's stats to ``stats`` (a StatsSum);
         ``weight`` 0: a padding batch that only keeps the collectives matched."""
         self._mode(False)
         sample, _ = self._keyed(sample)     # evaluation draws nothing

@@ -1,21 +1,9 @@
 """What an exchange mode is: how the ranks' gradients become the job's update.
 
-The Controller runs forward and backward on a rank's micro-batches; what
-then becomes of the gradients is its exchange mode's, one per job (every
-rank the same, chosen by ``--exchange``: update/modes/). A mode is a class
-registered in ``EXCHANGES`` (``@register_exchange("name")``): the built-in
-ones in update/modes/, a user's in a ``--user-dir`` module. It owns its
-flags (``Config``: its section of the job's ExchangeConfig, whose ``flag``
-fields are the flags; ``check_args``) and reaches the update only through
-``Updates``: step the optimizer, read and count updates, go back to a
-mark. Its own checkpoint entries are declared with state_keys.mode_key.
-
-What the Controller calls, in the order a run does (``Exchange`` below):
-``hold`` (the sharding to train under), ``attach``, then per update
-``begin`` and ``finish`` (or ``sit``), ``divisor`` (what the summed gradient
-arrives divided by), and for agreement and checkpoints ``replicated``,
-``settle``, ``state_dict``, ``load_state_dict``, ``resumed_optimizer``;
-the run calls ``drain`` when it stops on its own error.
+A mode is a class registered in ``EXCHANGES`` (``@register_exchange("name")``),
+one per job (``--exchange``): it owns its flags (``Config``) and reaches the
+update only through ``Updates``. ``Exchange`` below is what the Controller
+calls (docs/design.md, 'Exchange modes and slow links', gives the order).
 """
 
 import copy
@@ -25,7 +13,7 @@ import time
 from hetseq.errors import UserError
 from hetseq.registry import Registry
 from hetseq.sections import Section, given_flags, section
-from hetseq.update.stats import RankReport, StatsExchange
+from hetseq.update.stats import RankReport, StatsSum
 
 
 class Updates:
@@ -50,9 +38,9 @@ class Updates:
         (controller.py's math); (whether a step was made, its norm)."""
         return self._controller.apply_update(sample_size)
 
-    def follow(self, sample_size):
+    def update_as_rank_0(self, sample_size):
         """A rank that sits out: the update as rank 0 made it; whether made."""
-        return self._controller.follow(sample_size)
+        return self._controller.update_as_rank_0(sample_size)
 
     def count(self):
         """One more update that made no step but counts (the LR schedule moves)."""
@@ -140,6 +128,7 @@ class Exchange:
         self._last = (0.0, 0.0, 0.0)   # this rank's compute seconds, samples, wall, last update
         self._ended = None             # when this rank's last update ended
         self._report = RankReport()    # what this rank sends with the update under way
+        self._recorded = False         # record() called since the last update ended
 
     def comm_hook(self):
         """(state, hook) for DDP's gradient all-reduce, or None for its own."""
@@ -158,9 +147,9 @@ class Exchange:
     # ---- one update ----
 
     def begin(self, checksum, signal):
-        """Before an update's first forward: the StatsExchange its
+        """Before an update's first forward: the StatsSum its
         micro-batches add to, carrying this rank's report."""
-        return StatsExchange(self.ctx, self._reporting(checksum, signal))
+        return StatsSum(self.ctx, self._reporting(checksum, signal))
 
     def finish(self, stats, seconds, boundary):
         """The update, once backward ran on every micro-batch: a StepResult,
@@ -177,6 +166,17 @@ class Exchange:
         """This rank's figures of the update (or round) that just ended, sent
         with the next one: compute seconds, samples, wall seconds."""
         self._last = (seconds, samples, self._wall())
+        self._recorded = True
+
+    def ended(self, result):
+        """``result`` (of ``finish`` or ``sit``), checked: an update that ended
+        carries this rank's figures (``record``), which rebalancing reads."""
+        if result is not None and not self._recorded:
+            raise UserError(f"exchange mode '{self.registered_name}' ended an update without "
+                            "self.record(seconds, samples): call it in finish (and sit) "
+                            "before returning the StepResult, or the plan sees no speeds")
+        self._recorded = self._recorded and result is None
+        return result
 
     def _reporting(self, checksum, signal):
         """This rank's RankReport for what it sends next (kept for a round's end)."""

@@ -1,28 +1,9 @@
 """Which ranks take part in the gradient exchange, and what a rank that sits
-out still does: a plan may leave out ranks that would slow the job more than
-their samples speed it (``Plan.sitting``, chosen in plan/links.py).
-
-For as long as it sits out, a rank:
-
-- takes part in every update's stats all-reduce, with zeros, so it stays on
-  the others' loop (validations, saves, the end) and in an elastic job's
-  generation (heartbeats, no change of members);
-- runs no forward or backward, joins no gradient collective and makes no
-  step: its model and optimizer stay as they were when it left;
-- hears from rank 0, after each update, whether the update was made, the
-  count it reached and whether the run stops there (three numbers, sent
-  without waiting for them), so its update count, LR schedule and stop
-  decisions stay every rank's;
-- receives, when it comes back, rank 0's whole Controller state (one
-  broadcast in a group of rank 0 and the ranks coming back, bounded as
-  every object ranks exchange: collectives.MAX_OBJECT_BYTES).
-
-The members' gradients are summed in a process group of their own (one per
-set of members, made by every rank in the same order: new_group's rule), so
-the divisor W of the gradient math (controller.py) is the members' count:
-(G/W) * (W/N) is still the gradient of the mean loss over the global batch,
-to which a rank that sits out adds no sample. Rank 0 is always a member.
-"""
+out still does (docs/capacity.md, "When a rank sits out"): it sends zeros in
+every stats all-reduce, runs no forward and makes no step, receives each
+update's outcome from rank 0, and takes rank 0's whole state when it comes
+back. The members sum their gradients in a process group of their own, so
+W of the gradient math is the members' count."""
 
 import torch
 import torch.distributed as dist
@@ -80,7 +61,7 @@ class Members:
         self._sent = [dist.isend(message, dst=rank) for rank in range(self.ctx.world_size)
                       if rank not in self.active]
 
-    def hear(self):
+    def receive_outcome(self):
         """A rank that sits out: (made, updates, stops) of the update, from rank 0."""
         message = torch.zeros(3, dtype=torch.float64, device=wire_device(self.ctx))
         dist.recv(message, src=0)

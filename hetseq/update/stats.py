@@ -1,28 +1,10 @@
-"""Per-update statistics, summed over micro-batches and ranks in ONE
-all-reduce: the counts the gradient math needs, the task's logs and every
-rank's figures, in one collective every rank issues alike.
-
-The vector holds the summed values (loss, sample_size and the task's logs, by
-sorted key) followed by one world-size slot per field of ``RankReport``: each
-rank writes its compute time, sample count and wall time of the PREVIOUS update, an
-exact checksum of its replicated state (agreement.py) and a membership signal
-(1: a node waits to join, --elastic) into its own slot, so after the SUM
-every rank knows every rank's speed (rebalancing reads it), whether any rank
-drifted, and whether the members change after this update. A new per-rank
-figure is one more field of ``RankReport``: the vector's layout follows it.
-
-It travels in float64, in an asynchronous all-reduce of its own, never in a
-gradient collective: no wrapping (DDP, ZeRO, FSDP) shards it and no loss
-scaler scales it. When the task hands its stats to ``backward`` (the base
-``Task.train_step`` does) the all-reduce starts before the last backward and
-runs while it computes; otherwise (``backward(loss)``, validation) after it.
-docs/design.md gives its cost.
-
-A log value wrapped in ``Gathered`` is not summed: its rows are collected
-from every micro-batch and rank (one all-gather after the sum), for metrics
-that no sum carries, such as a rank correlation over the whole dev set.
-The per-rank compute times are measured by timing.py.
-"""
+"""Per-update statistics, summed over micro-batches and ranks in ONE float64
+all-reduce of its own: the counts the gradient math needs, the task's logs,
+and one slot per rank for each field of ``RankReport`` (speed, samples,
+checksum, membership signal), so every rank knows every rank's figures.
+It starts before the last backward where the task hands its stats to
+``backward``. ``Gathered`` values are collected, not summed
+(docs/design.md, "Stats and time")."""
 
 import dataclasses
 
@@ -36,7 +18,7 @@ from hetseq.distributed.collectives import all_gather_object
 class RankReport:
     """What every rank reports in each update's stats vector, one slot per
     rank and field (the fields' order is the vector's). Sent by one rank, a
-    field holds its number; summed (``StatsExchange.result``), a list of every
+    field holds its number; summed (``StatsSum.result``), a list of every
     rank's, in rank order."""
     seconds: object = 0.0     # compute seconds of the previous update (--local-steps: round)
     samples: object = 0.0     # samples of the previous update (round)
@@ -98,7 +80,7 @@ class Gathered:
         self.rows = rows
 
 
-class StatsExchange:
+class StatsSum:
     """One update's (or validation's) stats: added per micro-batch, summed
     over ranks with ``report`` (this rank's RankReport) in one all-reduce."""
 

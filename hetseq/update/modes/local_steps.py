@@ -1,48 +1,9 @@
 """Local steps (``--local-steps H``): DiLoCo on machines of different speed.
-Over a slow link an all-reduce of every gradient costs more than the compute,
-so the ranks communicate once per ROUND of H inner steps (docs/slow-links.md).
-
-One round, on rank r (``theta_0``: the parameters every rank holds when it begins):
-
-    inner step t = 1..H: rank r takes its planned share b_r of global batch t
-        (the synchronous split: every rank ends each step, and the round, at
-        the same moment), computes g = grad of its MEAN sample loss
-        (sum / n_r) and steps its own inner optimizer (the task's, with the
-        LR schedule of inner steps). No communication.
-    end of round:
-        S_r  = samples rank r processed in the round, S = sum_r S_r
-        D_r  = theta_0 - theta_r                       (rank r's change)
-        D    = sum_r (S_r / S) D_r                     (ONE all-reduce of the weighted changes)
-        outer step, SGD with Nesterov momentum mu and rate eta (DiLoCo):
-            m     = mu m + D
-            theta = theta_0 - eta (D + mu m)           (mu = 0: theta_0 - eta D)
-
-The default eta = 1, mu = 0 gives the samples-weighted average of the
-ranks' models and leaves the job's learning rate as it is (docs/slow-links.md
-says why DiLoCo's 0.7 and 0.9 are not the default). Local steps are NOT the
-large-batch update, except with H = 1, eta = 1, mu = 0 and SGD inside (rate lr):
-
-    theta_r = theta_0 - lr g_r / n_r,   D_r = lr g_r / n_r,
-    D = sum_r (n_r / N) lr g_r / n_r = lr G / N,   theta = theta_0 - lr G / N,
-
-the synchronous update (controller.py; tests/test_local_steps.py).
-
-``--outer-overlap`` (Streaming DiLoCo's overlap, one round late): the round's
-exchange runs in a thread on its own process group while the next round
-computes. Every rank keeps ``global`` (the last applied outer step, the same
-on every rank) and trains on ``global - d_r``:
-
-    end of round k:  d_r = (start of round k) - theta_r
-                     D_{k-1} arrives; global = outer step (global, D_{k-1})
-                     send (S_r / S) d_r                   (D_k, in the background)
-                     theta_r = global - d_r               (own change kept until its average lands)
-
-A round ends after H inner steps, at the end of each epoch and wherever the
-run validates, saves or stops (the job's flags decide: every rank agrees).
-Where the run needs one model (validation, a checkpoint, the end) the round
-in flight is applied too: every rank holds ``global``, and a checkpoint
-always holds a whole round.
-"""
+Over a slow link an all-reduce of every gradient costs more than the
+compute, so the ranks communicate once per round of H inner steps: each
+steps its own optimizer on its mean sample loss, and the round ends with one
+all-reduce of the changes weighted by samples and an outer step (the math is
+beside ``end_round``; docs/slow-links.md, with --outer-overlap's)."""
 
 import collections
 import logging
@@ -57,7 +18,7 @@ from hetseq.update.exchange import Exchange, refuse, register_exchange
 from hetseq.update.flat import FlatParams
 from hetseq.update.outer import DRAIN_S, LocalReplicas, OuterSum, first_line
 from hetseq.update.state_keys import mode_key
-from hetseq.update.stats import StatsExchange, StepResult
+from hetseq.update.stats import StatsSum, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +67,7 @@ class LocalSteps(Exchange):
         self.divisor = 1
         self.updates_per_exchange = cfg.local_steps
         self.steps = 0                 # inner steps of the round so far
-        self.round = StatsExchange(ctx, local=True)   # the round's stats so far
+        self.round = StatsSum(ctx, local=True)   # the round's stats so far
         self.seconds = 0.0             # the round's compute seconds so far
         self.anchor = None             # theta_0; with --outer-overlap: global
         self.start = None              # --outer-overlap: this rank's parameters at the round's start
@@ -182,7 +143,7 @@ class LocalSteps(Exchange):
         if self.cfg.outer_overlap and self.start is None:
             self.start = self.flat.read()
         self._reporting(checksum, signal)
-        return StatsExchange(self.ctx, local=True)
+        return StatsSum(self.ctx, local=True)
 
     def finish(self, stats, seconds, boundary):
         """An inner step: this rank's own update; at a round's end
@@ -197,22 +158,30 @@ class LocalSteps(Exchange):
         if not (boundary or self.steps >= self.cfg.local_steps):
             return None
         # The slots carry the previous round's time, as they carry the previous update's.
-        summed = StatsExchange(self.ctx, self._report)
+        summed = StatsSum(self.ctx, self._report)
         summed.absorb(self.round)
         samples = float(self.round.own_samples())
         self.record(self.seconds, samples)
-        self.round, self.seconds, self.steps = StatsExchange(self.ctx, local=True), 0.0, 0
+        self.round, self.seconds, self.steps = StatsSum(self.ctx, local=True), 0.0, 0
         totals, ranks = summed.result()
         everyone = totals["sample_size"]
-        self.exchange(samples / everyone if everyone > 0 else 0.0, settle=boundary)
+        self.end_round(samples / everyone if everyone > 0 else 0.0, settle=boundary)
         return StepResult(totals, ranks, self.updates.lr, True)
 
     # ---- the end of a round ----
 
     @torch.no_grad()
-    def exchange(self, weight, settle):
+    def end_round(self, weight, settle):
         """The end of a round, ``weight`` = S_r / S; ``settle``: every rank must
         hold the same model afterwards (the run validates, saves or stops)."""
+        # theta_0: the round's start, the same on every rank; S_r: rank r's
+        # samples in the round, S = sum_r S_r. D_r = theta_0 - theta_r and
+        #     D = sum_r (S_r / S) D_r                 (one all-reduce)
+        #     m = mu m + D,  theta = theta_0 - eta (D + mu m)   (the outer step)
+        # With H = 1, eta = 1, mu = 0 and SGD inside, D_r = lr g_r / n_r and
+        # theta = theta_0 - lr G / N: the synchronous update. --outer-overlap
+        # sends d_r = start - theta_r in the background, applies the previous
+        # round's D on ``global`` and trains on ``global - d_r`` meanwhile.
         current = self.flat.read()
         if not self.cfg.outer_overlap:
             self._outer_step(self.anchor, self.sum(
@@ -289,7 +258,7 @@ class LocalSteps(Exchange):
             self.flat.write(self.anchor)
             self.updates.back_to(self.starts[-1])
             self.anchor = None
-        self.round, self.seconds, self.steps = StatsExchange(self.ctx, local=True), 0.0, 0
+        self.round, self.seconds, self.steps = StatsSum(self.ctx, local=True), 0.0, 0
         self.open = False
 
     def _rewind_overlapped(self):

@@ -29,8 +29,8 @@ class Synchronous(Exchange):
 
     def sit(self, stats):
         """A rank that sits out: its zeros in the stats, the update as rank 0
-        made it (``Controller.follow``)."""
+        made it (``Controller.update_as_rank_0``)."""
         totals, ranks = stats.result()
-        updated = self.updates.follow(totals["sample_size"])
+        updated = self.updates.update_as_rank_0(totals["sample_size"])
         self.record(0.0, 0.0)
         return StepResult(totals, ranks, self.updates.lr, updated, None)
