@@ -148,26 +148,31 @@ def test_one_address_cannot_take_every_place_in_the_handshake():
 
 
 class FailingListener:
-    """A listener whose first ``failures`` accepts fail as out of descriptors."""
+    """A listener whose first ``failures`` accepts fail with ``error()``
+    (by default out of descriptors)."""
 
-    def __init__(self, failures):
-        self.real, self.failures = socket.create_server(("127.0.0.1", 0)), failures
+    def __init__(self, failures, error=lambda: OSError(errno.EMFILE, os.strerror(errno.EMFILE))):
+        self.real, self.failures, self.error = socket.create_server(("127.0.0.1", 0)), \
+            failures, error
 
     def accept(self):
         if self.failures:
             self.failures -= 1
-            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+            raise self.error()
         return self.real.accept()
 
     def __getattr__(self, name):
         return getattr(self.real, name)
 
 
-def test_failed_accepts_are_waited_out_and_only_a_close_ends_the_gate(caplog):
-    """An accept that fails (here: out of descriptors, four times) is logged
-    once and waited out: the gate goes on accepting and a member gets in.
-    Only closing the listener ends the gate's accept loop."""
-    listener = FailingListener(failures=4)
+@pytest.mark.parametrize("error", [lambda: OSError(errno.EMFILE, os.strerror(errno.EMFILE)),
+                                   lambda: MemoryError()], ids=["EMFILE", "MemoryError"])
+def test_failed_accepts_are_waited_out_and_only_a_close_ends_the_gate(caplog, error):
+    """An accept that fails (out of descriptors, or memory while Python
+    builds the socket, four times) is logged once and waited out: the gate
+    goes on accepting and a member gets in. Only closing the listener ends
+    the gate's accept loop."""
+    listener = FailingListener(failures=4, error=error)
     before = set(threading.enumerate())
     with caplog.at_level(logging.WARNING, logger=channel.__name__):
         port = open_gate(listener=listener)

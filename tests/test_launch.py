@@ -463,3 +463,58 @@ def test_an_unreachable_host_is_named_and_the_others_are_stopped(ssh_hosts, tmp_
                           r"to host hostd port 22: Connection refused", out)) == 1, out[-3000:]
     assert "stopping every node: hostD could not be reached" in out
     assert processes_with(str(tmp_path)) == []
+
+
+def test_forwarded_values_every_node_can_take(tmp_path):
+    """What .hetseq_env (or --env) forwards must reach every node's command:
+    no NUL byte, no variable over exec's bound, a line the node reads."""
+    from hetseq.launch import main as launch_main
+    env_file = tmp_path / ".hetseq_env"
+    env_file.write_text("TOKEN=a\0b\n")
+    env_file.chmod(0o600)
+    with pytest.raises(UserError, match=r"line 1: TOKEN's value holds a NUL byte"):
+        forwarded_env([], env_file=str(env_file), environ={})
+    env_file.write_text("BIG=" + "x" * launch_main.MAX_VARIABLE + "\n")
+    with pytest.raises(UserError, match=r"line 1: BIG is \d+ bytes, more than one variable"):
+        forwarded_env([], env_file=str(env_file), environ={})
+    env_file.write_text("".join(f"V{i}=" + '"' * 60000 + "\n" for i in range(10)))
+    with pytest.raises(UserError, match=r"the forwarded variables take \d+ bytes"):
+        forwarded_env([], env_file=str(env_file), environ={})
+
+
+def test_a_node_reads_its_line_whole_and_at_once():
+    """A line near the bound is read in chunks (byte by byte took half a
+    minute over ssh), and nothing after its newline is taken for it."""
+    import io
+    import threading
+    from hetseq.launch import node as launch_node
+    env = {"V": '"' * 450000, "W": "w"}        # 900 KB as JSON
+    read, write = os.pipe()
+    payload = (json.dumps({"env": env}) + "\n").encode()
+    writer = threading.Thread(target=lambda: (os.write(write, payload), os.close(write)))
+    writer.start()
+    started = time.perf_counter()
+    with io.FileIO(read, closefd=True) as stream:
+        assert launch_node.read_env(stream) == env
+    writer.join()
+    assert time.perf_counter() - started < 5
+
+
+def test_a_signal_before_the_first_node_starts_stops_with_its_reason():
+    """Ctrl-\\ while the launcher prepares: no node starts, the summary says
+    why, and the exit code is the signal's (128 + N), as after a start."""
+    from types import SimpleNamespace
+    from hetseq.launch.main import Launch
+    plan = SimpleNamespace(label="nodeA", host="nodeA", argv=["train.py"],
+                           ranks=lambda: "rank 0")
+    transport = SimpleNamespace(command=lambda *args: (["true"], None))
+    job = SimpleNamespace(nodes=[plan], elastic=False)
+    launch = Launch(job, transport, SimpleNamespace(remote_dir=".", remote_python="python"), {})
+    said = []
+    launch.say = said.append
+    launch.request_stop(signal.SIGQUIT, None)
+    launch.start()
+    assert launch.nodes == []
+    assert launch.run() == 128 + signal.SIGQUIT
+    assert "stopping every node: SIGQUIT received" in said, said
+    assert "  nodeA (rank 0): not started (SIGQUIT received)" in said, said

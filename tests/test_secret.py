@@ -196,6 +196,8 @@ GENERATORS = {       # what each prints, from 32 random bytes (and a random sour
     "head -c 32 /dev/urandom | xxd -p": lambda raw, _: _wrapped(raw.hex(), 60),
     "uuidgen (uuid4)": lambda raw, _: str(uuid.UUID(bytes=raw[:16], version=4)),
     "pwgen -s 24": lambda _, d: "".join(d.choice(ALNUM) for _ in range(24)),
+    "base32 of 16 bytes": lambda raw, _: base64.b32encode(raw[:16]).decode(),
+    "uuid4().hex": lambda raw, _: uuid.UUID(bytes=raw[:16], version=4).hex,
 }
 ALNUM = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -340,3 +342,28 @@ def test_uninvited_nodes_are_refused_and_the_job_trains_on_exactly(three_hosts, 
     assert results[0][1].count("refused a connection to the job's store from 10.213.0.3") == 1, \
         results[0][1][-3000:]
     assert max_diff(reference(), final_params(out)) < EXACT
+
+
+@pytest.mark.parametrize("text, why", [
+    ("00000000-0000-4000-8000-000000000000", "different characters"),
+    ("aaaaaaaa-aaaa-4aaa-aaaa-aaaaaaaaaaaa", "different characters"),
+    ("12345678-1234-4234-1234-123456789abc", "counts up"),
+    (uuid.uuid1().hex, "version-1 UUID without its dashes"),
+    (uuid.uuid1().hex.upper(), "version-1 UUID without its dashes"),
+    (str(uuid.uuid1()) + "\n" + str(uuid.uuid1()) + "\n", "version-1 UUID"),
+    (base64.b32encode(bytes(range(50, 61))).decode(), "about 90 bits as base32"),
+    (base64.b32encode(bytes(range(50, 63))).decode(), "about 105 bits as base32"),
+    (base64.b64encode(bytes(range(50, 63))).decode(), "about 108 bits as base64"),
+])
+def test_uuids_typed_or_undashed_and_padding_hold_no_bits(text, why):
+    """A uuid4's shape says nothing of its digits (they are checked as any
+    secret's); a uuid1 is refused undashed and among other lines; the '='
+    of base32 and base64 padding holds no bits."""
+    weak = job_secret.weakness(job_secret.joined_lines(text.encode()))
+    assert weak is not None and why in weak, weak
+
+
+def test_a_secret_variable_that_is_not_utf8_is_one_line():
+    variable = "\udcff\udcfe" + "0123456789abcdef" * 2      # os.environ's surrogates
+    with pytest.raises(UserError, match="spaces or punctuation"):
+        job_secret.secret_text(None, {job_secret.SECRET_VARIABLE: variable})

@@ -256,3 +256,59 @@ def test_a_crafted_leader_address_gives_one_line(leader):
     else:
         pytest.fail(f"{leader[:60]!r} was followed")
     assert "\n" not in message and "\x1b" not in message and "PWNED" not in message, message
+
+
+class MadeUp:
+    """A store client whose answers a hostile service made up: c10d's client
+    fails in C++ on them (a length no store sends)."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def check(self, keys):
+        return True
+
+    def get(self, key):
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [
+    MemoryError("std::bad_alloc"), ValueError("cannot create std::vector larger than "
+                                              "max_size()"), RuntimeError("unexpected reply")])
+def test_store_answers_no_store_sends_give_one_line(error):
+    with pytest.raises(status.BadValue, match=rf"no HetSeq store sends \({type(error).__name__}"):
+        status.read(MadeUp(error))
+    with pytest.raises(dist.DistError):                # a lost connection stays one
+        status.read(MadeUp(dist.DistError("connection closed")))
+
+
+@pytest.mark.parametrize("url", ["tcp://a..b:80", "tcp://.:80", f"tcp://{'a' * 64}.org:80"])
+def test_a_url_that_names_no_host_is_one_line(url):
+    result = viewer_run([url, "--timeout", "5"], env=child_env(), timeout=60)
+    no_traceback(result)
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert url in lines[0] or "not a host name" in lines[0], lines
+
+
+def test_watch_shows_a_value_that_is_no_status_and_a_closed_pipe_ends_it_quietly():
+    """--watch says what is wrong with the value each look (it may be
+    published again), and a reader that stops reading (| head -1) ends it
+    without a traceback."""
+    server = dist.TCPStore("127.0.0.1", 0, None, True)
+    server.set(status.KEY, "[1, 2, 3]")
+    url = f"tcp://127.0.0.1:{server.port}"
+    viewer = subprocess.Popen([*VIEWER, url, "--watch", "--interval", "1", "--timeout", "30"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env())
+    try:
+        import select
+        if not select.select([viewer.stdout], [], [], 60)[0]:
+            pytest.fail("--watch printed nothing in 60 s for a value that is no status")
+        first = viewer.stdout.readline().decode()
+        assert first.startswith(url) and "is not a status" in first, first
+        viewer.stdout.close()                      # the reader has what it wanted
+        code = viewer.wait(timeout=60)
+    finally:
+        viewer.kill()
+    errors = viewer.stderr.read().decode()
+    assert code == 0 and "Traceback" not in errors, errors

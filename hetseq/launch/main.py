@@ -11,6 +11,7 @@ the nodes'.
 """
 
 import argparse
+import json
 import logging
 import os
 import queue
@@ -25,6 +26,7 @@ import time
 from hetseq.errors import UserError
 from hetseq.flags import Parser
 from hetseq.launch import hostfile, plan as planning
+from hetseq.launch.node import ENV_LIMIT
 from hetseq.launch.nodes import RunningNode
 from hetseq.launch.transport import TRANSPORTS
 from hetseq.launch import check as checking
@@ -33,6 +35,10 @@ from hetseq.store import job_secret, secret as secrets_cli
 
 ENV_FILE = ".hetseq_env"
 MAX_ENV_FILE = 1 << 20
+# One NAME=VALUE that exec takes (Linux: MAX_ARG_STRLEN, 32 pages), and the
+# line every node reads (launch/node.py's ENV_LIMIT, less room for the secret).
+MAX_VARIABLE = 128 << 10
+MAX_ENV_LINE = ENV_LIMIT - (16 << 10)
 # Forwarded without being asked, like DeepSpeed's NCCL*/PYTHON* variables.
 FORWARDED_PREFIXES = ("NCCL_", "GLOO_", "PYTHON", "HETSEQ_", "OMP_")
 STOP_S = 15.0            # after a stop, how long nodes get before their ssh is killed
@@ -115,7 +121,17 @@ def forwarded_env(names, env_file=ENV_FILE, environ=os.environ):
             if name not in environ:
                 raise UserError(f"{where}: {name} is not set here; give NAME=VALUE")
             value = environ[name]
+        if "\0" in value:
+            raise UserError(f"{where}: {name}'s value holds a NUL byte, which no variable can "
+                            "hold")
+        if len(f"{name}={value}".encode()) >= MAX_VARIABLE:
+            raise UserError(f"{where}: {name} is {len(value.encode())} bytes, more than one "
+                            f"variable may hold ({MAX_VARIABLE}); pass the path of a file instead")
         env[name] = value
+    size = len(json.dumps({"env": env}).encode())
+    if size > MAX_ENV_LINE:
+        raise UserError(f"the forwarded variables take {size} bytes as the line each node "
+                        f"reads, more than {MAX_ENV_LINE}: forward fewer (--env, {env_file})")
     return env
 
 
@@ -176,7 +192,7 @@ class Launch:
     def __init__(self, job, transport, args, env):
         self.job, self.transport, self.args, self.env = job, transport, args, env
         self.events, self.lock = queue.Queue(), threading.Lock()
-        self.nodes, self.stopping, self.requested = [], None, None
+        self.nodes, self.stopping, self.requested, self.signalled = [], None, None, None
         self.handled = set()
         self.cause = None        # the exit code of the node whose end stopped the others
 
@@ -189,6 +205,7 @@ class Launch:
 
     def request_stop(self, signum, _frame):
         self.requested = f"{signal.Signals(signum).name} received"
+        self.signalled = signum
 
     def start(self):
         for node in self.job.nodes:
@@ -215,6 +232,8 @@ class Launch:
 
     def run(self):
         """Wait for every node; returns the exit code."""
+        if self.requested and not self.nodes:     # a signal before the first node started
+            self._stopped_by(128 + self.signalled, self.requested)
         while len(self.handled) < len(self.nodes):
             if self.requested:
                 self.stop(self.requested)

@@ -24,11 +24,14 @@ ENV_LIMIT = 1 << 20
 def read_env(stream):
     """The variables of the first line of ``stream`` (bounded, checked)."""
     line = b""
-    while not line.endswith(b"\n") and len(line) < ENV_LIMIT:   # unbuffered: nothing read past it
-        byte = os.read(stream.fileno(), 1)
-        if not byte:
+    # The launcher writes this one line, then nothing until it closes the
+    # input (the stop): a read never takes anything past it.
+    while b"\n" not in line and len(line) < ENV_LIMIT:
+        chunk = os.read(stream.fileno(), 1 << 16)
+        if not chunk:
             break
-        line += byte
+        line += chunk
+    line = line.split(b"\n", 1)[0]
     try:
         env = json.loads(line.decode("utf-8"))["env"]
     except (ValueError, KeyError, TypeError):

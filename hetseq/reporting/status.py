@@ -84,6 +84,8 @@ def open_store(url, secret, timeout_s=CONNECT_S):
     except OSError as err:
         raise UserError(f"nothing answers at {url} ({err.strerror or err}): is the job "
                         "running, and is this its --distributed-init-method?") from None
+    except ValueError as err:        # UnicodeError: 'a..b' is no host name
+        raise UserError(f"{url}: {host!r} is not a host name ({err})") from None
     try:
         if secret is None:
             if channel.asks_for_secret((host, port)):
@@ -154,27 +156,46 @@ def bounded(step, url, timeout_s):
     return box["value"]
 
 
+class BadValue(UserError):
+    """What the store holds, or answers, is no status: --watch shows the
+    line and looks again."""
+
+
 def read(store):
     """The job's status (a dict, ``clean``), or None before rank 0 published one."""
-    if not store.check([KEY]):
+    if not _answer(store.check, [KEY]):
         return None
     view = _json_value(store, KEY)
     if not isinstance(view, dict):
-        raise UserError(f"the job's {KEY} is not a status")
+        raise BadValue(f"the job's {KEY} is not a status")
     return clean(view)
+
+
+def _answer(call, *args):
+    """A store call whose answer a hostile service may have made up (c10d's
+    client then fails in C++: a length no store sends, MemoryError): one
+    line. A lost connection (DistError) stays what it is."""
+    try:
+        return call(*args)
+    except dist.DistError:
+        raise
+    except (RuntimeError, ValueError, MemoryError, OverflowError) as err:
+        raise BadValue(f"the store answered what no HetSeq store sends ({type(err).__name__}: "
+                       f"{str(err).splitlines()[0] if str(err) else 'no message'}): is this a "
+                       "HetSeq job's --distributed-init-method?") from None
 
 
 def _json_value(store, key):
     """The JSON value at ``key``, bounded: whoever holds the secret, or
     reaches a job without one, could have written anything there."""
-    raw = store.get(key)
+    raw = _answer(store.get, key)
     if len(raw) > MAX_VALUE:
-        raise UserError(f"the job's {key} is {len(raw)} bytes, more than a status "
+        raise BadValue(f"the job's {key} is {len(raw)} bytes, more than a status "
                         f"({MAX_VALUE} at most): not HetSeq's, or another version's")
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as err:   # RecursionError: "[[[[..." nested deep
-        raise UserError(f"the job's {key} is not JSON ({type(err).__name__}; another "
+        raise BadValue(f"the job's {key} is not JSON ({type(err).__name__}; another "
                         "HetSeq version?)") from None
 
 
@@ -297,6 +318,12 @@ def watch(args, secret):
     while True:
         try:
             view = bounded(lambda: read(store), url, args.timeout)
+        except BadValue as err:
+            if not args.watch:
+                raise
+            show(f"{url}: {err}")        # it may be published again: look again
+            time.sleep(args.interval)
+            continue
         except (dist.DistError, UserError):
             if not args.watch:
                 raise
@@ -342,6 +369,8 @@ def main(argv=None):
         watch(args, job_secret.read_secret(args.job_secret_file))
     except KeyboardInterrupt:
         pass
+    except BrokenPipeError:           # | head -1: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (UserError, dist.DistError) as err:
         print(f"hetseq-status: error: {err}", file=sys.stderr)
         code = getattr(err, "exit_code", 2)

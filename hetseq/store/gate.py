@@ -38,7 +38,8 @@ def _serve_forever(listener, handle, name, admit=None, dropped=None):
     ``admit(sock)``, called in the accepting thread, may refuse one (it then
     closes it). A failed accept (out of descriptors: EMFILE, ENFILE; a peer
     that reset: ECONNABORTED; ENOBUFS, ENOMEM) is logged once and waited out
-    with a growing pause, and any error while taking one connection (no
+    with a growing pause, as is any other error of accept (MemoryError),
+    and any error while taking one connection (no
     thread can be started) costs that connection only: were either the end
     of the loop, a flood would close the door for good."""
     listener.settimeout(POLL_S)   # to notice a close: it does not wake a blocked accept
@@ -50,10 +51,11 @@ def _serve_forever(listener, handle, name, admit=None, dropped=None):
                 sock, peer = listener.accept()
             except socket.timeout:
                 continue
-            except OSError as err:
+            except Exception as err:      # EMFILE, ECONNABORTED, MemoryError: never the end
                 if listener.fileno() == -1:
                     return
-                _warn_once((name, err.errno), "%s: accepting a connection failed (%s); it keeps "
+                _warn_once((name, getattr(err, "errno", type(err))),
+                           "%s: accepting a connection failed (%s); it keeps "
                            "trying, with pauses of up to %.0f s", name, err, PAUSES_S[1])
                 time.sleep(pause)
                 pause = min(2 * pause, PAUSES_S[1])

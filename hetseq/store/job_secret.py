@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import time
 
 from hetseq.errors import UserError
 from hetseq.owned_file import read_owned
@@ -94,7 +95,8 @@ def secret_text(path, env=os.environ):
         where = f"--job-secret-file {path}"
         raw = read_owned(path, where, private=True, limit=MAX_FILE)
     elif SECRET_VARIABLE in env:
-        raw, where = env[SECRET_VARIABLE].encode(), SECRET_VARIABLE
+        # (fsencode: bytes that are not UTF-8 come back as they were given)
+        raw, where = os.fsencode(env[SECRET_VARIABLE]), SECRET_VARIABLE
         if not raw.strip():
             raise UserError(f"{SECRET_VARIABLE} is set but empty: unset it for a job without a "
                             f"secret, or give one made with {MAKE_ONE}")
@@ -130,6 +132,7 @@ ALPHABETS = [(name, frozenset(chars.encode()), bits) for name, chars, bits in (
     ("digits", "0123456789", math.log2(10)),
     ("hex", "0123456789abcdef", 4),
     ("hex", "0123456789ABCDEF", 4),
+    ("base32", "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567=", 5),
     ("lowercase and digits", "abcdefghijklmnopqrstuvwxyz0123456789", math.log2(36)),
     ("letters and digits",
      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789", math.log2(62)),
@@ -164,20 +167,52 @@ def weakness(text):
     or None."""
     if not text:
         return "it is empty"
-    if UUID.fullmatch(text):
-        return _uuid_weakness(text)
+    for match in UUID.finditer(text):        # two uuid1s on two lines are no uuid4
+        if match.group(1) != b"4":
+            return _uuid_weakness(match.group(0))
+    if UUID.fullmatch(text):                 # a uuid4's digits, typed or drawn
+        return _uuid_weakness(text) or _shape(text.replace(b"-", b""), ALPHABETS[1])
+    if _time_uuid(text):
+        return ("it is a version-1 UUID without its dashes (uuid1().hex: a time and the "
+                "machine's address), not a random one")
     alphabet = next((a for a in ALPHABETS if set(text) <= a[1]), None)
     if alphabet is None:
         return ("it has spaces or punctuation that generators do not print (typed words? a "
                 "password manager's symbols: turn them off, or use hetseq-secret)")
-    bits = round(len(text) * alphabet[2])
+    counted = len(text.rstrip(b"="))          # padding holds no bits
+    bits = round(counted * alphabet[2])
     if bits < MIN_BITS:
-        return f"it has {len(text)} characters, about {bits} bits as {alphabet[0]}"
+        return f"it has {counted} characters, about {bits} bits as {alphabet[0]}"
+    return _shape(text, alphabet)
+
+
+def _shape(text, alphabet):
+    """The first typed shape ``text`` has (SHAPES), or None."""
     for check in SHAPES:
         why = check(text, alphabet)
         if why is not None:
             return why
     return None
+
+
+# 100-ns intervals from the Gregorian calendar's start to 1970; a uuid1 is
+# made when it is used: a time within UUID1_YEARS before now, or just after.
+UUID1_EPOCH = 0x01B21DD213814000
+UUID1_YEARS = 2
+
+
+def _time_uuid(text):
+    """Whether 32 hex digits are a uuid1 without dashes: version 1, the
+    variant's bits, and a time of the last UUID1_YEARS. Drawn hex looks so
+    about once in 10^5 (1/16 * 1/4 * 2 years of the 3,655 a uuid1 spans)."""
+    if len(text) != 32 or not set(text.lower()) <= ALPHABETS[1][1]:
+        return False
+    digits = text.lower().decode()
+    if digits[12] != "1" or digits[16] not in "89ab":
+        return False
+    ticks = (int(digits[13:16], 16) << 48) | (int(digits[8:12], 16) << 32) | int(digits[:8], 16)
+    made, now = (ticks - UUID1_EPOCH) / 1e7, time.time()
+    return now - UUID1_YEARS * 365.25 * 86400 <= made <= now + 86400
 
 
 def _uuid_weakness(text):
