@@ -354,7 +354,8 @@ def test_uninvited_nodes_are_refused_and_the_job_trains_on_exactly(three_hosts, 
     (base64.b32encode(bytes(range(50, 61))).decode(), "about 90 bits as base32"),
     (base64.b32encode(bytes(range(50, 63))).decode(), "about 105 bits as base32"),
     (base64.b64encode(bytes(range(50, 63))).decode(), "about 108 bits as base64"),
-])
+], ids=["uuid4-zeros", "uuid4-as", "uuid4-counting", "uuid1-hex", "uuid1-hex-upper",
+        "two-uuid1-lines", "base32-88-bits", "base32-104-bits", "base64-104-bits"])
 def test_uuids_typed_or_undashed_and_padding_hold_no_bits(text, why):
     """A uuid4's shape says nothing of its digits (they are checked as any
     secret's); a uuid1 is refused undashed and among other lines; the '='

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hetseq.errors import UserError
+from hetseq.sections import Section, flag, section
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +143,7 @@ def choose_backend(requested, device_type):
 
 
 def resolve_topology(launch, env, cuda_count, backend=None):
-    """``launch``: the node's LaunchConfig (config.py); ``backend``: the job's
+    """``launch``: the node's LaunchConfig (below); ``backend``: the job's
     --distributed-backend (None: from the device)."""
     device_type = "cpu" if launch.cpu or cuda_count == 0 else "cuda"
     launched = detect_launcher(env) if launch.distributed_rank is None else None
@@ -264,3 +265,46 @@ def _check_devices(device_type, first_device, nprocs, cuda_count):
         raise UserError(f"this node would use CUDA devices {first_device}..{first_device + nprocs - 1}"
                         f" but only {cuda_count} are visible; lower --distributed-gpus or "
                         "--device-id, or pass --cpu")
+
+
+@section
+class LaunchConfig(Section):
+    """Which ranks this node runs, on which devices, and where they meet
+    (distributed/topology.py, rendezvous.py). The world size is compared
+    when ranks claim their numbers, with a message of its own."""
+    distributed_world_size: int | None = flag(
+        None, type=int, metavar="N",
+        help="processes in the whole job (default: visible GPUs, or 1 on CPU)")
+    distributed_rank: int | None = flag(
+        None, type=int, metavar="R",
+        help="global rank of this node's FIRST process (default: 0, or from the "
+             "torchrun/MPI/SLURM environment)")
+    distributed_gpus: int | None = flag(
+        None, type=int, metavar="G",
+        help="processes to start on this node, one per device (CPU: G CPU processes); "
+             "default: all ranks on one node, else the visible GPUs or 1")
+    distributed_init_method: str | None = flag(
+        None, metavar="URL",
+        help="where ranks meet: tcp://HOST:PORT, file:///shared/path or env:// "
+             "(default on one node: a free local port)")
+    distributed_interface: str | None = flag(
+        None, metavar="NAME",
+        help="network interface this node's collectives bind to (gloo and nccl); default: "
+             "the one that routes to the master address, or set GLOO_SOCKET_IFNAME / "
+             "NCCL_SOCKET_IFNAME")
+    distributed_port: int = flag(
+        29500, type=int, help="port used with a SLURM node list when no init method is given")
+    distributed_timeout: float = flag(
+        600, type=float, metavar="SECONDS",
+        help="how long start-up and every collective may wait (default: 600)")
+    distributed_no_spawn: bool = flag(
+        False, action="store_true",
+        help="this process is exactly one rank (--distributed-rank), spawn nothing")
+    # The secret itself never enters a config.
+    job_secret_file: str | None = flag(
+        None, metavar="PATH",
+        help="a file, readable only by you, holding the job's secret (or set "
+             "HETSEQ_JOB_SECRET): only nodes that know it may join (tcp:// only)")
+    device_id: int = flag(0, type=int, names=("--local_rank", "--local-rank"),
+                          help="CUDA device of this node's first process (default: 0)")
+    cpu: bool = flag(False, action="store_true", help="train on CPU even if CUDA is available")

@@ -12,6 +12,7 @@ import copy
 
 from hetseq.distributed.collectives import broadcast_from
 from hetseq.update.state_keys import CONTROLLER, UPDATES
+from hetseq.sections import Section, flag, section
 
 RECORD = "elastic"     # the checkpoint's entry: the generation's lineage and members
 
@@ -217,3 +218,24 @@ def on_line(lineage):
                     f"expected {list(lineage)[-1:]}): not on this job's line")
         return None
     return check
+
+
+@section
+class ElasticConfig(Section):
+    """Nodes that come and go (hetseq/elastic/)."""
+    elastic: bool = flag(False, action="store_true",
+                         help="nodes may join and leave while the job trains (docs/elastic.md): "
+                              "ranks are given out at the meeting point; needs a job secret, "
+                              "--global-batch-size and a tcp:// meeting point")
+    min_nodes: int = flag(1, type=int, metavar="N",
+                          help="--elastic: train only with at least N nodes; below, wait up to "
+                               "--distributed-timeout, then save and stop (default: 1)")
+    max_nodes: int = flag(0, type=int, metavar="M",
+                          help="--elastic: at most M nodes take part (0: no limit)")
+    # A member silent this long is lost (elastic/watchdog.py).
+    heartbeat_timeout: float = flag(5.0, type=float, metavar="SECONDS",
+                                    help="--elastic: a member whose heartbeat stood still this "
+                                         "long is lost (its connections are cut, so a collective "
+                                         "waiting on it ends at once); --distributed-timeout "
+                                         "then bounds a slow step only (default: 5; 0: only "
+                                         "--distributed-timeout tells)")

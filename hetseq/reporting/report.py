@@ -12,6 +12,7 @@ from hetseq.reporting.balance import BalanceLog, ValidLog
 from hetseq.reporting.meters import Meters, RateMeter
 from hetseq.reporting.progress import Clock, Progress, format_ranks
 from hetseq.reporting.tensorboard import TensorBoard
+from hetseq.sections import Section, flag, section
 
 logger = logging.getLogger("hetseq.run")
 
@@ -134,3 +135,35 @@ class Reporter:
                         os.path.join(save_dir, "run.png"))
         if self.tensorboard.logdir is not None:
             logger.info("TensorBoard: tensorboard --logdir %s", self.tensorboard.logdir)
+
+
+@section
+class LogConfig(Section):
+    """What this node prints and writes for people to read."""
+    no_progress_bar: bool = flag(False, action="store_true",
+                                 help="plain log lines, no tqdm bar")
+    log_interval: int = flag(1, type=int, metavar="N",
+                             help="log every N updates when there is no progress bar "
+                                  "(default: 1)")
+    log_format: str = flag("tqdm", choices=["tqdm", "simple", "json", "none"],
+                           help="'tqdm' shows a bar; any other value logs plain lines "
+                                "(default: tqdm)")
+    log_all_ranks: bool = flag(False, action="store_true",
+                               help="log INFO on every rank, not only rank 0")
+    tensorboard_logdir: str | None = flag(None, metavar="DIR",
+                                          help="write TensorBoard scalars here (rank 0; default: "
+                                               "<save-dir>/tensorboard, none with --no-save)")
+    no_tensorboard: bool = flag(False, action="store_true",
+                                help="write no TensorBoard scalars")
+
+    @classmethod
+    def from_args(cls, args, save_dir):
+        # Any --log-format but tqdm means plain log lines. TensorBoard writes
+        # into <save-dir>/tensorboard (``save_dir``: SaveConfig's) unless told
+        # where, or not to (--no-save writes nothing into the save dir).
+        logdir = args.tensorboard_logdir
+        if logdir is None and not (args.no_tensorboard or args.no_save):
+            logdir = os.path.join(save_dir, "tensorboard")
+        return super().from_args(args, no_progress_bar=args.no_progress_bar
+                                 or args.log_format != "tqdm",
+                                 tensorboard_logdir=None if args.no_tensorboard else logdir)

@@ -35,7 +35,7 @@ def _reset(part):
 @section
 class CheckpointConfig(Section):
     """When a run saves, what it keeps and what a resume loads (the job's;
-    where a node keeps its files is its SaveConfig, config.py)."""
+    where a node keeps its files is its SaveConfig, below)."""
     save_interval: int = flag(1, type=int, metavar="N", help="save every N epochs (default: 1)")
     save_interval_updates: int = flag(0, type=int, metavar="N",
                                       help="also save every N updates, mid-epoch (0: off)")
@@ -254,3 +254,25 @@ class Checkpointer:
             return True
         return metric > self.best if self.cfg.maximize_best_checkpoint_metric else \
             metric < self.best
+
+
+def save_dir(args):
+    """--save-dir, by default checkpoints/<task>."""
+    return args.save_dir or os.path.join("checkpoints", args.task)
+
+
+@section
+class SaveConfig(Section):
+    """Where this node keeps checkpoints and the balance log."""
+    save_dir: str = flag(None, metavar="DIR",
+                         help="where checkpoints, balance.jsonl and TensorBoard go (default: "
+                              "checkpoints/<task>)")
+    restore_file: str = flag("checkpoint_last.pt", metavar="FILE",
+                             help="checkpoint to resume from, relative to --save-dir unless "
+                                  "absolute (default: checkpoint_last.pt; a missing file starts "
+                                  "afresh)")
+    no_save: bool = flag(False, action="store_true", help="do not write checkpoints")
+
+    @classmethod
+    def from_args(cls, args):
+        return super().from_args(args, save_dir=save_dir(args))

@@ -6,6 +6,8 @@ the job's flags and the run's counts only, so every rank answers alike."""
 
 import dataclasses
 
+from hetseq.sections import Section, flag, int_list, section
+
 MAX_EPOCH_ENDS = 10_000    # epoch ends counted ahead, at most
 
 
@@ -88,3 +90,37 @@ def due(every, updates):
     """Whether an every-N-updates action (N = 0: never) falls on ``updates``
     (never on 0: a skipped first update leaves the count there)."""
     return bool(every and updates and updates % every == 0)
+
+
+@section
+class TrainingConfig(Section):
+    """The loop: which data, how long, when to validate (run/loop.py)."""
+    seed: int = flag(19940802, type=int, help="random seed (default: %(default)s)")
+    train_subset: str = flag("train", metavar="SPLIT", help="split to train on (default: train)")
+    valid_subset: str = flag("valid", metavar="SPLITS",
+                             help="comma-separated splits to validate on after each epoch "
+                                  "(default: valid)")
+    validate_interval: int = flag(1, type=int, metavar="N",
+                                  help="validate every N epochs (default: 1)")
+    validate_interval_updates: int = flag(0, type=int, metavar="N",
+                                          help="also validate after every N updates (0: only at "
+                                               "epoch ends; --local-steps: a round ends there) "
+                                               "(default: 0)")
+    disable_validation: bool = flag(False, action="store_true", help="do not validate")
+    curriculum: int = flag(0, type=int, metavar="N",
+                           help="do not shuffle the data in the first N epochs")
+    max_epoch: int = flag(0, type=int, names=("--me",), metavar="N",
+                          help="stop after N epochs (0: no limit; default: %(default)s)")
+    max_update: int = flag(0, type=int, names=("--mu",), metavar="N",
+                           help="stop after N updates (0: no limit; default: %(default)s)")
+    update_freq: tuple = flag([1], type=int_list, metavar="N1,N2,...",
+                              help="global batches per update (gradient accumulation); a list "
+                                   "gives one value per epoch, the last repeats (default: 1)")
+
+    @property
+    def valid_subsets(self):
+        return tuple(self.valid_subset.split(","))
+
+    def update_freq_at(self, epoch):
+        """Global batches per update in ``epoch`` (the list's last value repeats)."""
+        return self.update_freq[min(epoch, len(self.update_freq)) - 1]
