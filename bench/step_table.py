@@ -22,7 +22,9 @@ Per variant: samples/s, MFU (FLOPs of one step counted by
 torch.utils.flop_counter on the eager twin, over --peak-tflops), peak
 memory of a step above what was allocated before it (activations,
 gradients, temporaries; GiB), and the first step's seconds (compile).
-Ratios: the issue's goals.
+Ratios: the issue's goals. With --out the file holds the table as it stands
+after the first steps, the memory and every round (each run in a GPU
+checklist step of its own, bench/gpu_checklist.sh, keeps what it measured).
 
     python bench/step_table.py [--seq 128 --batch 256] [--out FILE]
     python bench/step_table.py --device cpu --model tiny --seq 32 --batch 8 \\
@@ -30,6 +32,7 @@ Ratios: the issue's goals.
 """
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -191,7 +194,7 @@ def peak_memory(made, device):
         variant.peak = round((torch.cuda.max_memory_allocated(device) - before) / 2**30, 2)
 
 
-def alternate(made, device, rounds, steps):
+def alternate(made, device, rounds, steps, record):
     for r in range(rounds):
         for variant in made[r % len(made):] + made[:r % len(made)]:
             sync(device)
@@ -201,6 +204,7 @@ def alternate(made, device, rounds, steps):
             sync(device)
             variant.seconds += time.perf_counter() - start
             variant.steps += steps
+        record()
 
 
 def flops_of(step):
@@ -211,17 +215,32 @@ def flops_of(step):
 
 
 def table(kind, seq, size, device, rounds=5, steps=4, warmup=2, peak=989.0,
-          backend="inductor", only=()):
+          backend="inductor", only=(), record=lambda table: None):
+    """The table; ``record`` gets it as it stands after the first steps, the
+    memory and every round (a run stopped at its limit keeps those)."""
     sample = batch(kind, size, seq, device)
     made = variants(kind, sample, device, backend, only)
+    counted = {}
+
+    def current(done=False):
+        rows = {}
+        for variant in made:
+            per_s = size * variant.steps / variant.seconds if variant.steps else None
+            key = "transformers" if variant.name == "transformers" else "hetseq"
+            mfu = counted[key] * per_s / size / (peak * 1e12) \
+                if per_s and key in counted else None
+            rows[variant.name] = {"samples_per_s": per_s and round(per_s, 1),
+                                  "mfu": mfu and round(mfu, 4),
+                                  "activation_gib": variant.peak, "first_step_s": variant.first_s}
+        return {"seq": seq, "batch": size, "model": kind.__name__, "rows": rows,
+                "ratios": ratios(rows), "complete": done}
     first_steps(made, device, warmup)
+    record(current())
     peak_memory(made, device)
-    alternate(made, device, rounds, steps)
+    record(current())
     # The model's FLOPs per step: the unkeyed Controller's forward and backward
     # are the plain model's (the keyed kernels are operators the counter
     # cannot see into; the same arithmetic runs inside).
-    counted = {}
-    rows = {}
     for variant in made:
         key = "transformers" if variant.name == "transformers" else "hetseq"
         if key not in counted:
@@ -229,12 +248,8 @@ def table(kind, seq, size, device, rounds=5, steps=4, warmup=2, peak=989.0,
                 (v.flops_step for v in made if v.name in ("hetseq_unkeyed", "bare")),
                 bare(kind, sample, device)[1])
             counted[key] = flops_of(twin)
-        per_s = size * variant.steps / variant.seconds
-        rows[variant.name] = {"samples_per_s": round(per_s, 1),
-                              "mfu": round(counted[key] * per_s / size / (peak * 1e12), 4),
-                              "activation_gib": variant.peak, "first_step_s": variant.first_s}
-    return {"seq": seq, "batch": size, "model": kind.__name__, "rows": rows,
-            "ratios": ratios(rows)}
+    alternate(made, device, rounds, steps, lambda: record(current()))
+    return current(done=True)
 
 
 def ratios(rows):
@@ -269,10 +284,16 @@ def main(argv=None):
         sys.exit("bench/step_table.py: no CUDA device (--device cpu runs the smoke test)")
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "peak_tflops": opts.peak_tflops, "tables": []}
+    def record(partial):
+        # Written as it stands, so a step killed at its limit keeps what it measured.
+        if opts.out:
+            with open(opts.out, "w") as f:
+                json.dump(dict(result, tables=result["tables"] + [partial]), f, indent=2)
     for seq, size in zip(opts.seq, opts.batch):
         result["tables"].append(table(MODELS[opts.model], seq, size, device, opts.rounds,
                                       opts.steps, peak=opts.peak_tflops,
-                                      backend=opts.compile_backend, only=opts.only))
+                                      backend=opts.compile_backend, only=opts.only,
+                                      record=record))
     emit(result, opts.out)
     return result
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from hetseq import kernels
-from hetseq.kernels import ops
+from hetseq.kernels import ops, philox
 from hetseq.kernels.words import WORD, absorb32, absorb_, signed
 
 
@@ -62,14 +62,9 @@ def _site_word(site):
     return word
 
 
-def _site_keys(keys, site, call):
-    """The samples' keys for the ``call``-th draw of ``site`` in a forward."""
-    return ops.site_keys(keys, _site_word(site), call)
-
-
-def _bits(keys, site, call, shape, device):
-    """32 random bits (int32) for each element of a [len(keys), *shape] tensor."""
-    return ops.keyed_bits(_site_keys(keys.to(device), site, call), list(shape))
+def _site(site, call):
+    """The second key word of the ``call``-th draw of ``site`` in a forward."""
+    return philox.site_word(_site_word(site), call)
 
 
 # ---- the keys of the forward under way ----
@@ -194,7 +189,8 @@ def uniform(site, shape, device=None):
     """Uniform floats in [0, 1) of shape [batch, *shape], row i drawn for the
     batch's sample i at ``site`` (a name unique in the task's forward)."""
     draws = _draws("uniform")
-    bits = _bits(draws.keys, site, draws.next_call(site), shape, device or draws.keys.device)
+    keys = draws.keys.to(device or draws.keys.device)
+    bits = ops.keyed_words(keys, _site(site, draws.next_call(site)), list(shape))
     return bits.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).float().mul_(2.0 ** -24)
 
 
@@ -204,20 +200,21 @@ def generators(site):
     key at ``site``: for a task's own per-sample draws (``torch.randint(...,
     generator=g)``) when a tensor of uniforms does not fit."""
     draws = _draws("generators")
-    seeds = _site_keys(draws.keys.cpu(), site, draws.next_call(site)).tolist()
-    return [torch.Generator().manual_seed(seed % WORD) for seed in seeds]
+    seeds = philox.seeds(draws.keys.cpu(), _site(site, draws.next_call(site)))
+    return [torch.Generator().manual_seed(seed) for seed in seeds]
 
 
 def dropout(x, p, site, training=True):
     """Dropout of ``x`` ([batch, ...]) with the mask of each sample drawn
     from its own stream at ``site``; torch's dropout when nothing is keyed.
-    An element is kept when its 32 bits, as int32, are at or above
-    p * 2**32 - 2**31 (kernels.threshold): probability 1 - p, to 2**-32."""
+    An element is kept when its byte of the draw is at or above round(256 p)
+    (philox.cut): p is drawn to 1/256, and kept values are scaled by the
+    inverse of the keep probability drawn, so their expectation is x's."""
     if not training or p == 0.0:
         return x
     if not active():
         return F.dropout(x, p, training=True)
-    kernels.threshold(p)            # a bad p is refused before any draw counts
+    kernels.cut(p)                  # a bad p is refused before any draw counts
     return kernels.dropout(x, _draw_of(x, site, "dropout"), p)
 
 
@@ -231,7 +228,7 @@ def attention(q, k, v, key_mask, p, site):
     the explicit arithmetic, with the same masks."""
     if p == 0.0 or not active():
         return kernels.sdpa(q, k, v, key_mask, p)
-    kernels.threshold(p)
+    kernels.cut(p)
     return kernels.attention(q, k, v, key_mask, _draw_of(q, site, "attention"), p)
 
 

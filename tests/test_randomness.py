@@ -1,6 +1,8 @@
 """Randomness keyed by the sample (hetseq/randomness.py): the draws a sample
 gets depend on (seed, epoch, its index, the call site) and nothing else."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,22 +10,46 @@ from torch import nn
 
 from conftest import require_module
 from hetseq import randomness
-from hetseq.kernels import words
+from hetseq.kernels import philox, words
 from hetseq.nn import Dropout
 
 
-def reference_bits(key, site, call, coordinates):
-    """One element's 32 bits, on Python integers: what the tensors must give."""
-    site_key = words.absorb32(words.absorb32(key % 2**32, randomness._site_word(site)), call)
-    word = 0
-    for index in coordinates:
-        word = words.absorb32(word, index)
-    return words.signed(words.absorb32(word, site_key))
+def reference_byte(key, site, call, coordinates):
+    """One element's byte, on Python integers: Philox4x32-7 keyed by (the
+    sample's key, the site's word for this call), counter (column // 16,
+    row, the index before rows, a hash of the ones before), byte column % 16."""
+    *lead, row, col = (0,) * (2 - len(coordinates)) + tuple(coordinates)
+    rest = 0
+    for index in lead[:-1]:
+        rest = words.absorb32(rest, index)
+    counter = (col // 16, row, lead[-1] if lead else 0, rest if len(lead) > 1 else 0)
+    out = philox.philox(counter, (key % 2**32, philox.site_word(randomness._site_word(site),
+                                                                  call)))
+    return (out[col % 16 // 4] >> 8 * (col % 4)) & 0xFF
 
 
-def test_the_hash_on_tensors_equals_the_hash_on_python_integers():
-    """int32 tensors wrap on overflow and shift arithmetically: the module
-    masks the shifts; this pins that it computes the function it documents."""
+def test_philox_is_random123s_on_python_integers_and_on_tensors():
+    """Random123's known answers (kat_vectors, philox4x32) at 7 and 10
+    rounds, on Python integers and on int64 tensors, whose products wrap
+    past 2**63 as the draw relies on."""
+    known = {(7, (0,) * 6): (0x5f6fb709, 0x0d893f64, 0x4f121f81, 0x4f730a48),
+             (7, (2**32 - 1,) * 6): (0x5207ddc2, 0x45165e59, 0x4d8ee751, 0x8c52f662),
+             (10, (0,) * 6): (0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8),
+             (10, (2**32 - 1,) * 6): (0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd),
+             (10, (0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344, 0xa4093822, 0x299f31d0)):
+             (0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1)}
+    for (rounds, words_in), expected in known.items():
+        counter, key = words_in[:4], words_in[4:]
+        assert philox.philox(counter, key, rounds) == expected
+        tensors = philox.philox([torch.tensor([c]) for c in counter],
+                                (torch.tensor([key[0]]), key[1]), rounds)
+        assert tuple(int(t) for t in tensors) == expected
+
+
+def test_the_draw_on_tensors_equals_the_draw_on_python_integers():
+    """int32 and int64 tensors wrap on overflow and shift arithmetically:
+    the modules mask what they must; this pins that they compute the
+    functions they document, on every element of 1- to 4-D tensors."""
     values = torch.tensor([0, 1, -1, 2**31 - 1, -2**31, 123456789, -987654321], dtype=torch.int32)
     mixed = words.mix_(values.clone()).tolist()
     assert mixed == [words.signed(words.mix32(v)) for v in values.tolist()]
@@ -36,11 +62,13 @@ def test_the_hash_on_tensors_equals_the_hash_on_python_integers():
         expected.append(words.signed(state))
     assert randomness.sample_keys(123, 4, indices).tolist() == expected
     keys = randomness.sample_keys(1, 1, [3, 8])
-    bits = randomness._bits(keys, "layer.dropout", 2, (3, 5), torch.device("cpu"))
-    for row, key in enumerate(keys.tolist()):
-        for i in range(3):
-            for j in range(5):
-                assert bits[row, i, j].item() == reference_bits(key, "layer.dropout", 2, (i, j))
+    site = philox.site_word(randomness._site_word("layer.dropout"), 2)
+    for shape in [(40,), (3, 37), (2, 3, 20), (2, 2, 3, 17)]:
+        drawn = philox.draw_bytes(keys, site, shape)
+        for row, key in enumerate(keys.tolist()):
+            for index in itertools.product(*map(range, shape)):
+                assert drawn[(row,) + index].item() == \
+                    reference_byte(key, "layer.dropout", 2, index), (shape, index)
 
 
 def masks(indices, shape, site="s", call=0, seed=1, epoch=1, p=0.5):
@@ -67,15 +95,20 @@ def test_every_key_part_changes_the_draw():
         assert not torch.equal(base, other)
 
 
-def test_masks_keep_one_minus_p_and_look_independent():
-    kept = masks(list(range(64)), (128, 32), p=0.1).float()
-    n = kept.numel()
-    assert abs(kept.mean().item() - 0.9) < 5 * (0.09 / n) ** 0.5
-    # Samples, positions and features: no correlation beyond chance.
-    flat = kept.view(64, -1) - 0.9
-    between_samples = (flat[:-1] * flat[1:]).mean().item() / 0.09
-    between_features = (kept[..., :-1] - 0.9).mul(kept[..., 1:] - 0.9).mean().item() / 0.09
-    assert abs(between_samples) < 0.01 and abs(between_features) < 0.01
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.7])
+def test_masks_keep_one_minus_p_and_look_independent(p):
+    """The keep probability drawn is 1 - round(256 p) / 256 (philox.cut);
+    samples, positions, features and the bytes of one call (neighbours
+    within 16 columns) show no correlation beyond chance."""
+    kept = masks(list(range(64)), (128, 32), p=p).float()
+    keep = 1 - philox.cut(p) / 256
+    variance = keep * (1 - keep)
+    assert abs(kept.mean().item() - keep) < 5 * (variance / kept.numel()) ** 0.5
+    flat = kept.view(64, -1) - keep
+    between_samples = (flat[:-1] * flat[1:]).mean().item() / variance
+    between_features = (kept[..., :-1] - keep).mul(kept[..., 1:] - keep).mean().item() / variance
+    between_calls = (kept[..., :16] - keep).mul(kept[..., 16:] - keep).mean().item() / variance
+    assert max(abs(between_samples), abs(between_features), abs(between_calls)) < 0.01
 
 
 def test_the_gradient_flows_through_the_kept_elements_only():
@@ -237,14 +270,20 @@ def split_runs(models, tmp_path_factory):
     return run_jobs(2, jobs, tmp_path_factory.mktemp("dropout-jobs"))
 
 
+# One update through the kernels (seconds a step in the interpreter): its
+# weights hold the whole forward and backward of both ranks, dropout included.
+KERNEL_UPDATES = ["--max-update", 1]
+
+
 @pytest.fixture(scope="module")
 def kernel_split_runs(models, tmp_path_factory):
     """The 6+2 splits with every draw made inside the Triton kernels (on a
     CPU in Triton's interpreter: conftest sets TRITON_INTERPRET=1)."""
     require_module("triton")
     from machinery.jobs import run_jobs
-    jobs = [(f"{task} 6+2", [[*models[task], "--max-sentences", 6],
-                             [*models[task], "--max-sentences", 2]]) for task in ("bert", "glue")]
+    jobs = [(f"{task} 6+2", [[*models[task], *KERNEL_UPDATES, "--max-sentences", 6],
+                             [*models[task], *KERNEL_UPDATES, "--max-sentences", 2]])
+            for task in ("bert", "glue")]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HETSEQ_KERNELS", "triton")
         patch.setenv("TRITON_INTERPRET", "1")      # CPU ranks, on a GPU machine too
@@ -295,5 +334,5 @@ def test_dropout_models_split_over_ranks_through_the_kernels_match_one_process(
     elementwise dropout in one pass): the weights of one process of 8
     trained through the torch path, so the two paths draw the same masks
     and a CPU node and a GPU node of one job train one model."""
-    reference = alone(models[name.split()[0]])
+    reference = alone([*models[name.split()[0]], *KERNEL_UPDATES])
     assert largest_difference(reference, kernel_split_runs[name].state["model"]) < FP32_EXACT

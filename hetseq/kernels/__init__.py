@@ -1,19 +1,21 @@
 """The kernels keyed draws run in (hetseq/randomness.py chooses what to
 draw; these draw it and apply it), on two paths that give the same bits for
-every element (words.py's hash): torch passes (CPUs, and the reference) or
+every element (philox.py's draw): torch passes (CPUs, and the reference) or
 Triton kernels (CUDA), chosen per device or by ``HETSEQ_KERNELS=torch|triton``.
 docs/design.md, "Where randomness comes from"; docs/gpu.md, "Choosing the path".
 """
 
 import dataclasses
+import logging
 import os
 
 import torch
 import torch.nn.functional as F
 
 from hetseq.errors import UserError
-from hetseq.kernels import ops, words
+from hetseq.kernels import ops, philox
 
+logger = logging.getLogger(__name__)
 PATHS = ("torch", "triton")
 _checked = set()    # HETSEQ_KERNELS values seen: checked once each
 _triton = []        # whether Triton imports, once known
@@ -70,38 +72,36 @@ def path(device):
 class Draw:
     """One draw of a site in a forward: the samples' keys (int32, on the
     tensors' device), the site's word and how many times it drew before in
-    this forward. The per-sample site keys are made where they are used:
-    inside a Triton kernel (two hashes per program), or by ``site_keys``."""
+    this forward. ``site`` is the draw's second key word (philox.site_word)."""
     keys: torch.Tensor
     word: int
     call: int
 
-    def site_keys(self):
-        return ops.site_keys(self.keys, self.word, self.call)
+    @property
+    def site(self):
+        return philox.site_word(self.word, self.call)
 
 
-def threshold(p):
-    """The int32 an element's bits must reach to be kept with probability
-    1 - p (to 2**-32); None when nothing is kept (p within 2**-33 of 1)."""
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1], got {p}")
-    value = round(p * words.WORD) - (1 << 31)
-    return None if value >= 1 << 31 else value
+def cut(p):
+    """The byte an element's draw must reach to be kept with probability
+    1 - p (p drawn to 1/256: philox.cut); None when nothing is kept."""
+    value = philox.cut(p)
+    return None if value >= philox.RESOLUTION else value
 
 
 def dropout(x, draw, p):
     """``x`` ([batch, ...]) with sample i's mask drawn for ``draw``'s keys[i]."""
-    cut = threshold(p)
-    if cut is None:
+    byte = cut(p)
+    if byte is None:
         return x * 0.0
-    scale = 1.0 / (1.0 - p)
+    scale = philox.keep_scale(byte)
     if x.dim() >= 2 and x.dtype in DTYPES and path(x.device) == "triton":
-        return ops.keyed_dropout(x, draw.keys, draw.word, draw.call, cut, scale)
-    return _torch_dropout(x, draw, cut, scale)
+        return ops.keyed_dropout(x, draw.keys, draw.site, byte, scale)
+    return _torch_dropout(x, draw, byte, scale)
 
 
-def _torch_dropout(x, draw, cut, scale):
-    keep = ops.keyed_bits(draw.site_keys(), list(x.shape[1:])) >= cut
+def _torch_dropout(x, draw, byte, scale):
+    keep = ops.keep_mask(draw.keys, draw.site, byte, list(x.shape[1:]))
     # x * keep * scale in one kernel that saves only the boolean mask for
     # backward: the op torch's own dropout backward uses.
     return torch.ops.aten.native_dropout_backward(x, keep, scale)
@@ -113,11 +113,30 @@ def attention(q, k, v, key_mask, draw, p):
     q, k, v: [batch, heads, L, d]; ``key_mask``: [batch, L] bool, True where
     a key may be attended (None: every key)."""
     _check_key_mask(key_mask, k)
-    cut = threshold(p)
-    if cut is not None and _fits_the_kernel(q, k, v) and path(q.device) == "triton":
-        return ops.keyed_attention(q, k, v, key_mask, draw.keys, draw.word, draw.call, cut,
-                                   1.0 / (1.0 - p), q.shape[-1] ** -0.5)[0]
+    byte = cut(p)
+    if byte is not None and _fits_the_kernel(q, k, v) and _kernel_path(q):
+        return ops.keyed_attention(q, k, v, key_mask, draw.keys, draw.site, byte,
+                                   philox.keep_scale(byte), q.shape[-1] ** -0.5)[0]
     return explicit_attention(q, k, v, key_mask, draw, p)
+
+
+_noted = set()      # what was said once about the path attention takes
+
+
+def _kernel_path(q):
+    """Whether attention of ``q``'s dtype takes the Triton kernels here.
+    float32 does only when HETSEQ_KERNELS=triton: its IEEE products run on
+    the FMA units and every tile spills (docs/gpu.md), so under auto it takes
+    the explicit path, which is exact and keeps the L x L probabilities."""
+    if path(q.device) != "triton":
+        return False
+    if q.dtype == torch.float32 and chosen() == "auto":
+        if "float32" not in _noted:
+            _noted.add("float32")
+            logger.info("keyed attention in float32 takes the explicit path (exact, L x L "
+                        "probabilities kept); the kernels run bf16 and fp16 (docs/gpu.md)")
+        return False
+    return True
 
 
 def _fits_the_kernel(q, k, v):
@@ -144,10 +163,10 @@ def explicit_attention(q, k, v, key_mask, draw, p):
     if key_mask is not None:
         scores = scores.masked_fill(~key_mask[:, None, None, :], torch.finfo(scores.dtype).min)
     probs = scores.softmax(-1)
-    cut = threshold(p)
-    if cut is None:
+    byte = cut(p)
+    if byte is None:
         return (probs * 0.0) @ v
-    return _torch_dropout(probs, draw, cut, 1.0 / (1.0 - p)) @ v
+    return _torch_dropout(probs, draw, byte, philox.keep_scale(byte)) @ v
 
 
 def sdpa(q, k, v, key_mask, p=0.0):

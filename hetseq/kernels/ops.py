@@ -1,7 +1,8 @@
 """The keyed draws as PyTorch custom operators (torch.library): autograd
 knows their backward and torch.compile traces a forward that calls them
 without a graph break (each has a fake implementation for the shapes).
-Backward draws the masks again from the keys instead of saving them.
+Elementwise dropout draws its mask again in backward; attention keeps its
+mask as bits (L^2 / 4 bytes a head) and never draws in backward.
 docs/gpu.md, "The operators".
 """
 
@@ -10,57 +11,55 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from hetseq.kernels import words
+from hetseq.kernels import philox
 
 
-@torch.library.custom_op("hetseq::site_keys", mutates_args=())
-def site_keys(keys: Tensor, site_word: int, call: int) -> Tensor:
-    """Each sample's key for the ``call``-th draw of the site whose word is
-    ``site_word``: an operator, so that no compiler rewrites its wrapping
-    int32 arithmetic (signed overflow is undefined in C++)."""
-    return words.absorb_(words.absorb_(keys.clone(), words.signed(site_word)),
-                         words.signed(call))
+@torch.library.custom_op("hetseq::keep_mask", mutates_args=())
+def keep_mask(keys: Tensor, site: int, cut: int, shape: list[int]) -> Tensor:
+    """Which elements of a [len(keys), *shape] tensor are kept (the torch
+    path): an operator, so that no compiler rewrites its wrapping integer
+    arithmetic (signed overflow is undefined in C++)."""
+    return philox.keep(keys, site, cut, shape)
 
 
-@site_keys.register_fake
-def _(keys, site_word, call):
-    return torch.empty_like(keys)
+@keep_mask.register_fake
+def _(keys, site, cut, shape):
+    return keys.new_empty((keys.shape[0], *shape), dtype=torch.bool)
 
 
-@torch.library.custom_op("hetseq::keyed_bits", mutates_args=())
-def keyed_bits(site_keys: Tensor, shape: list[int]) -> Tensor:
-    return words.bits(site_keys, shape)
+@torch.library.custom_op("hetseq::keyed_words", mutates_args=())
+def keyed_words(keys: Tensor, site: int, shape: list[int]) -> Tensor:
+    """32 random bits (int32) per element of a [len(keys), *shape] tensor."""
+    return philox.draw_words(keys, site, shape)
 
 
-@keyed_bits.register_fake
-def _(site_keys, shape):
-    return site_keys.new_empty((site_keys.shape[0], *shape), dtype=torch.int32)
+@keyed_words.register_fake
+def _(keys, site, shape):
+    return keys.new_empty((keys.shape[0], *shape), dtype=torch.int32)
 
 
 # ---- elementwise dropout (Triton) ----
 
 @torch.library.custom_op("hetseq::keyed_dropout", mutates_args=())
-def keyed_dropout(x: Tensor, keys: Tensor, word: int, call: int, threshold: int,
-                  scale: float) -> Tensor:
+def keyed_dropout(x: Tensor, keys: Tensor, site: int, cut: int, scale: float) -> Tensor:
     from hetseq.kernels import triton_dropout
-    return triton_dropout.dropout(x, keys, word, call, threshold, scale)
+    return triton_dropout.dropout(x, keys, site, cut, scale)
 
 
 @keyed_dropout.register_fake
-def _(x, keys, word, call, threshold, scale):
+def _(x, keys, site, cut, scale):
     return torch.empty_like(x.contiguous())      # as the kernel allocates it
 
 
 def _dropout_context(ctx, inputs, output):
-    _, keys, ctx.word, ctx.call, ctx.threshold, ctx.scale = inputs
+    _, keys, ctx.site, ctx.cut, ctx.scale = inputs
     ctx.save_for_backward(keys)
 
 
 def _dropout_backward(ctx, grad):
     # y = x * kept * scale, so dx = grad * kept * scale: the same op on the gradient.
     (keys,) = ctx.saved_tensors
-    dx = keyed_dropout(grad, keys, ctx.word, ctx.call, ctx.threshold, ctx.scale)
-    return dx, None, None, None, None, None
+    return keyed_dropout(grad, keys, ctx.site, ctx.cut, ctx.scale), None, None, None, None
 
 
 keyed_dropout.register_autograd(_dropout_backward, setup_context=_dropout_context)
@@ -70,11 +69,11 @@ keyed_dropout.register_autograd(_dropout_backward, setup_context=_dropout_contex
 
 @torch.library.custom_op("hetseq::keyed_attention", mutates_args=())
 def keyed_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor], keys: Tensor,
-                    word: int, call: int, threshold: int, keep_scale: float,
-                    scale: float) -> tuple[Tensor, Tensor]:
-    from hetseq.kernels import triton_attention
-    return triton_attention.forward(q, k, v, key_mask, (keys, word, call), threshold,
-                                    keep_scale, scale)
+                    site: int, cut: int, keep_scale: float,
+                    scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, each row's log-sum-exp, the keep bits in both orders)."""
+    from hetseq.kernels import flash
+    return flash.forward(q, k, v, key_mask, keys, site, cut, keep_scale, scale)
 
 
 def _heads_layout(x, length):
@@ -83,38 +82,42 @@ def _heads_layout(x, length):
 
 
 @keyed_attention.register_fake
-def _(q, k, v, key_mask, keys, word, call, threshold, keep_scale, scale):
+def _(q, k, v, key_mask, keys, site, cut, keep_scale, scale):
+    from hetseq.kernels import flash
     B, H, Lq, _ = q.shape
-    return _heads_layout(q, Lq), q.new_empty(2, B * H, Lq, dtype=torch.float32)
+    words_f, words_t = flash.keep_words(q, k)
+    return (_heads_layout(q, Lq), q.new_empty(B * H, Lq, dtype=torch.float32), words_f,
+            words_t)
 
 
 @torch.library.custom_op("hetseq::keyed_attention_backward", mutates_args=())
 def keyed_attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                             stats: Tensor, key_mask: Optional[Tensor], keys: Tensor, word: int,
-                             call: int, threshold: int, keep_scale: float,
+                             lse: Tensor, words_f: Tensor, words_t: Tensor,
+                             key_mask: Optional[Tensor], keep_scale: float,
                              scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    from hetseq.kernels import triton_attention
-    return triton_attention.backward(grad, q, k, v, out, stats, key_mask, (keys, word, call),
-                                     threshold, keep_scale, scale)
+    from hetseq.kernels import flash
+    return flash.backward(grad, q, k, v, out, lse, words_f, words_t, key_mask, keep_scale,
+                              scale)
 
 
 @keyed_attention_backward.register_fake
-def _(grad, q, k, v, out, stats, key_mask, keys, word, call, threshold, keep_scale, scale):
+def _(grad, q, k, v, out, lse, words_f, words_t, key_mask, keep_scale, scale):
     return (_heads_layout(q, q.shape[2]), _heads_layout(k, k.shape[2]),
             _heads_layout(v, v.shape[2]))
 
 
 def _attention_context(ctx, inputs, output):
-    q, k, v, key_mask, keys, ctx.word, ctx.call, ctx.threshold, ctx.keep_scale, ctx.scale = inputs
-    ctx.mark_non_differentiable(output[1])          # the rows' max and sum
-    ctx.save_for_backward(q, k, v, *output, key_mask, keys)
+    q, k, v, key_mask, _, _, _, ctx.keep_scale, ctx.scale = inputs
+    out, lse, words_f, words_t = output
+    ctx.mark_non_differentiable(lse, words_f, words_t)
+    ctx.save_for_backward(q, k, v, out, lse, words_f, words_t, key_mask)
 
 
-def _attention_backward(ctx, grad, _grad_stats):
-    q, k, v, out, stats, key_mask, keys = ctx.saved_tensors
-    dq, dk, dv = keyed_attention_backward(grad, q, k, v, out, stats, key_mask, keys, ctx.word,
-                                          ctx.call, ctx.threshold, ctx.keep_scale, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None, None, None
+def _attention_backward(ctx, grad, *_):
+    q, k, v, out, lse, words_f, words_t, key_mask = ctx.saved_tensors
+    dq, dk, dv = keyed_attention_backward(grad, q, k, v, out, lse, words_f, words_t, key_mask,
+                                          ctx.keep_scale, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 keyed_attention.register_autograd(_attention_backward, setup_context=_attention_context)

@@ -1,16 +1,22 @@
-"""Attention with keyed dropout on the probabilities, flash-style, so that
-nothing L x L reaches memory: each tile's mask is drawn where the tile is
-computed (the torch path's mask, bit for bit), and backward draws it again.
-Two backward kernels and no atomics, so a result does not vary from run to
-run. docs/gpu.md, "The attention kernel" (the arithmetic is beside each kernel).
+"""Attention with keyed dropout of its probabilities, flash-style, so that
+nothing L x L of floats reaches memory. The mask is drawn once per call
+(``_draw``: philox.py's bits, the torch path's bit for bit) and kept as one
+bit per element in two orders, one per orientation of the kernels that use
+it (triton_draw.unpack); forward and backward test those bits where they
+compute a tile. Two backward kernels and no atomics, so a result does not
+vary from run to run. docs/gpu.md, "The attention kernels" (the arithmetic
+is beside each kernel); the launches and tiles are flash.py's.
 """
 
-import torch
 import triton
 import triton.language as tl
 
-from hetseq.kernels import words
-from hetseq.kernels.triton_hash import FLOAT_MIN, absorb, kept, site_key
+from hetseq.kernels.triton_draw import kept_bits, unpack
+from hetseq.kernels.triton_draw import words as words_of
+
+# A masked key's score in log2 units: exp2 of it less any real score is 0,
+# and a row with no real key in its first block of keys stays finite.
+MASKED = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -24,290 +30,315 @@ def _dot(a, b, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, kT, cols, Lk, attend, scale, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
-            WIDEN: tl.constexpr):
-    s = _dot(q, kT, PRECISION, WIDEN) * scale
-    if HAS_MASK:
-        s = tl.where(attend[None, :], s, FLOAT_MIN)
-    return tl.where((cols < Lk)[None, :], s, float("-inf"))
+def _load(PTR, stride_l, stride_d, idx, L, dims, D, EVEN_L: tl.constexpr,
+          EVEN_D: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """A [len(idx), len(dims)] tile of a [L, d] matrix (its transpose when
+    TRANSPOSED), zeros outside; no bounds where the sizes divide."""
+    if TRANSPOSED:
+        ptrs = PTR + idx[None, :].to(tl.int64) * stride_l + dims[:, None] * stride_d
+        inside = (idx < L)[None, :] & (dims < D)[:, None]
+    else:
+        ptrs = PTR + idx[:, None].to(tl.int64) * stride_l + dims[None, :] * stride_d
+        inside = (idx < L)[:, None] & (dims < D)[None, :]
+    if EVEN_L and EVEN_D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=inside, other=0.0)
 
 
 @triton.jit
-def _attend(KEY_MASK, b, smb, sml, cols, Lk, HAS_MASK: tl.constexpr):
-    if HAS_MASK:
-        return tl.load(KEY_MASK + b * smb + cols * sml, mask=cols < Lk, other=0) != 0
-    return cols < Lk
-
-
-@triton.jit
-def _tile(PTR, stride_b, stride_h, stride_l, stride_d, b, h, idx, L, dims, D):
-    """A [len(idx), len(dims)] tile of a [batch, heads, L, d] tensor (zeros outside)."""
-    base = PTR + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
-    ptrs = base + idx[:, None].to(tl.int64) * stride_l + dims[None, :] * stride_d
-    return tl.load(ptrs, mask=(idx < L)[:, None] & (dims < D)[None, :], other=0.0)
-
-
-@triton.jit
-def _tile_t(PTR, stride_b, stride_h, stride_l, stride_d, b, h, idx, L, dims, D):
-    """The transposed tile: [len(dims), len(idx)]."""
-    base = PTR + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
-    ptrs = base + idx[None, :].to(tl.int64) * stride_l + dims[:, None] * stride_d
-    return tl.load(ptrs, mask=(idx < L)[None, :] & (dims < D)[:, None], other=0.0)
-
-
-@triton.jit
-def _put(PTR, stride_b, stride_h, stride_l, stride_d, b, h, idx, L, dims, D, value):
-    base = PTR + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
-    ptrs = base + idx[:, None].to(tl.int64) * stride_l + dims[None, :] * stride_d
+def _store(PTR, stride_l, stride_d, idx, L, dims, D, value):
+    ptrs = PTR + idx[:, None].to(tl.int64) * stride_l + dims[None, :] * stride_d
     tl.store(ptrs, value.to(PTR.dtype.element_ty), mask=(idx < L)[:, None] & (dims < D)[None, :])
 
 
-# Forward, per (sample, head, block of queries), over blocks of keys:
-#   s = q k^T * scale, a masked key's score the smallest float32 (as the explicit
-#       path fills it: a sample with no real key gets even weights)
-#   m = running row max,  l = running sum of exp(s - m)
-#   acc += (exp(s - m) * kept) v   (rescaled as m grows);  out = acc / l / (1 - p)
-# The rows' m and l are kept (8 bytes a row) for backward.
-@triton.jit(do_not_specialize=["word", "call"])
-def _forward(Q, K, V, O, STATS, KEY_MASK, KEYS,
-             sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd,
-             sob, soh, sol, sod, smb, sml,
-             heads, Lq, Lk, D, scale, threshold, keep_scale, word, call,
-             HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-             WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_D: tl.constexpr, LENGTH_CLASS: tl.constexpr):
-    bh = tl.program_id(0)
-    b = bh // heads
-    h = bh % heads
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+@triton.jit
+def _row(PTR, idx, L, other, EVEN_L: tl.constexpr):
+    if EVEN_L:
+        return tl.load(PTR + idx)
+    return tl.load(PTR + idx, mask=idx < L, other=other)
+
+
+@triton.jit
+def _key_bias(KEY_MASK, smb, sml, b, cols, Lk, HAS_MASK: tl.constexpr, EVEN_N: tl.constexpr):
+    """What a block of keys adds to its scores: 0, or MASKED for a masked
+    key or one past the end (all 0, and not added, where neither exists)."""
+    if HAS_MASK:
+        attend = _row(KEY_MASK + b.to(tl.int64) * smb, cols * sml, Lk * sml, 0, EVEN_N) != 0
+        return tl.where(attend, 0.0, MASKED)
+    return tl.where(cols < Lk, 0.0, MASKED)
+
+
+# ---- the draw: once per call, its bits kept in both orientations ----
+
+@triton.jit
+def _eight(x):
+    return (x, x, x, x, x, x, x, x)
+
+
+@triton.jit
+def _to_words(w, z0, z1, t: tl.constexpr):
+    """Four words of queries x keys, each OR-ed with its bits of a call:
+    keys 16 g + 2 t + c0 + 8 c3 are bits 16 (t % 2) + 8 c0 + 7 - c3 of
+    z_(t // 2), taken to (c0, c3) at bit t (of 0x303 << t). A shift right
+    then left is one shift to a GPU (LLVM folds them with the mask)."""
+    return (w[0] | ((z0 >> 6 << t) & (0x303 << t)), w[1] | ((z0 >> 22 << t) & (0x303 << t)),
+            w[2] | ((z1 >> 6 << t) & (0x303 << t)), w[3] | ((z1 >> 22 << t) & (0x303 << t)))
+
+
+@triton.jit
+def _to_words_t(w, z0, z1, t: tl.constexpr):
+    """Eight words of keys x queries (keys 16 g + kl, kl < 8) OR-ed with a
+    call's bits: keys kl (+ 8) are bits 8 (kl % 4) + 7 (+ 6) of z_(kl // 4)."""
+    return (w[0] | ((z0 >> 6 << t) & (3 << t)), w[1] | ((z0 >> 14 << t) & (3 << t)),
+            w[2] | ((z0 >> 22 << t) & (3 << t)), w[3] | ((z0 >> 30 << t) & (3 << t)),
+            w[4] | ((z1 >> 6 << t) & (3 << t)), w[5] | ((z1 >> 14 << t) & (3 << t)),
+            w[6] | ((z1 >> 22 << t) & (3 << t)), w[7] | ((z1 >> 30 << t) & (3 << t)))
+
+
+@triton.jit
+def _pair(words_t0, words_t1, q_base, group, head, key, site, cut4, LOW_CUT: tl.constexpr,
+          pair: tl.constexpr):
+    """The 4 calls of queries q_base + (q0, q4, q5) of ``pair`` (+ 8) and 32
+    keys from 16 group: their 4 half words, and their bits of the 16 words_t
+    (keys 16 group + kl, then 16 (group + 1) + kl)."""
+    q0: tl.constexpr = pair % 2
+    q4: tl.constexpr = pair // 2 % 2
+    q5: tl.constexpr = pair // 4
+    words = (q_base * 0).to(tl.uint32)
+    words = (words, words, words, words)
+    for q3 in tl.static_range(2):
+        for g in tl.static_range(2):
+            w0, w1, w2, w3 = words_of(group + g, q_base + q0 + 8 * q3 + 16 * q4 + 32 * q5, head,
+                                      0, key, site)
+            z0, z1 = kept_bits(w0, w1, w2, w3, cut4, LOW_CUT)
+            words = _to_words(words, z0, z1, 4 * q3 + 2 * g)
+            # queries q0 + 8 q3 + 16 q4 + 32 q5: bit 2 q0 + 4 q3 + 8 q4 + 16 q5 (+ 1 - r3)
+            if g == 0:
+                words_t0 = _to_words_t(words_t0, z0, z1, 16 * q5 + 8 * q4 + 4 * q3 + 2 * q0)
+            else:
+                words_t1 = _to_words_t(words_t1, z0, z1, 16 * q5 + 8 * q4 + 4 * q3 + 2 * q0)
+    return words, words_t0, words_t1
+
+
+@triton.jit(do_not_specialize=["site"])
+def _draw(KEYS, WORDS, WORDS_T, site, cut4, heads, units, q_units, k_blocks, sw_bh, sw_r,
+          st_bh, st_r, LOW_CUT: tl.constexpr, UNITS: tl.constexpr):
+    # A thread's unit: one head's 16 queries 64 qb + 2 tq + (q0, q3, q4, q5)
+    # x 32 keys 32 kb + 16 g + i, 32 calls (philox.keep's bytes), packed with
+    # no data between threads into the 16 words of those keys x queries
+    # (triton_draw's ORDER 1) and the halves (bit 4 of a word's bits: c5 = kb
+    # % 2) of the 32 of queries x keys (ORDER 0), stored a query pair at a time.
+    u = tl.program_id(0).to(tl.int64) * UNITS + tl.arange(0, UNITS)
+    live = u < units
+    plane = u // (q_units * k_blocks)
+    kb = u % k_blocks
+    qb = u // k_blocks % q_units // 4
+    tq = u // k_blocks % q_units % 4
+    key = tl.load(KEYS + plane // heads, mask=live, other=0)
+    zero = (kb * 0).to(tl.uint32)
+    words_t0, words_t1 = _eight(zero), _eight(zero)
+    HALVES = WORDS.to(tl.pointer_type(tl.int16))       # little-endian: bits 0-15 first
+    for pair in tl.static_range(8):
+        words, words_t0, words_t1 = _pair(words_t0, words_t1, 64 * qb + 2 * tq, 2 * kb,
+                                          plane % heads, key, site, cut4, LOW_CUT, pair)
+        # queries 64 qb + 2 tq + (q0, q4, q5) of the pair: rows 8 (q // 16) + q % 8
+        row = 8 * (4 * qb + pair // 2) + 2 * tq + pair % 2
+        for t in tl.static_range(4):
+            tl.store(HALVES + 2 * (plane * sw_bh + row * sw_r + 4 * (kb // 2) + t) + kb % 2,
+                     words[t].to(tl.int16), mask=live)
+    for kl in tl.static_range(8):
+        # keys 32 kb + 16 g + kl (+ 8): rows 8 (k // 16) + k % 8
+        for g in tl.static_range(2):
+            if g == 0:
+                word = words_t0[kl]
+            else:
+                word = words_t1[kl]
+            tl.store(WORDS_T + plane * st_bh + (8 * (2 * kb + g) + kl) * st_r + 4 * qb + tq,
+                     word.to(tl.int32, bitcast=True), mask=live)
+
+
+# ---- forward ----
+# Per (block of queries, head, sample), over blocks of keys, in log2 units
+# (scale = d^-1/2 log2 e, 0 for a sample with no real key: even weights):
+#   s = q k^T scale + bias          (bias: MASKED at a masked key)
+#   m = running row max,  l = running sum of 2^(s - m)
+#   acc += (2^(s - m) * kept) v     (rescaled by 2^(m_old - m) as m grows)
+#   out = acc / l * keep_scale,  lse = m + log2 l   (4 bytes a row, for backward)
+@triton.jit(do_not_specialize=["zero"])
+def _forward(Q, K, V, O, LSE, KEY_MASK, SCALES, WORDS,
+             sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd, sob, soh, sol, sod,
+             smb, sml, sw_bh, sw_r, heads, Lq, Lk, D, scale, keep_scale, zero,
+             HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr,
+             EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+             WIDEN: tl.constexpr, DIV_RN: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    q = _tile(Q, sqb, sqh, sql, sqd, b, h, rows, Lq, dims, D)
-    if DROPOUT:
-        site = site_key(KEYS, b, word, call)
-        row_words = absorb(absorb(tl.zeros([BLOCK_M], tl.uint32), h.to(tl.uint32)),
-                           rows.to(tl.uint32))
+    q = _load(Q + b.to(tl.int64) * sqb + h * sqh, sql, sqd, rows, Lq, dims, D, EVEN_M, EVEN_D,
+              False)
+    K += b.to(tl.int64) * skb + h * skh
+    V += b.to(tl.int64) * svb + h * svh
+    WORDS += (b * heads + h).to(tl.int64) * sw_bh
+    if HAS_MASK:
+        scale = tl.load(SCALES + b)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(0, Lk, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        kT = _tile_t(K, skb, skh, skl, skd, b, h, cols, Lk, dims, D)
-        v = _tile(V, svb, svh, svl, svd, b, h, cols, Lk, dims, D)
-        attend = _attend(KEY_MASK, b, smb, sml, cols, Lk, HAS_MASK)
-        s = _scores(q, kT, cols, Lk, attend, scale, HAS_MASK, PRECISION, WIDEN)
+        kT = _load(K, skl, skd, cols, Lk, dims, D, EVEN_N, EVEN_D, True)
+        v = _load(V, svl, svd, cols, Lk, dims, D, EVEN_N, EVEN_D, False)
+        s = _dot(q, kT, PRECISION, WIDEN) * scale
+        if HAS_MASK or not EVEN_N:
+            s += _key_bias(KEY_MASK, smb, sml, b, cols, Lk, HAS_MASK, EVEN_N)[None, :]
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
         if DROPOUT:
-            p = tl.where(kept(row_words, cols, site, threshold), p, 0.0)
+            # zero is a runtime 0.0: against a constant, LLVM moves the select
+            # past the cast to 16 bits, where it costs three instructions a pair.
+            p = tl.where(unpack(WORDS, sw_r, tl.program_id(0) * BLOCK_M, start, BLOCK_M, BLOCK_N,
+                                0), p, zero)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, WIDEN)
         m = m_new
-    acc = acc / l[:, None]
-    if DROPOUT:
-        acc = acc * keep_scale
-    _put(O, sob, soh, sol, sod, b, h, rows, Lq, dims, D, acc)
-    inside = rows < Lq
-    tl.store(STATS + bh.to(tl.int64) * Lq + rows, m, mask=inside)
-    tl.store(STATS + (bh.to(tl.int64) + tl.num_programs(0)) * Lq + rows, l, mask=inside)
+    if DIV_RN:
+        acc = tl.math.div_rn(acc, l[:, None])       # float32: correctly rounded
+    else:
+        acc = acc / l[:, None]
+    _store(O + b.to(tl.int64) * sob + h * soh, sol, sod, rows, Lq, dims, D, acc * keep_scale)
+    tl.store(LSE + (b * heads + h).to(tl.int64) * Lq + rows, m + tl.log2(l), mask=rows < Lq)
 
+
+# ---- backward ----
+# Recomputing P = 2^(s - lse) tile by tile, with K = kept, k = keep_scale:
+#   dV = k (P * K)^T dO,   dS = k (P * K * dP~ - P * D'),   dP~ = dO V^T
+#   D' = rowsum(dO * out) / k   (so that dS is P (dP - D) of the dropped P)
+#   dQ = dS K * d^-1/2,   dK = dS^T Q * d^-1/2   (P is 0 at a masked key; dQ
+#   and dK are 0 for a sample with no real key: its scores are constant)
+# _backward_kv walks the queries for a block of keys in the orientation
+# K Q^T (no transpose of P or dS), _backward_dq the keys for a block of
+# queries: no atomics.
 
 @triton.jit
-def _probabilities(s, STATS, bh, n_bh, rows, Lq):
-    """P of a tile from the rows' saved max and sum."""
-    inside = rows < Lq
-    m = tl.load(STATS + bh.to(tl.int64) * Lq + rows, mask=inside, other=0.0)
-    l = tl.load(STATS + (bh.to(tl.int64) + n_bh) * Lq + rows, mask=inside, other=1.0)
-    p = tl.exp(s - m[:, None]) / l[:, None]
-    return tl.where(inside[:, None], p, 0.0)
-
-
-# Backward recomputes P = exp(s - m) / l tile by tile:
-#   dV = (P * kept / (1 - p))^T dO,   dP = dO V^T * kept / (1 - p)
-#   dS = P * (dP - D),   D = rowsum(dO * out)   (= sum_j P dP, dropout included)
-#   dQ = dS K * scale,   dK = dS^T Q * scale    (dS is 0 at a masked key)
-# _backward_kv walks the queries for a block of keys (dK, dV), _backward_q the
-# keys for a block of queries (dQ): no atomics.
-@triton.jit
-def _tile_grads(q, kT, vT, do, delta, rows, cols, Lq, Lk, attend, STATS, bh, row_words, site,
-                threshold, keep_scale, scale, HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr,
-                PRECISION: tl.constexpr, WIDEN: tl.constexpr):
-    """A tile's (P as dropped, for dV; dS): P recomputed from the rows' saved
-    max and sum, its mask drawn again."""
-    s = _scores(q, kT, cols, Lk, attend, scale, HAS_MASK, PRECISION, WIDEN)
-    p = _probabilities(s, STATS, bh, tl.num_programs(0), rows, Lq)
-    dp = _dot(do, vT, PRECISION, WIDEN)
-    dropped = p
-    if DROPOUT:
-        keep = kept(row_words, cols, site, threshold)
-        dropped = tl.where(keep, p * keep_scale, 0.0)
-        dp = tl.where(keep, dp * keep_scale, 0.0)
-    return dropped, tl.where(attend[None, :], p * (dp - delta[:, None]), 0.0)
-
-
-@triton.jit(do_not_specialize=["word", "call"])
-def _backward_kv(Q, K, V, DO, STATS, DELTA, KEY_MASK, KEYS, DK, DV,
-                 sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd,
-                 sdb, sdh, sdl, sdd, sgb, sgh, sgl, sgd, smb, sml,
-                 heads, Lq, Lk, D, scale, threshold, keep_scale, word, call,
-                 HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-                 WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, LENGTH_CLASS: tl.constexpr):
-    bh = tl.program_id(0)
-    b = bh // heads
-    h = bh % heads
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _delta(O, DO, DELTA, sob, soh, sol, sod, sgb, sgh, sgl, sgd, heads, Lq, D, inv_keep,
+           EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    kT = _tile_t(K, skb, skh, skl, skd, b, h, cols, Lk, dims, D)
-    vT = _tile_t(V, svb, svh, svl, svd, b, h, cols, Lk, dims, D)
-    attend = _attend(KEY_MASK, b, smb, sml, cols, Lk, HAS_MASK)
-    site = site_key(KEYS, b, word, call)
-    head_word = absorb(tl.zeros([BLOCK_M], tl.uint32), h.to(tl.uint32))
+    o = _load(O + b.to(tl.int64) * sob + h * soh, sol, sod, rows, Lq, dims, D, False, EVEN_D,
+              False)
+    do = _load(DO + b.to(tl.int64) * sgb + h * sgh, sgl, sgd, rows, Lq, dims, D, False, EVEN_D,
+               False)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1) * inv_keep
+    tl.store(DELTA + (b * heads + h).to(tl.int64) * Lq + rows, delta, mask=rows < Lq)
+
+
+@triton.jit(do_not_specialize=["zero"])
+def _backward_dq(Q, K, V, DO, DQ, LSE, DELTA, KEY_MASK, SCALES, WORDS,
+                 sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd,
+                 sgb, sgh, sgl, sgd, sdb, sdh, sdl, sdd, smb, sml, sw_bh, sw_r,
+                 heads, Lq, Lk, D, scale, grad_scale, zero,
+                 HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr,
+                 EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+                 WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    bh = (b * heads + h).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    q = _load(Q + b.to(tl.int64) * sqb + h * sqh, sql, sqd, rows, Lq, dims, D, EVEN_M, EVEN_D,
+              False)
+    do = _load(DO + b.to(tl.int64) * sgb + h * sgh, sgl, sgd, rows, Lq, dims, D, EVEN_M, EVEN_D,
+               False)
+    lse = _row(LSE + bh * Lq, rows, Lq, 0.0, EVEN_M)
+    delta = _row(DELTA + bh * Lq, rows, Lq, 0.0, EVEN_M)
+    K += b.to(tl.int64) * skb + h * skh
+    V += b.to(tl.int64) * svb + h * svh
+    WORDS += bh * sw_bh
+    if HAS_MASK:
+        scale = tl.load(SCALES + b)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(0, Lk, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        kT = _load(K, skl, skd, cols, Lk, dims, D, EVEN_N, EVEN_D, True)
+        vT = _load(V, svl, svd, cols, Lk, dims, D, EVEN_N, EVEN_D, True)
+        s = _dot(q, kT, PRECISION, WIDEN) * scale
+        if HAS_MASK or not EVEN_N:
+            s += _key_bias(KEY_MASK, smb, sml, b, cols, Lk, HAS_MASK, EVEN_N)[None, :]
+        p = tl.exp2(s - lse[:, None])
+        dp = _dot(do, vT, PRECISION, WIDEN)
+        if DROPOUT:
+            dropped = tl.where(unpack(WORDS, sw_r, tl.program_id(0) * BLOCK_M, start, BLOCK_M,
+                                      BLOCK_N, 0), p, zero)
+            ds = dropped * dp - p * delta[:, None]
+        else:
+            ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(kT.dtype), tl.trans(kT), PRECISION, WIDEN)
+    if HAS_MASK:
+        grad_scale = tl.where(scale == 0.0, 0.0, grad_scale)     # a sample with no real key
+    _store(DQ + b.to(tl.int64) * sdb + h * sdh, sdl, sdd, rows, Lq, dims, D, dq * grad_scale)
+
+
+@triton.jit(do_not_specialize=["zero"])
+def _backward_kv(Q, K, V, DO, DK, DV, LSE, DELTA, KEY_MASK, SCALES, WORDS_T,
+                 sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd,
+                 sgb, sgh, sgl, sgd, sdb, sdh, sdl, sdd, smb, sml, sw_bh, sw_r,
+                 heads, Lq, Lk, D, scale, grad_scale, keep_scale, zero,
+                 HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr,
+                 EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+                 WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, GRADS: tl.constexpr):
+    # BLOCK_N keys a program, BLOCK_M queries a step: tiles are keys x queries.
+    # GRADS: "kv" both, or "k" / "v" one (two launches where both would not
+    # fit the registers: each recomputes P).
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    bh = (b * heads + h).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    k = _load(K + b.to(tl.int64) * skb + h * skh, skl, skd, cols, Lk, dims, D, EVEN_N, EVEN_D,
+              False)
+    v = _load(V + b.to(tl.int64) * svb + h * svh, svl, svd, cols, Lk, dims, D, EVEN_N, EVEN_D,
+              False)
+    bias = _key_bias(KEY_MASK, smb, sml, b, cols, Lk, HAS_MASK, EVEN_N)
+    Q += b.to(tl.int64) * sqb + h * sqh
+    DO += b.to(tl.int64) * sgb + h * sgh
+    WORDS_T += bh * sw_bh
+    if HAS_MASK:
+        scale = tl.load(SCALES + b)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for start in range(0, Lq, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
-        q = _tile(Q, sqb, sqh, sql, sqd, b, h, rows, Lq, dims, D)
-        do = _tile(DO, sdb, sdh, sdl, sdd, b, h, rows, Lq, dims, D)
-        delta = tl.load(DELTA + bh.to(tl.int64) * Lq + rows, mask=rows < Lq, other=0.0)
-        dropped, ds = _tile_grads(q, kT, vT, do, delta, rows, cols, Lq, Lk, attend, STATS, bh,
-                                  absorb(head_word, rows.to(tl.uint32)), site, threshold,
-                                  keep_scale, scale, HAS_MASK, DROPOUT, PRECISION, WIDEN)
-        dv += _dot(tl.trans(dropped.to(do.dtype)), do, PRECISION, WIDEN)
-        dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION, WIDEN)
-    _put(DK, sgb, sgh, sgl, sgd, b, h, cols, Lk, dims, D, dk * scale)
-    _put(DV, sgb, sgh, sgl, sgd, b, h, cols, Lk, dims, D, dv)
-
-
-@triton.jit(do_not_specialize=["word", "call"])
-def _backward_q(Q, K, V, DO, STATS, DELTA, KEY_MASK, KEYS, DQ,
-                sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd,
-                sdb, sdh, sdl, sdd, sgb, sgh, sgl, sgd, smb, sml,
-                heads, Lq, Lk, D, scale, threshold, keep_scale, word, call,
-                HAS_MASK: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-                WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, LENGTH_CLASS: tl.constexpr):
-    bh = tl.program_id(0)
-    b = bh // heads
-    h = bh % heads
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    q = _tile(Q, sqb, sqh, sql, sqd, b, h, rows, Lq, dims, D)
-    do = _tile(DO, sdb, sdh, sdl, sdd, b, h, rows, Lq, dims, D)
-    delta = tl.load(DELTA + bh.to(tl.int64) * Lq + rows, mask=rows < Lq, other=0.0)
-    site = site_key(KEYS, b, word, call)
-    row_words = absorb(absorb(tl.zeros([BLOCK_M], tl.uint32), h.to(tl.uint32)),
-                       rows.to(tl.uint32))
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, Lk, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        kT = _tile_t(K, skb, skh, skl, skd, b, h, cols, Lk, dims, D)
-        vT = _tile_t(V, svb, svh, svl, svd, b, h, cols, Lk, dims, D)
-        attend = _attend(KEY_MASK, b, smb, sml, cols, Lk, HAS_MASK)
-        _, ds = _tile_grads(q, kT, vT, do, delta, rows, cols, Lq, Lk, attend, STATS, bh,
-                            row_words, site, threshold, keep_scale, scale, HAS_MASK, DROPOUT,
-                            PRECISION, WIDEN)
-        dq += _dot(ds.to(kT.dtype), tl.trans(kT), PRECISION, WIDEN)
-    _put(DQ, sgb, sgh, sgl, sgd, b, h, rows, Lq, dims, D, dq * scale)
-
-
-# ---- launching ----
-
-def _arithmetic(q):
-    """tl.dot's precision: float32 as torch's matmul computes it (IEEE unless
-    TF32 is allowed), the narrow dtypes as they are; bfloat16 widened in the
-    interpreter (``_dot``)."""
-    ieee = q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-    return dict(PRECISION="ieee" if ieee else "tf32",
-                WIDEN=q.dtype == torch.bfloat16 and q.device.type != "cuda")
-
-
-# Tiles (BLOCK_M queries, BLOCK_N keys, warps) that compile for sm_90 without
-# spilling registers (ptxas -v, bf16); the autotuner picks among them on the
-# first call for each head dimension and length class.
-CONFIGS = {
-    (_forward, 64): [(128, 64, 8), (64, 64, 4), (64, 32, 4), (128, 32, 8)],
-    (_forward, 128): [(64, 64, 8), (64, 32, 8), (128, 32, 8), (32, 64, 8)],
-    (_backward_kv, 64): [(64, 64, 8), (32, 64, 4), (128, 64, 8), (64, 32, 4)],
-    (_backward_kv, 128): [(32, 64, 8), (32, 32, 8)],
-    (_backward_q, 64): [(64, 64, 8), (128, 32, 8), (64, 32, 4), (128, 64, 8)],
-    (_backward_q, 128): [(64, 32, 8), (32, 32, 8)],
-}
-_tuned = {}
-
-
-def _launch(kernel, rows_per_program, programs, args, d, length, device, **constants):
-    """Run ``kernel`` over (batch * heads, ceil(programs / its block)) programs
-    (batch * heads on the first axis, which takes 2**31 - 1; the second 65535).
-    On CUDA with the autotuned tiles; on a CPU (Triton's interpreter) with
-    one tile large enough for the tests' shapes, since timing means nothing there."""
-    block_d = max(16, triton.next_power_of_2(d))
-    constants.update(BLOCK_D=block_d, LENGTH_CLASS=max(64, triton.next_power_of_2(length)))
-    if device.type != "cuda":
-        kernel[(programs[1], triton.cdiv(programs[0], 64))](*args, BLOCK_M=64, BLOCK_N=64,
-                                                             **constants)
-        return
-    key = (kernel, 64 if block_d <= 64 else 128)
-    if key not in _tuned:
-        configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=2)
-                   for m, n, w in CONFIGS[key]]
-        _tuned[key] = triton.autotune(configs, key=["BLOCK_D", "LENGTH_CLASS"])(kernel)
-    grid = lambda meta: (programs[1], triton.cdiv(programs[0], meta[rows_per_program]))  # noqa: E731
-    _tuned[key][grid](*args, **constants)
-
-
-def _like_heads(x, length=None):
-    """An empty [batch, heads, L, d] tensor laid out as [batch, L, heads, d],
-    the layout the model reshapes the context from without a copy."""
-    B, H, L, D = x.shape
-    return torch.empty(B, length or L, H, D, dtype=x.dtype, device=x.device).transpose(1, 2)
-
-
-def _site(draw):
-    """The site's word and call as the kernels take them (int32)."""
-    return words.signed(draw[1]), words.signed(draw[2])
-
-
-def _strides(*tensors):
-    return [s for t in tensors for s in t.stride()]
-
-
-def _mask_args(key_mask, q):
-    if key_mask is None:
-        return q, 0, 0          # any pointer: never read
-    key_mask = key_mask.view(torch.uint8)    # a bool tensor as bytes: the same memory
-    return key_mask, key_mask.stride(0), key_mask.stride(1)
-
-
-def forward(q, k, v, key_mask, draw, threshold, keep_scale, scale, dropout=True):
-    """(out [B, heads, Lq, d], stats [2, B * heads, Lq]: each row's max and sum)."""
-    B, H, Lq, D = q.shape
-    Lk = k.shape[2]
-    out = _like_heads(q)
-    stats = torch.empty(2, B * H, Lq, dtype=torch.float32, device=q.device)
-    mask, smb, sml = _mask_args(key_mask, q)
-    args = (q, k, v, out, stats, mask, draw[0], *_strides(q, k, v, out), smb, sml,
-            H, Lq, Lk, D, scale, threshold, keep_scale, *_site(draw))
-    _launch(_forward, "BLOCK_M", (Lq, B * H), args, D, max(Lq, Lk), q.device,
-            HAS_MASK=key_mask is not None, DROPOUT=dropout, **_arithmetic(q))
-    return out, stats
-
-
-def backward(grad, q, k, v, out, stats, key_mask, draw, threshold, keep_scale, scale,
-             dropout=True):
-    """(dq, dk, dv) of ``forward``'s output, the masks drawn again."""
-    B, H, Lq, D = q.shape
-    Lk = k.shape[2]
-    delta = (grad.float() * out.float()).sum(-1).reshape(B * H, Lq).contiguous()
-    dq, dk, dv = _like_heads(q), _like_heads(k), _like_heads(v)
-    mask, smb, sml = _mask_args(key_mask, q)
-    common = dict(HAS_MASK=key_mask is not None, DROPOUT=dropout, **_arithmetic(q))
-    inputs = (q, k, v, grad, stats, delta, mask, draw[0])
-    sizes = (H, Lq, Lk, D, scale, threshold, keep_scale, *_site(draw))
-    _launch(_backward_kv, "BLOCK_N", (Lk, B * H),
-            (*inputs, dk, dv, *_strides(q, k, v, grad, dk), smb, sml, *sizes),
-            D, max(Lq, Lk), q.device, **common)
-    _launch(_backward_q, "BLOCK_M", (Lq, B * H),
-            (*inputs, dq, *_strides(q, k, v, grad, dq), smb, sml, *sizes),
-            D, max(Lq, Lk), q.device, **common)
-    return dq, dk, dv
+        qT = _load(Q, sql, sqd, rows, Lq, dims, D, EVEN_M, EVEN_D, True)
+        do = _load(DO, sgl, sgd, rows, Lq, dims, D, EVEN_M, EVEN_D, False)
+        lse = _row(LSE + bh * Lq, rows, Lq, float("inf"), EVEN_M)     # past Lq: P = 0
+        delta = _row(DELTA + bh * Lq, rows, Lq, 0.0, EVEN_M)
+        s = _dot(k, qT, PRECISION, WIDEN) * scale
+        if HAS_MASK or not EVEN_N:
+            s += bias[:, None]
+        p = tl.exp2(s - lse[None, :])
+        dropped = p
+        if DROPOUT:
+            dropped = tl.where(unpack(WORDS_T, sw_r, tl.program_id(0) * BLOCK_N, start, BLOCK_N,
+                                      BLOCK_M, 1), p, zero)
+        if GRADS != "k":
+            dv += _dot(dropped.to(do.dtype), do, PRECISION, WIDEN)
+        if GRADS != "v":
+            dp = _dot(v, tl.trans(do), PRECISION, WIDEN)
+            if DROPOUT:
+                ds = dropped * dp - p * delta[None, :]
+            else:
+                ds = p * (dp - delta[None, :])
+            dk += _dot(ds.to(qT.dtype), tl.trans(qT), PRECISION, WIDEN)
+    if GRADS != "v":
+        if HAS_MASK:
+            grad_scale = tl.where(scale == 0.0, 0.0, grad_scale)     # a sample with no real key
+        _store(DK + b.to(tl.int64) * sdb + h * sdh, sdl, sdd, cols, Lk, dims, D, dk * grad_scale)
+    if GRADS != "k":
+        _store(DV + b.to(tl.int64) * sdb + h * sdh, sdl, sdd, cols, Lk, dims, D, dv * keep_scale)

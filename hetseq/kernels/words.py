@@ -1,8 +1,9 @@
-"""The hash every keyed draw is made of, on Python integers (the reference)
-and on int32 tensors (the torch path; the Triton kernels compute the same).
-Bits are hashed from an element's indices, never from the tensor's sizes,
-so a padded sequence keeps the bits of its real positions.
-docs/design.md, "Where randomness comes from"; docs/gpu.md, "The hash".
+"""The hash of what is not a Philox counter (philox.py): samples' keys from
+(seed, epoch, index), sites' words, and the indices before a plane's last
+two, on Python integers (the reference) and on int32 tensors (the torch
+path; the Triton kernels compute the same). Hashed from indices, never
+from the tensor's sizes. docs/design.md, "Where randomness comes from";
+docs/gpu.md, "The hash".
 """
 
 import functools
@@ -68,11 +69,3 @@ def coordinates(shape, device):
         index = torch.arange(size, dtype=torch.int32, device=device)
         words = absorb_(words.unsqueeze(-1).expand(*words.shape, size).clone(), index)
     return words
-
-
-def bits(site_keys, shape):
-    """32 random bits (int32) for each element of a [len(site_keys), *shape]
-    tensor, row i from ``site_keys[i]``."""
-    words = coordinates(tuple(shape), site_keys.device)
-    out = words.unsqueeze(0).bitwise_xor(site_keys.view((-1,) + (1,) * len(shape)))
-    return mix_(out.add_(_GOLDEN))
