@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from hetseq.store import channel, gate, job_secret, store, store_table
+from hetseq.store import channel, cipher, gate, job_secret, store, store_table
 from hetseq.store.secret import make as make_secret
 
 from conftest import require
@@ -377,7 +377,8 @@ def test_malformed_requests_close_only_their_connection(served, case, caplog):
 def test_a_forged_frame_closes_the_connection(served):
     sock, send_key, receive_key, _ = channel.connect_as_client(served.address, KEY)
     try:
-        channel.send_frame(sock, key(OTHER).key(), 0, message(bytes([store.NUM_KEYS])))
+        channel.send_frame(sock, cipher.Seal(key(OTHER).key()), 0,
+                           message(bytes([store.NUM_KEYS])))
         sock.settimeout(5)
         assert sock.recv(1 << 16) == b""
     finally:

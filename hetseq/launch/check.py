@@ -18,9 +18,11 @@ import time
 
 from hetseq import cli
 from hetseq.errors import UserError
+from hetseq.logs import printable
 from hetseq.launch.node import STARTED
 from hetseq.launch.plan import meeting_host
 from hetseq.launch.probe import PREFIX
+from hetseq.launch.transport import module_argv
 
 DEADLINE_S = 60.0
 NOT_READY = 2
@@ -29,7 +31,7 @@ OUTPUT_LIMIT = 1 << 20     # what a host may say (its words are not trusted to b
 
 def _clean(text):
     """A host's words, printable: no terminal escapes."""
-    return "".join(c if c.isprintable() else "?" for c in str(text))
+    return printable(text)
 
 
 def is_this_machine(host):
@@ -76,7 +78,7 @@ def node_options(plan):
 def probe_argv(job, plan):
     cpu, interface, backend = node_options(plan)
     master = job.url.split("//", 1)[1].rsplit(":", 1)[0].strip("[]")
-    argv = ["-m", "hetseq.launch.probe", "--master", master]
+    argv = [*module_argv("hetseq.launch.probe"), "--master", master]
     argv += ["--interface", interface] if interface else []
     argv += ["--backend", backend] if backend else []
     return cpu, argv
@@ -171,10 +173,17 @@ class _Probe:
         facts = [l[len(PREFIX):] for l in lines if l.startswith(PREFIX)]
         if facts:
             try:
-                answer.facts = json.loads(facts[-1])
-                return
+                said_facts = json.loads(facts[-1])
             except ValueError:
-                pass
+                said_facts = None
+            unread = malformed(said_facts)
+            if unread is None:
+                answer.facts = said_facts
+            else:
+                answer.problems.append((f"its probe answered in a form this HetSeq does not "
+                                        f"read ({unread}): another HetSeq version there?",
+                                        "install the same HetSeq on every host"))
+            return
         if not reached and self.transport.unreachable(code):
             answer.problems.append((f"could not be reached over ssh: {last}",
                                     "set up ssh to it (docs/nodes.md)" + local_hint(answer.host)))
@@ -185,6 +194,36 @@ class _Probe:
             answer.problems.append((f"the probe failed there: {last}",
                                     "install the same HetSeq (and torch) there, in "
                                     "--remote-dir, for --remote-python"))
+
+
+# What a probe's answer holds (probe.facts): key -> the types its value may
+# take. A host with another HetSeq may answer with other keys or types;
+# that is a problem line, never a KeyError (a check exists to report skew).
+_STR, _OPT_STR, _OPT_NUMBER = (str,), (str, type(None)), (int, float, type(None))
+FACTS = {"hetseq": _STR, "code": _STR, "memory": _OPT_NUMBER, "torch": _OPT_STR,
+         "cuda": (list,), "cuda_error": _OPT_STR, "interface": _OPT_STR,
+         "interface_error": _OPT_STR}
+OPTIONAL = {"host": _OPT_STR, "python": _OPT_STR, "hetseq_at": _OPT_STR,
+            "torch_error": _OPT_STR}
+DEVICE = {"name": _STR, "free": _OPT_NUMBER}
+
+
+def malformed(facts):
+    """What in a probe's answer ``facts`` is not of the expected form, or None."""
+    if not isinstance(facts, dict):
+        return f"expected an object of facts, got {type(facts).__name__}"
+    for key, types in [*FACTS.items(), *OPTIONAL.items()]:
+        if key not in facts:
+            if key in FACTS:
+                return f"no '{key}'"
+            continue
+        if not isinstance(facts[key], types):
+            return f"'{key}' is {type(facts[key]).__name__}"
+    for device in facts["cuda"]:
+        if not isinstance(device, dict) or any(k not in device or not isinstance(device[k], t)
+                                               for k, t in DEVICE.items()):
+            return "a CUDA device of another form"
+    return None
 
 
 def _clean_lines(raw):

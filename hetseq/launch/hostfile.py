@@ -11,11 +11,13 @@ import shlex
 
 from hetseq.errors import UserError
 from hetseq.flags import nearest
+from hetseq.owned_file import read_owned, refuse_unless_owned
 
 # A host as ssh takes it: [user@]name, an IPv4 address or a bracketless IPv6 one.
 HOST = re.compile(r"^(?!-)([A-Za-z0-9._-]+@)?[A-Za-z0-9.:_-]+$")
 FLAG = re.compile(r"^[a-z][a-z0-9-]*$")
 MAX_SLOTS = 1024
+MAX_HOSTFILE = 1 << 20   # a hostfile is lines of hosts, not the file expected when larger
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +67,13 @@ def _words(raw, number, where):
 
 
 def read(path):
+    # Its flags choose code (user-dir=...): only a file no other user can change
+    # (nor a folder above it), opened once without following a link and
+    # judged on that descriptor: it cannot be swapped after the check.
+    refuse_unless_owned(path, "--hostfile")
     try:
-        with open(path, encoding="utf-8") as f:
-            return parse(f.read(), path)
-    except OSError as err:
-        raise UserError(f"--hostfile {path}: {err.strerror or err}") from None
+        return parse(read_owned(path, f"--hostfile {path}", private=False,
+                                limit=MAX_HOSTFILE).decode("utf-8"), path)
     except UnicodeDecodeError:
         raise UserError(f"--hostfile {path}: not UTF-8 text") from None
 

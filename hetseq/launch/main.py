@@ -30,7 +30,7 @@ from hetseq.launch.node import ENV_LIMIT
 from hetseq.launch.nodes import RunningNode
 from hetseq.launch.transport import TRANSPORTS
 from hetseq.launch import check as checking
-from hetseq.owned_file import read_owned
+from hetseq.owned_file import read_owned, refuse_unless_owned
 from hetseq.store import job_secret, secret as secrets_cli
 
 ENV_FILE = ".hetseq_env"
@@ -340,12 +340,18 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     secret = None
     try:
+        # Where the nodes' Python imports from (the script's folder): refused
+        # when another user could plant code there (owned_file.py).
+        refuse_unless_owned(os.getcwd(), "the launch folder")
         lines = hostfile.read(args.hostfile)
-        job = planning.make(lines, args.script, args.args, args.master_port, args.master_addr)
+        job = planning.make(lines, args.script, args.args, args.master_port, args.master_addr,
+                            planning.new_job_id())      # the secret's salt: this job's own
         if args.launcher == "pdsh":
             raise UserError(PDSH_REFUSED)
         transport = TRANSPORTS.get(args.launcher)(args.ssh_opts)
         transport.check(lines)
+        if not transport.wraps:          # (over ssh, each node's wrapper checks its own)
+            refuse_unless_owned(os.path.expanduser(args.remote_dir), "--remote-dir")
         env = forwarded_env(args.env)
         if args.check:
             sys.exit(checking.run(job, lines, transport, args, env))
@@ -361,7 +367,7 @@ def main(argv=None):
             secret = Secret(args.job_secret_file)
             launch.env = {**env, job_secret.SECRET_VARIABLE: secret.text}
             launch.say(describe(job))
-            launch.say(f"{secret.where()}; see the job with: hetseq-status {job.url} "
+            launch.say(f"{secret.where()}; see the job with: hetseq-status {job.node_url} "
                        f"{secret.status_flag()}")
             launch.start()
             code = launch.run()

@@ -18,6 +18,7 @@ import threading
 import time
 
 from hetseq.launch.node import STARTED, exit_code
+from hetseq.logs import printable
 
 LINE_LIMIT = 1 << 16       # a longer line is cut (a node's output is not trusted to be sane)
 CHUNK = 1 << 16
@@ -82,7 +83,8 @@ class RunningNode:
             self.events.put(self)
 
     def _line(self, raw):
-        line = raw.decode("utf-8", "replace").rstrip("\r")
+        # (A node's words reach the user's terminal: no escape sequences.)
+        line = printable(raw.decode("utf-8", "replace").rstrip("\r"))
         if line.startswith(STARTED) and not self.outcome.reached:
             self.outcome.reached = True
             return

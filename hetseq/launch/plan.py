@@ -1,15 +1,17 @@
 """What each node of a hostfile runs: its ranks, its flags, where the job
-meets. Every node's command line is parsed here with the nodes' own parser
-(cli.parse) before anything starts, so a flag a node would refuse ends the
-launch at once, naming the host and the flag.
-
-Ranks in hostfile order: node i runs ``slots_i`` ranks from the sum of the
-slots before it; the job meets at the first host (``tcp://FIRST:PORT``).
-Under ``--elastic`` the meeting point hands ranks out, so a node gets only
-its ``--distributed-gpus`` and the URL.
+meets (``tcp://FIRST:PORT/JOB_ID``). Every node's command line is parsed
+here with the nodes' own parser (cli.parse) before anything starts, so a
+flag a node would refuse ends the launch at once, naming the host and flag.
 """
 
+# Ranks in hostfile order: node i runs ``slots_i`` ranks from the sum of the
+# slots before it; the job meets at the first host. Under ``--elastic`` the
+# meeting point hands ranks out, so a node gets only its --distributed-gpus
+# and the URL. The job id the launcher mints (``new_job_id``) ends the URL
+# every node is given: the secret's salt (store/job_secret.py).
+
 import dataclasses
+import secrets
 
 from hetseq import cli, config
 from hetseq.errors import UserError
@@ -43,9 +45,22 @@ class NodePlan:
 @dataclasses.dataclass(frozen=True)
 class JobPlan:
     nodes: tuple
-    url: str
+    url: str                  # the meeting point: tcp://FIRST:PORT
     elastic: bool
     world_size: int | None
+    job_id: str | None = None
+
+    @property
+    def node_url(self) -> str:
+        """The URL every node is given, and hetseq-status: the meeting point
+        and the job id."""
+        return self.url if self.job_id is None else f"{self.url}/{self.job_id}"
+
+
+def new_job_id() -> str:
+    """A job id no other job has: 128 random bits, so that no table of
+    stretched guesses made for another job's salt serves this one."""
+    return secrets.token_hex(16)
 
 
 def meeting_host(host):
@@ -53,13 +68,15 @@ def meeting_host(host):
     return host.rsplit("@", 1)[-1]
 
 
-def make(lines, script, train_args, port, master=None):
+def make(lines, script, train_args, port, master=None, job_id=None):
     """The JobPlan of ``lines`` (hostfile.HostLine) running ``script
     train_args``; ``master``: the meeting point's host (default: the first
-    line's)."""
+    line's); ``job_id``: what ends every node's URL (``new_job_id``; None:
+    nothing, and the port stands for it)."""
     train_args = [str(a) for a in train_args]
     host = master or meeting_host(lines[0].host)
-    url = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    meeting = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    url = meeting if job_id is None else f"{meeting}/{job_id}"
     parser, elastic, node_dests = _nodes_parser([*train_args, "--distributed-init-method", url])
     _refuse_owned(parser, train_args, "on the hetseq-launch line")
     world = None if elastic else sum(line.slots for line in lines)
@@ -79,7 +96,7 @@ def make(lines, script, train_args, port, master=None):
         label = line.host if seen[line.host] == 1 else f"{line.host}#{seen[line.host]}"
         nodes.append(NodePlan(label, line.host, line.slots, None if elastic else first, argv))
         first += line.slots
-    return JobPlan(tuple(nodes), url, elastic, world)
+    return JobPlan(tuple(nodes), meeting, elastic, world, job_id)
 
 
 def _nodes_parser(train_args):

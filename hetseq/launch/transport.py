@@ -21,9 +21,39 @@ SSH_DEFAULTS = ("-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10",
                 "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3")
 
 
+# ``python -m MODULE`` puts the working folder first on sys.path, so a
+# json.py that another user dropped in a shared launch folder would run as
+# you, with the job secret, before HetSeq's first line; so does an empty
+# PYTHONPATH entry (``export PYTHONPATH=$PYTHONPATH:/x`` with none set), and
+# an editable install from that folder. So before it imports anything, the
+# bootstrap judges the folder and every folder above it with the modules
+# Python loaded at start (os, sys) only: owned_file.others_can_change's rule
+# (yours or root's; nobody else may write it, nor a folder above it without
+# the sticky bit), then exit 2 in one line; and it drops '' (the folder) from
+# sys.path: 3.11's -P does that, but a node may run 3.10; -I would also drop
+# PYTHONPATH, which .hetseq_env may forward.
+BOOT = (
+    "import os, sys; c = os.getcwd(); p = c.split('/'); "
+    "s = [(d, os.stat(d)) for d in ['/'.join(p[:i]) or '/' for i in range(len(p), 0, -1)]]; "
+    "b = [(d, t) for d, t in s if t.st_uid not in (0, os.geteuid()) "
+    "or t.st_mode & 0o22 and (d == c or not t.st_mode & 0o1000)]; "
+    "b and (print(f'hetseq.launch.node: the launch folder {c} could be changed by another user "
+    "({b[0][0]}: mode {b[0][1].st_mode & 0o7777:o}, owner uid {b[0][1].st_uid}): whoever can "
+    "change it chooses the code the job runs, with its secret; run the job from a folder of "
+    "your own (mkdir -m 700 DIR; --remote-dir DIR)', file=sys.stderr), sys.exit(2)); "
+    "sys.path[:] = [x for x in sys.path if x]; import runpy; "
+    "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+
+
+def module_argv(module):
+    """Interpreter arguments that run ``module`` as ``-m`` would, without the
+    working folder on sys.path."""
+    return ["-c", BOOT, module]
+
+
 def node_command(python, argv):
     """The node wrapper's command line around ``argv``."""
-    return [python, "-m", "hetseq.launch.node", "--", python, *argv]
+    return [python, *module_argv("hetseq.launch.node"), "--", python, *argv]
 
 
 def remote_path(path):

@@ -1,10 +1,12 @@
-"""The authenticated channel to the job's store, for jobs with a secret:
-c10d's TCPStore lets anyone who reaches its port read and write every key,
-so with a secret each rank reaches the job's own store (store.py) only
-through a mutual HMAC handshake (the secret never travels) and sealed
-frames. Nothing read from the network is unpickled. The listener's side is
-gate.py; the secret's rules, job_secret.py. docs/security.md, "The handshake
-and the store's protocol".
+"""The sealed channel to the job's store, for jobs with a secret: c10d's
+TCPStore lets anyone who reaches its port read and write every key, so with
+a secret each rank reaches the job's own store (store.py) only through a
+mutual HMAC handshake (the secret never travels) and frames encrypted and
+authenticated with keys of that connection (cipher.py). Each end stretches
+the secret with the salt of its own job id, never with one the other end
+sends. Nothing read from the network is unpickled. The listener's side is
+gate.py; the secret's rules and salt, job_secret.py. docs/security.md, "The
+handshake and the store's protocol".
 """
 
 import hashlib
@@ -15,9 +17,12 @@ import struct
 import time
 
 from hetseq.errors import UserError
-from hetseq.store.job_secret import SALT
+from hetseq.store import cipher
+from hetseq.store.job_secret import job_words
 
-MAGIC = b"HETSEQ-SECRET-2\n"
+# Version 3: no salt in the greeting, frames encrypted. A node of version 2
+# meets it as "not a HetSeq job with a secret of this version".
+MAGIC = b"HETSEQ-SECRET-3\n"
 # The gate's answer when HANDSHAKES handshakes are already in progress: as
 # long as MAGIC, so that a client reads either with one recv. It costs the
 # gate no thread and no descriptor (sent, then closed at once).
@@ -81,8 +86,11 @@ class Full(Busy):
     secret, but no more connections are taken until one ends."""
 
 
-def _session_keys(key, ns, nc):
-    return _mac(key, b"c2s", ns, nc), _mac(key, b"s2c", ns, nc)
+def _session_seals(key, ns, nc):
+    """(client to server, server to client): each direction's cipher, keyed
+    from the stretched key and both nonces, so that every connection and
+    direction has keys of its own (cipher.Seal numbers frames from 0)."""
+    return cipher.Seal(_mac(key, b"c2s", ns, nc)), cipher.Seal(_mac(key, b"s2c", ns, nc))
 
 
 def _where_bytes(address):
@@ -101,18 +109,19 @@ def _stated(where):
 
 
 def handshake_as_client(sock, secret, deadline=None):
-    """(send key, receive key, (host, port) the gate says it listens on);
+    """(send seal, receive seal, (host, port) the gate says it listens on);
     raises Busy, Full, Refused or ConnectionError (socket.timeout past
     ``deadline``, a time.monotonic()). The key is ``secret`` stretched with
-    the salt the gate sends (job_secret.py): a node of another job (another
-    salt) fails here or at the identity check that follows."""
+    the salt of this node's own job id (job_secret.job_id): the gate sends
+    none, so a fake service cannot choose the salt of a table it made in
+    advance. A gate of another secret or job id answers NO."""
     greeting = _recv_exact(sock, len(MAGIC), deadline)
     if greeting == BUSY:
         raise Busy("it has too many connections waiting in the handshake")
     if greeting != MAGIC:
         raise Refused("the other side is not a HetSeq job with a secret of this version")
-    salt, ns = _recv_exact(sock, SALT, deadline), _recv_exact(sock, NONCE, deadline)
-    key, nc = secret.key(salt), secrets.token_bytes(NONCE)
+    ns = _recv_exact(sock, NONCE, deadline)
+    key, nc = secret.key(), secrets.token_bytes(NONCE)
     sock.sendall(nc + _mac(key, b"client", ns, nc))
     verdict = _recv_exact(sock, len(OK), deadline)
     if verdict == FULL:
@@ -124,40 +133,42 @@ def handshake_as_client(sock, secret, deadline=None):
         raise Full("it serves all the connections it takes (a member that opens "
                    "connections without closing them?)")
     if verdict != OK:
-        raise Refused("its secret differs from this node's")
+        raise Refused(f"its secret differs from this node's, or its job id does (this node "
+                      f"has {job_words(secret.job)})")
     where = _recv_exact(sock, _recv_exact(sock, 1, deadline)[0], deadline)
     if not hmac.compare_digest(_recv_exact(sock, TAG, deadline),
                                _mac(key, b"server", nc, ns, where)):
         raise Refused("it could not prove that it knows the secret (not the job you meant?)")
-    c2s, s2c = _session_keys(key, ns, nc)
+    c2s, s2c = _session_seals(key, ns, nc)
     return c2s, s2c, _stated(where)
 
 
 def handshake_as_server(sock, secret, deadline, where, room=None):
-    """(send key, receive key); raises Refused (Full when ``room()``, asked
+    """(send seal, receive seal); raises Refused (Full when ``room()``, asked
     once the client proved the secret, says no) or ConnectionError
     (socket.timeout past ``deadline``, a time.monotonic()). ``where``: the
     listening address this gate states, under its proof, so that a relay in
-    front of it shows (meeting_point._holder)."""
+    front of it shows (meeting_point._holder). The key is the gate's own
+    (``secret``'s job id): it never stretches anything a client sends."""
     ns, key = secrets.token_bytes(NONCE), secret.key()
-    sock.sendall(MAGIC + secret.salt + ns)
+    sock.sendall(MAGIC + ns)
     reply = _recv_exact(sock, NONCE + TAG, deadline)
     nc, proof = reply[:NONCE], reply[NONCE:]
     if not hmac.compare_digest(proof, _mac(key, b"client", ns, nc)):
         sock.sendall(NO)
-        raise Refused("wrong secret (or none)")
+        raise Refused("wrong secret or job id (or none)")
     if room is not None and not room():
         sock.sendall(FULL + _mac(key, b"full", nc, ns))
         raise Full("it knows the secret, but all the connections the gate takes are served")
     stated = _where_bytes(where)
     sock.sendall(OK + bytes([len(stated)]) + stated + _mac(key, b"server", nc, ns, stated))
-    c2s, s2c = _session_keys(key, ns, nc)
+    c2s, s2c = _session_seals(key, ns, nc)
     return s2c, c2s
 
 
 def connect_as_client(address, secret, patience_s=BUSY_WAIT_S):
     """A connection to the gate at ``address`` past the handshake: (socket,
-    send key, receive key, the address the gate states). A busy or full
+    send seal, receive seal, the address the gate states). A busy or full
     gate is asked again after a pause that doubles (PAUSES_S) until
     ``patience_s`` have passed, then Busy (Full) is raised; also Refused,
     or OSError (socket.timeout: no greeting within GREETING_S)."""
@@ -181,14 +192,18 @@ def connect_as_client(address, secret, patience_s=BUSY_WAIT_S):
         return sock, send_key, receive_key, stated
 
 
-def send_frame(sock, key, seq, data):
-    """Send ``data`` (at most CHUNK bytes) as frame ``seq``, sealed with ``key``."""
-    sock.sendall(struct.pack(">I", len(data)) + _mac(key, struct.pack(">Q", seq), data) + data)
+def send_frame(sock, seal, seq, data):
+    """Send ``data`` (at most CHUNK bytes) as frame ``seq``: its length, then
+    the data encrypted and authenticated with ``seal`` (a cipher.Seal),
+    length included."""
+    head = struct.pack(">I", len(data))
+    sock.sendall(head + seal.seal(seq, head, data))
 
 
-def receive_frame(sock, key, seq):
-    """Frame ``seq``'s data, or b"" at a clean end; raises Refused if forged.
-    Its length is checked (at most CHUNK) before anything is read into memory."""
+def receive_frame(sock, seal, seq):
+    """Frame ``seq``'s data, or b"" at a clean end; raises Refused if it was
+    forged, changed, replayed or reordered (it then fails to open). Its
+    length is checked (at most CHUNK) before anything is read into memory."""
     head = sock.recv(4, socket.MSG_WAITALL)
     if not head:
         return b""
@@ -197,8 +212,8 @@ def receive_frame(sock, key, seq):
     (length,) = struct.unpack(">I", head)
     if length == 0 or length > CHUNK:
         raise Refused(f"frame of {length} bytes")
-    tag, data = _recv_exact(sock, TAG), _recv_exact(sock, length)
-    if not hmac.compare_digest(tag, _mac(key, struct.pack(">Q", seq), data)):
+    data = seal.open(seq, head, _recv_exact(sock, length + cipher.TAG))
+    if data is None:
         raise Refused("a frame failed authentication")
     return data
 
@@ -228,7 +243,10 @@ def check(address, secret, url, patience_s=BUSY_WAIT_S):
                         "job's nodes reach the port (a firewall)") from None
     except Refused as err:
         raise UserError(f"the job at {url} refused this node: {err}. Every node of a job needs "
-                        "the same secret (HETSEQ_JOB_SECRET or --job-secret-file)") from None
+                        "the same secret (HETSEQ_JOB_SECRET or --job-secret-file) and the same "
+                        "job id: the /JOB_ID that ends the URL hetseq-launch prints "
+                        "(tcp://HOST:PORT/JOB_ID), or none, and then the same port, on every "
+                        "node") from None
     except ConnectionRefusedError:
         raise                   # nothing listens at that port: the caller says what it means
     except ConnectionError:

@@ -1,5 +1,6 @@
 """The job's key-value store for jobs with a secret, served only through the
-authenticated channel (channel.py): c10d's TCPStore has no authentication,
+sealed channel (channel.py: encrypted and authenticated): c10d's TCPStore
+has no authentication,
 and a loopback port cannot be kept from other local users without root, so
 with a secret no TCPStore runs at all. Both stores are torch Stores with
 c10d's semantics and timeouts. torch holds only a Python store's C++ half:
@@ -65,7 +66,7 @@ def serve_connection(table):
     """The handler the gate calls, in a thread of its own, for each connection
     that passed the handshake: answers requests on ``table`` until the client
     closes. A request that breaks the protocol closes only its connection."""
-    def handle(sock, send_key, receive_key, where):
+    def handle(sock, send_key, receive_key, where):    # (keys: channel's cipher.Seals)
         _tune(sock)
         send_seq = receive_seq = 0
         try:
