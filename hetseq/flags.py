@@ -11,6 +11,7 @@ command-line flags (a hostfile's keys).
 """
 
 import argparse
+import math
 import difflib
 
 CUTOFF = 0.7
@@ -27,6 +28,17 @@ class _Probe(Exception):
     """An error while the parser looks again for unknown flags."""
 
 
+def finite_float(text):
+    """A number flag's value: a float that is finite (``nan``, ``inf`` refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with a misspelt flag answered in one line by the nearest
     flag it knows (Python 3.11's argparse prints the whole usage instead,
@@ -38,6 +50,9 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, allow_abbrev=False, **kwargs):
         super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
         self._probing = False
+        # Every type=float flag, in this parser and its groups: nan or inf
+        # would pass every range check below it (nan compares false).
+        self.register("type", float, finite_float)
 
     def parse_known_args(self, args=None, namespace=None):
         self._words = args

@@ -8,6 +8,7 @@ the node's').
 """
 
 import argparse
+import math
 import dataclasses
 
 _FLAG = "hetseq.flag"
@@ -92,9 +93,12 @@ def given_flags(args, defaults, dests):
 def float_list(text):
     """'0.1,0.05' (or '[0.1, 0.05]') -> [0.1, 0.05]."""
     try:
-        return [float(part) for part in str(text).strip("()[]").split(",") if part.strip()]
+        values = [float(part) for part in str(text).strip("()[]").split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got '{text}'")
+    if not all(math.isfinite(v) for v in values):
+        raise argparse.ArgumentTypeError(f"expected finite numbers, got '{text}'")
+    return values
 
 
 def int_list(text):

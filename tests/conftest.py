@@ -2,6 +2,7 @@ import datetime
 import importlib
 import io
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -9,8 +10,24 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
-import torch
+# One thread for every BLAS and OpenMP pool of a worker, set before numpy or
+# torch loads one: three workers share two cores, and OpenBLAS's idle
+# threads spin (Triton's interpreter computes tl.dot in numpy: a kernel
+# test took 23% less CPU with one thread, its time the same). Children get
+# the same through child_env. (threadpoolctl below, for a pool that a
+# plugin loaded before this file.)
+for _pool in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+              "TORCHINDUCTOR_COMPILE_THREADS"):     # (inductor: no pool of compile processes)
+    os.environ.setdefault(_pool, "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+try:
+    import threadpoolctl
+    threadpoolctl.threadpool_limits(1)
+except ImportError:            # (scikit-learn, a [test] extra, brings it)
+    pass
 
 # Without a GPU, HetSeq's Triton kernels (hetseq/kernels/) run in Triton's
 # interpreter on CPU tensors. Set before any kernel is defined: triton.jit
@@ -55,6 +72,9 @@ def pytest_sessionfinish(session, exitstatus):
     once, by the process that runs the session, not by each xdist worker)."""
     if "zygote" in _SESSION:
         _SESSION.pop("zygote").close()
+    shutil.rmtree(RUN_DIR, ignore_errors=True)
+    if _OWN_REFERENCES:
+        shutil.rmtree(REFERENCES, ignore_errors=True)
     if not SUITE_LIMIT_S or hasattr(session.config, "workerinput") or "start" not in _SESSION:
         return
     took = time.monotonic() - _SESSION["start"]
@@ -155,6 +175,18 @@ def run_train(*args, env=None, timeout=180):
                           text=True, timeout=timeout)
 
 
+def run_python(argv, env=None, timeout=None, cwd=None):
+    """``python`` with ``argv``, waited for (subprocess.run's capture_output
+    and text): forked from this worker's zygote when it serves ``env``
+    (None: this environment), else started anew."""
+    env = os.environ if env is None else env
+    if _forks(env):
+        from machinery.zygote import run
+        return run(zygote(), list(map(str, argv)), cwd or os.getcwd(), env, timeout)
+    return subprocess.run([sys.executable, *map(str, argv)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def run_nodes(commands, envs=None, timeout=180):
     """Start one train.py per entry of ``commands`` at once (each a 'node'); wait for all."""
     envs = envs or [None] * len(commands)
@@ -208,17 +240,25 @@ def start_nodes(commands, cluster=None, on=None, env=None):
     return procs
 
 
-def _children(pid):
+def children_of(pid):
     found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(child) for child in found.split()]
 
 
 def ranks_of(pid):
     """The rank processes a train.py process ``pid`` started: CPU ranks are
-    children of its fork server (launch.start_method)."""
-    servers = [child for child in _children(pid)
-               if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes()]
-    return [rank for server in servers for rank in _children(server)]
+    forked from it (they have its command line) or from its fork server
+    (launch.start_method)."""
+    def command_line(process):
+        return Path(f"/proc/{process}/cmdline").read_bytes()
+    own, ranks = command_line(pid), []
+    for child in children_of(pid):
+        line = command_line(child)
+        if line == own:
+            ranks.append(child)
+        elif b"forkserver" in line:
+            ranks.extend(children_of(child))
+    return ranks
 
 
 UPDATE_LINE = r"\| epoch \d+ \| update \d+"     # rank 0's plain log line after an update
@@ -245,8 +285,9 @@ def final_params(save_dir):
 
 
 def start_ranks(worker, nprocs, *args):
-    """Run ``worker(rank, *args)`` in ``nprocs`` processes and wait for them:
-    forked from a fork server that imported torch once (launch.start_method)."""
+    """Run ``worker(rank, *args)`` in ``nprocs`` processes and wait for them,
+    started as launch.start_method says (from a fork server that imported
+    torch once: a test worker has threads)."""
     from hetseq.distributed.launch import start_ranks as start
     start(worker, args, nprocs, "cpu", "hetseq.run.loop")
 
@@ -310,16 +351,40 @@ EXACT_SGD = [*TOY, "--optimizer", "sgd", "--lr", "0.2", "--lr-scheduler", "fixed
              "0", "--disable-validation", "--toy-size", "100"]
 EXACT = 1e-10       # float64: only the order of sums differs (docs/testing.md)
 _ALONE = {}
+# References shared by the session's workers (the folder is made by the
+# process that imports this first, the one that runs the session, and
+# inherited by its xdist workers): each trained once, not once per worker.
+# Removed at the end by the process that made it (a worker inherits it).
+_OWN_REFERENCES = "HETSEQ_TEST_REFERENCES" not in os.environ
+if _OWN_REFERENCES:
+    os.environ["HETSEQ_TEST_REFERENCES"] = tempfile.mkdtemp(prefix="hetseq-references-")
+REFERENCES = Path(os.environ["HETSEQ_TEST_REFERENCES"])
 
 
 def alone(*argv):
     """The Controller state of one process trained with ``argv`` (nothing
-    saved), trained once per distinct argv: the single-process reference."""
-    from machinery.jobs import run_alone
+    saved), trained once per distinct argv in the session (the first worker
+    to ask trains it; the others wait for its file): the single-process
+    reference."""
     key = tuple(map(str, argv))
     if key not in _ALONE:
-        _ALONE[key] = run_alone([*key, "--no-save"])
+        _ALONE[key] = _shared_reference(key)
     return _ALONE[key]
+
+
+def _shared_reference(key):
+    import fcntl
+    import hashlib
+    from machinery.jobs import run_alone
+    path = REFERENCES / hashlib.sha256("\0".join(key).encode()).hexdigest()
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)       # released when closed
+        if path.exists():
+            return torch.load(path, weights_only=False)
+        state = run_alone([*key, "--no-save"])
+        torch.save(state, path.with_suffix(".partial"))
+        os.replace(path.with_suffix(".partial"), path)
+        return state
 
 
 MNIST = ["--task", "mnist", "--user-dir", ROOT / "examples" / "mnist"]
@@ -362,3 +427,17 @@ def shared_hosts():
     """Two namespace hosts shared by a module's tests that leave them intact."""
     with _cluster() as cluster:
         yield cluster
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB filesystem (root: tmpfs)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    require(done.returncode == 0, f"cannot mount a small tmpfs (needs root): "
+                                  f"{done.stderr.strip()}")
+    yield mount
+    # Lazily: a failing test may leave a file open on it.
+    subprocess.run(["umount", "--lazy", str(mount)], check=True)

@@ -17,6 +17,8 @@ import time
 import types
 
 import pytest
+
+from machinery.relay import relay
 import torch
 
 from hetseq.distributed import collectives, meeting_point
@@ -250,7 +252,8 @@ def test_a_flood_of_idle_connections_neither_stops_the_job_nor_shuts_its_door():
         sampler.join(timeout=channel.HANDSHAKE_S + 5)
         assert max(peak) <= before + HELD, (before, max(peak))
         # The flood is still held: a member with the secret gets in.
-        member = meeting_point.join_meeting_point(("127.0.0.1", port), key(), 10)
+        member = meeting_point.join_meeting_point(
+            ("127.0.0.1", port), key().for_url(f"tcp://127.0.0.1:{port}"), 10)
         member.set("test/member", "in")
         assert member.get("test/member") == b"in"
         assert "Too many open files" not in rank0.output(), rank0.output()[-3000:]
@@ -307,38 +310,6 @@ def test_a_taken_port_is_an_error_unless_a_node_of_this_job_holds_it(monkeypatch
         pytest.fail(f"a second node of this job on this host was refused the port a node of "
                     f"the same job holds, instead of taking another: {err}")
     assert second not in (port, 0)                           # this job's second node here
-
-
-def relay(listen_port, target_port):
-    """A plain TCP forwarder on 127.0.0.1:listen_port to target_port (a
-    squatter on a job's meeting point); returns its listener (close it)."""
-    listener = socket.create_server(("127.0.0.1", listen_port))
-
-    def pump(src, dst):
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (src, dst):
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def forward():
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", target_port), timeout=5)
-            upstream.settimeout(None)
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=pump, args=(a, b), daemon=True).start()
-    threading.Thread(target=forward, daemon=True).start()
-    return listener
 
 
 def test_a_relay_squatting_on_the_meeting_point_is_refused():
@@ -417,10 +388,9 @@ def proof_then_reset(port, secret):
     """A client that proves the secret and resets the connection (SO_LINGER
     0) before the gate answers: the place it was given must come back."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        greeting = channel._recv_exact(sock, len(channel.MAGIC) + channel.SALT + channel.NONCE)
-        salt, ns = greeting[len(channel.MAGIC):-channel.NONCE], greeting[-channel.NONCE:]
+        ns = channel._recv_exact(sock, len(channel.MAGIC) + channel.NONCE)[-channel.NONCE:]
         nc = os.urandom(channel.NONCE)
-        sock.sendall(nc + channel._mac(secret.key(salt), b"client", ns, nc))
+        sock.sendall(nc + channel._mac(secret.key(), b"client", ns, nc))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
@@ -439,13 +409,13 @@ def answered(verdict):
     """What a client makes of a gate (one that knows the secret) whose
     answer after the proof is ``verdict(key, nc, ns)``."""
     client, server = socket.socketpair()
-    secret, salt, ns = key(), os.urandom(channel.SALT), os.urandom(channel.NONCE)
-    server.sendall(channel.MAGIC + salt + ns)
+    secret, ns = key(), os.urandom(channel.NONCE)
+    server.sendall(channel.MAGIC + ns)
     outcome = {}
 
     def gate():
         nc = channel._recv_exact(server, channel.NONCE + channel.TAG)[:channel.NONCE]
-        server.sendall(verdict(secret.key(salt), nc, ns))
+        server.sendall(verdict(secret.key(), nc, ns))
     thread = threading.Thread(target=gate)
     thread.start()
     try:

@@ -390,8 +390,11 @@ def test_a_heterogeneous_job_over_ssh_equals_one_process_and_never_shows_its_sec
     path = secret_path(job)
     secret = open(path).read().strip()
     job.wait_for(r"hostA: .*\| update 2/7", timeout=120)
-    seen = cluster.run(1, [sys.executable, "-m", "hetseq.reporting.status", "tcp://hostA:29500",
-                           "--json", "--job-secret-file", path], timeout=60)
+    # (With the job id the launcher minted: the secret's salt.)
+    job_id = re.search(r"hetseq-status tcp://\S+:29500/(\S+)", job.output()).group(1)
+    seen = cluster.run(1, [sys.executable, "-m", "hetseq.reporting.status",
+                           f"tcp://hostA:29500/{job_id}", "--json", "--job-secret-file", path],
+                       timeout=60)
     in_command_lines = processes_with(secret)
     seen_it.touch()
     code, out = job.finish(180)
@@ -430,8 +433,10 @@ def test_ctrl_c_stops_every_node_and_an_elastic_job_goes_on_without_a_host_that_
     # Any member's address shows the job: host B's store points to the leader's.
     cluster, _ = ssh_hosts
     # (The installed command: it must import without the package's cycle.)
+    # (With the job id the launcher minted: the secret's salt.)
+    job_id = re.search(r"hetseq-status tcp://\S+:29500/(\S+)", job.output()).group(1)
     seen = cluster.run(2, [os.path.join(os.path.dirname(sys.executable), "hetseq-status"),
-                           "tcp://hostB:29500", "--job-secret-file", secret_path(job)],
+                           f"tcp://hostB:29500/{job_id}", "--job-secret-file", secret_path(job)],
                        timeout=60)
     assert seen.returncode == 0, seen.stderr
     # The time left: 'measuring' before a rate (the board may still show

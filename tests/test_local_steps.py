@@ -355,14 +355,16 @@ def test_a_rank_stopping_on_its_own_error_lets_the_round_it_sent_complete(caplog
     controller.exchange.pending = sent
     threading.Timer(1.0, sent.set_result, [["the sum"]]).start()   # the peers' half, late
     with pytest.raises(UserError, match="data ends"):
-        Run.train(types.SimpleNamespace(_train=data_ends, controller=controller))
+        Run.train(types.SimpleNamespace(_train=data_ends, controller=controller,
+                                        report=types.SimpleNamespace(close=lambda: None)))
     assert sent.done(), "the rank exited with its round in flight"
     caplog.set_level("INFO", logger="hetseq")
     lost = Future()
     lost.set_exception(RuntimeError("Connection closed by peer"))
     controller.exchange.pending = lost
     with pytest.raises(UserError, match="data ends"):
-        Run.train(types.SimpleNamespace(_train=data_ends, controller=controller))
+        Run.train(types.SimpleNamespace(_train=data_ends, controller=controller,
+                                        report=types.SimpleNamespace(close=lambda: None)))
     assert "did not complete before this rank stopped (Connection closed" in caplog.text
 
 

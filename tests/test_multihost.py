@@ -53,7 +53,9 @@ def test_file_rendezvous_one_plus_two_processes_match_one_process(shared_hosts, 
 
 
 def test_cut_link_both_sides_name_the_lost_rank_and_its_host(hosts):
-    timeout = 10
+    # The same timeout bounds the meeting: under a loaded CI host B's rank
+    # once arrived 11 s after host A's (10 s here failed the start, not the cut).
+    timeout = 20
     nodes = [Watched(proc) for proc in start(
         hosts, [(0, 2, 8), (1, 1, 8)], f"tcp://hostA:{next_port()}", *TOY, "--max-update", 10**6,
         "--no-save", "--disable-validation", "--toy-slow-rank", 0, "--toy-slow-ms", 2,

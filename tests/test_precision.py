@@ -31,8 +31,10 @@ def mnist_losses(data, save_dir, *extra):
 
 
 def test_bf16_trains_close_to_fp32_with_fp32_master_weights(mnist_data, tmp_path):
+    """Under --zero 3 (FSDP's mixed precision; bf16 under DDP's autocast is
+    test_parity.py's: bf16 is emulated on an AVX2 CPU, 12x fp32's cost)."""
     fp32 = mnist_losses(mnist_data, tmp_path / "fp32")
-    for zero in ("0", "3"):
+    for zero in ("3",):
         bf16 = mnist_losses(mnist_data, tmp_path / f"bf16-{zero}", "--bf16", "--zero", zero)
         assert len(fp32) == len(bf16) == 8
         assert fp32 != bf16                       # autocast did run in bfloat16

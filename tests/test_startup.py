@@ -1,14 +1,18 @@
 """Start-up through every supported path, as separate commands acting as nodes."""
 
+import os
+import re
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import (ROOT, TOY, assert_ok, child_env, free_port, node_commands, run_nodes,
-                      run_train, train_cmd)
+from conftest import (ROOT, TOY, UPDATE_LINE, Watched, assert_ok, child_env, children_of,
+                      free_port, node_commands, ranks_of, run_nodes, run_train, start_nodes,
+                      train_cmd)
 
 # A short run of the toy task; each command is one "node" with one process.
 RUN = [*TOY, "--max-update", 3, "--max-sentences", 8, "--disable-validation", "--no-save"]
@@ -34,16 +38,74 @@ def test_single_node_spawn_picks_its_own_port():
     assert "joined the job at tcp://127.0.0.1:" in result.stderr
 
 
-def test_cpu_ranks_fork_from_a_preloaded_server_and_cuda_ranks_are_spawned():
-    """A CPU node's ranks fork from a server that imported torch once; CUDA
-    ranks are spawned, since a fork after an import touched the driver
+def test_cpu_ranks_fork_from_the_command_or_a_preloaded_server_and_cuda_ranks_are_spawned():
+    """CPU ranks fork from the command while it has one thread, after it
+    imported what each rank would; with a second thread (one that could
+    hold a lock the copy inherits) from a server that imported torch once.
+    CUDA ranks are spawned, since a fork after an import touched the driver
     could not use the GPU (launch.start_method)."""
-    from multiprocessing import forkserver
-    from hetseq.distributed.launch import start_method
-    assert start_method("cuda", "hetseq.run.loop") == "spawn"
-    assert start_method("cpu", "hetseq.run.loop") == "forkserver"
-    preload = forkserver._forkserver._preload_modules
-    assert {"torch", "hetseq.run.loop"} <= set(preload), preload
+    probe = ("import sys, threading\n"
+             "from multiprocessing import forkserver\n"
+             "from hetseq.distributed.launch import start_method\n"
+             "print(start_method('cpu', 'hetseq.run.loop'), 'hetseq.run.loop' in sys.modules)\n"
+             "threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
+             "print(start_method('cpu', 'hetseq.run.loop'))\n"
+             "print(*forkserver._forkserver._preload_modules)\n"
+             "print(start_method('cuda', 'hetseq.run.loop'))\n")
+    done = subprocess.run([sys.executable, "-c", probe], env=child_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[:2] == ["fork True", "forkserver"], done.stdout
+    assert {"torch", "torch._dynamo", "hetseq.run.loop"} <= set(lines[2].split()), lines[2]
+    assert lines[3] == "spawn", done.stdout
+
+
+def listening_inodes(port):
+    """The socket inodes listening on 127.0.0.1:``port`` (/proc/net/tcp)."""
+    rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    return {row[9] for row in rows if row[1] == f"0100007F:{port:04X}" and row[3] == "0A"}
+
+
+def sockets_of(pid):
+    links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    return {link[len("socket:["):-1] for link in links if link.startswith("socket:[")}
+
+
+@pytest.mark.parametrize("meeting", ["file", "its own store"])
+def test_a_nodes_cpu_ranks_are_its_own_children(tmp_path, meeting):
+    """Forked from the command (one thread under OMP_NUM_THREADS=1; the store
+    a single node serves starts serving after they started): no fork server
+    imports torch again. A forked rank does not keep the store's listener."""
+    url = f"file://{tmp_path / 'meet'}" if meeting == "file" else None
+    command = (node_commands([*RUN, "--max-update", 10**6], [(2, [])], url)[0] if url else
+               [*RUN, "--max-update", 10**6, "--distributed-world-size", 2])
+    proc = start_nodes([command])[0]
+    watched = Watched(proc)
+    try:
+        watched.wait_for(UPDATE_LINE)
+        children = [Path(f"/proc/{child}/cmdline").read_bytes()
+                    for child in children_of(proc.pid)]
+        ranks = ranks_of(proc.pid)
+        if url is None:
+            port = int(re.search(r"joined the job at tcp://127\.0\.0\.1:(\d+)",
+                                 "\n".join(watched.lines)).group(1))
+            listener = listening_inodes(port)
+            assert listener and listener <= sockets_of(proc.pid), (port, listener)
+            assert not any(listener & sockets_of(rank) for rank in ranks)
+    finally:
+        proc.kill()
+        watched.finish(30)
+    assert len(ranks) == 2 and not any(b"forkserver" in line for line in children), children
+
+
+def test_a_node_with_threads_starts_its_ranks_from_a_fork_server():
+    """A node with two threads (OpenMP's, started at torch's import) that
+    serves its own store trains too: its ranks come from a fork server
+    (start_method's test above), and the store serves after they started."""
+    result = run_train(*RUN, "--distributed-world-size", 2, env={"OMP_NUM_THREADS": "2"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "finished its part: ranks 0-1" in result.stderr, result.stderr[-3000:]
 
 
 def test_rank_from_intel_mpis_environment():

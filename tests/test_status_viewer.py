@@ -21,7 +21,7 @@ from hetseq.errors import UserError
 from hetseq.reporting import status
 from hetseq.store import job_secret, store as job_store
 
-from conftest import child_env
+from conftest import child_env, run_python
 
 VIEWER = [sys.executable, "-m", "hetseq.reporting.status"]
 
@@ -70,7 +70,7 @@ def viewer_run(argv, **options):
     """The viewer's run; one that outlives ``timeout`` fails the test (a hang
     is the broken promise, not an error of the test)."""
     try:
-        return subprocess.run([*VIEWER, *argv], capture_output=True, text=True, **options)
+        return run_python([*VIEWER[1:], *argv], **options)
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"hetseq-status {' '.join(argv)} still ran after {err.timeout} s")
 
@@ -132,8 +132,7 @@ def test_a_peer_that_keeps_going_silent_ends_the_watch():
 
 
 def test_the_timeout_flag_is_checked():
-    result = subprocess.run([*VIEWER, "tcp://127.0.0.1:1", "--timeout", "0"], env=child_env(),
-                            capture_output=True, text=True, timeout=60)
+    result = viewer_run(["tcp://127.0.0.1:1", "--timeout", "0"], env=child_env(), timeout=60)
     assert result.returncode == 2 and "'0': expected seconds from 1 to 3600" in result.stderr
 
 
@@ -172,23 +171,65 @@ def test_any_value_in_the_store_gives_a_status_or_one_line(case):
 
 
 def test_a_job_with_a_secret_is_read_through_its_gate():
-    """The same worker thread and deadline on the gate's path."""
+    """The same worker thread and deadline on the gate's path; the job id
+    comes with the URL, as hetseq-launch prints it: without it the viewer
+    is refused like a node of another job, and told both causes."""
     secret = "c41e9a07d3b25f68e1a4c7093bd2f5e6"
     listener = socket.create_server(("127.0.0.1", 0))
-    served = job_store.serve(listener, job_secret.read_secret(None, {job_secret.SECRET_VARIABLE: secret}))
+    port = listener.getsockname()[1]
+    url = f"tcp://127.0.0.1:{port}/5be0c2d94e1f"
+    served = job_store.serve(listener, job_secret.read_secret(
+        None, {job_secret.SECRET_VARIABLE: secret}, url))
     served.set(status.KEY, status_value([8, 24]))
-    url = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    invited = child_env({job_secret.SECRET_VARIABLE: secret})
     try:
-        seen = subprocess.run([*VIEWER, url, "--json"], capture_output=True, text=True,
-                              env=child_env({job_secret.SECRET_VARIABLE: secret}), timeout=60)
-        refused = subprocess.run([*VIEWER, url], env=child_env(), capture_output=True,
-                                 text=True, timeout=60)
+        seen = viewer_run([url, "--json"], env=invited, timeout=60)
+        no_id = viewer_run([f"tcp://127.0.0.1:{port}"], env=invited, timeout=60)
+        refused = viewer_run([url], env=child_env(), timeout=60)
     finally:
         listener.close()
     assert seen.returncode == 0, seen.stderr
     assert [r["batch"] for r in json.loads(seen.stdout)["ranks"]] == [8, 24]
+    assert no_id.returncode == 2 and "its secret differs from this node's, or its job id " \
+        "does" in no_id.stderr and "tcp://HOST:PORT/JOB_ID" in no_id.stderr, no_id.stderr
+    no_traceback(no_id)
     assert refused.returncode == 2 and "has a job secret" in refused.stderr, refused.stderr
     no_traceback(refused)
+
+
+class Member(job_store.LocalStore):
+    """A member's store as the viewer holds it: closed once it moved on."""
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_viewer_follows_the_leader_with_the_job_id_it_was_given():
+    """Under --elastic any member's address shows the job: the viewer
+    follows e/leader, an address only, and passes the leader's gate with the
+    key of the job id in the URL it was given; a leader at that same
+    address is the store it holds already."""
+    secret = job_secret.read_secret(None, {job_secret.SECRET_VARIABLE:
+                                           "c41e9a07d3b25f68e1a4c7093bd2f5e6"},
+                                    "tcp://127.0.0.1:9/7a0f3e")
+    listener = socket.create_server(("127.0.0.1", 0))
+    leader_port = listener.getsockname()[1]
+    leader = job_store.serve(listener, secret)
+    leader.set(status.KEY, "the leader's")
+    member = Member()
+    member.set("e/leader", json.dumps({"addr": "127.0.0.1", "port": leader_port}))
+    try:
+        there, url = status.leader_store(member, "tcp://127.0.0.1:9/7a0f3e", secret)
+        assert url == f"tcp://127.0.0.1:{leader_port}" and there.get(status.KEY) == \
+            b"the leader's"
+        there.close()
+        assert member.closed
+        here = f"tcp://127.0.0.1:{leader_port}/7a0f3e"
+        member.closed = False
+        assert status.leader_store(member, here, secret) == (member, here) and not member.closed
+    finally:
+        listener.close()
 
 
 NASTY = [0, -1, 1, 2.5, 1e308, -1e308, 10**400, -10**400, 10**15, 1e15 + 1, math.nan,

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from hetseq.randomness import KeyedBatch, sample_keys
+from hetseq.state import ANYTHING, Count, Fields
 
 
 def split_sizes(total, weights):
@@ -220,6 +221,15 @@ class GlobalBatchIterator:
     def state_dict(self):
         return {"epoch": self.epoch, "samples_in_epoch": self.samples_in_epoch,
                 "global_batch_size": self.batches.global_batch_size}
+
+    def state_kind(self):
+        """What a checkpoint's data position must be here (hetseq/state.py):
+        an epoch from 1, and the samples of it done, at most this dataset's
+        (before HetSeq 0.2: global batches done)."""
+        return Fields({"epoch": Count(1)},
+                      {"samples_in_epoch": Count(0, self.batches.dataset_size),
+                       "iterations_in_epoch": Count(), "global_batch_size": Count(1)},
+                      extra=ANYTHING, one_of=("samples_in_epoch", "iterations_in_epoch"))
 
     def load_state_dict(self, state):
         """Continue at the saved sample, whatever the global batch is now.

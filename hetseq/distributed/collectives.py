@@ -4,7 +4,9 @@ What travels is ``torch.save`` bytes in a uint8 tensor, read back with
 ``torch.load(weights_only=True)``: PyTorch's restricted loader builds only
 tensors, numbers, strings and containers of them, so a peer (or anyone who
 got between the peers) cannot make this process run code, as unpickling
-``all_gather_object``'s payload could. Values are therefore plain data:
+``all_gather_object``'s payload could; and only an archive of stored
+records, as torch.save writes (safe_load.py), so that what a peer makes
+this process allocate is bounded by the bytes it sends. Values are therefore plain data:
 dicts, lists, tuples, numbers, strings, None and tensors.
 """
 
@@ -13,6 +15,7 @@ import io
 import torch
 import torch.distributed as dist
 
+from hetseq import safe_load
 from hetseq.errors import PeerLost, UserError
 
 # The largest object a peer may announce: room for a whole checkpoint of the
@@ -28,9 +31,17 @@ def _encode(obj):
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
-def _decode(tensor):
-    return torch.load(io.BytesIO(tensor.cpu().numpy().tobytes()), map_location="cpu",
-                      weights_only=True)
+def _decode(tensor, rank=None):
+    """A peer's ``torch.save`` bytes as the object. Only an archive of
+    stored records (safe_load.py): torch.load would inflate a compressed
+    record past MAX_OBJECT_BYTES, which bounds the bytes sent."""
+    try:
+        return safe_load.load(tensor.cpu().numpy().tobytes())
+    except safe_load.Unsafe as err:
+        who = "a peer" if rank is None else f"rank {rank}"
+        raise PeerLost(f"{who} sent an object that is not what torch.save writes ({err}): "
+                       "a rank of another version, or corrupted traffic; restart the job with "
+                       "the same HetSeq everywhere") from None
 
 
 def wire_device(ctx):
@@ -70,7 +81,7 @@ def all_gather_object(obj, ctx, group=None):
     padded, sizes = _padded(obj, ctx, group)
     out = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(out, padded, group=group)
-    return [_decode(chunk[:size]) for chunk, size in zip(out, sizes)]
+    return [_decode(chunk[:size], rank) for rank, (chunk, size) in enumerate(zip(out, sizes))]
 
 
 def gather_to_main(obj, ctx):
@@ -82,7 +93,7 @@ def gather_to_main(obj, ctx):
     dist.gather(padded, out, dst=0)
     if not ctx.is_main:
         return None
-    return [_decode(chunk[:size]) for chunk, size in zip(out, sizes)]
+    return [_decode(chunk[:size], rank) for rank, (chunk, size) in enumerate(zip(out, sizes))]
 
 
 def broadcast_from(source, make, ctx, group=None):
@@ -105,7 +116,7 @@ def broadcast_from(source, make, ctx, group=None):
     data = data.to(device) if data is not None else \
         torch.empty(size, dtype=torch.uint8, device=device)
     dist.broadcast(data, src=source, group=group)
-    status, value = _decode(data)
+    status, value = _decode(data, source)
     if status == "error":
         raise UserError(value)
     return value

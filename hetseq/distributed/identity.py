@@ -12,6 +12,9 @@ import json
 import time
 
 from hetseq.errors import UserError
+from hetseq.logs import printable
+
+MAX_SHOWN = 256          # characters of a peer's words in a refusal
 
 
 CODE = {"hetseq_code": "HetSeq's code (install the same version on every node)",
@@ -38,7 +41,7 @@ def present(store, identity, rank, url, who, deadline):
     mine = json.dumps(identity, sort_keys=True)
     name = f"rank {rank}" if isinstance(rank, int) else rank   # "this node": --elastic
     if rank == 0:
-        held = store.compare_set("hetseq/job", "", mine).decode()
+        held = store.compare_set("hetseq/job", "", mine).decode("utf-8", "replace")
         if held == mine:
             store.compare_set("hetseq/job-by", "", who)
             return
@@ -48,12 +51,21 @@ def present(store, identity, rank, url, who, deadline):
                 raise UserError(f"{name} waited at {url} for rank 0, which defines the job, "
                                 "until --distributed-timeout: start it, or check the address")
             time.sleep(0.05)
-        held = store.get("hetseq/job").decode()
+        held = store.get("hetseq/job").decode("utf-8", "replace")
         if held == mine:
             return
-    founder = store.get("hetseq/job-by").decode() if store.check(["hetseq/job-by"]) else "?"
+    # What the store holds was written by a peer: shown only printable (no
+    # terminal escapes) and bounded, and read as whatever shape it has.
+    founder = store.get("hetseq/job-by").decode("utf-8", "replace") \
+        if store.check(["hetseq/job-by"]) else "?"
+    try:
+        theirs = json.loads(held)
+    except (ValueError, RecursionError):      # (a peer's bytes: any nesting)
+        theirs = None
+    differ = (differences(identity, theirs) if isinstance(theirs, dict)
+              else "the job's identity there is of another form (another HetSeq version?)")
     raise UserError(
-        f"{name} refused by the job at {url} (started by {founder}): its flags differ: "
-        f"{differences(identity, json.loads(held))}. Start every node with the same flags "
+        f"{name} refused by the job at {url} (started by {printable(founder[:MAX_SHOWN])}): "
+        f"its flags differ: {printable(differ[:4 * MAX_SHOWN])}. Start every node with the same flags "
         "(only those listed in the README as per-node may differ), or use another "
         "--distributed-init-method for another job")

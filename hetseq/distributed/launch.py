@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import importlib
 import logging
 import multiprocessing
 import os
@@ -79,14 +80,16 @@ def launch(node, backend, worker, *worker_args, identity=None, board=None, topol
     Returns the worker's result when it ran in this process (one local rank).
     """
     # A bad one: exit 2 before spawning.
-    secret = job_secret.read_secret(node.launch.job_secret_file, identity=identity)
+    secret = job_secret.read_secret(node.launch.job_secret_file,
+                                    url=node.launch.distributed_init_method)
     topology = topology or node_topology(node, backend)
     if topology.nprocs == 1:
         return _run_rank(0, topology, node, identity, worker, worker_args, board)
-    with _hosted_store(topology, secret) as topology:
+    with _hosted_store(topology, secret) as (topology, serve, listener):
         try:
             start_ranks(_spawned_rank, (topology, node, identity, worker, worker_args, board),
-                        topology.nprocs, topology.device_type, worker.__module__)
+                        topology.nprocs, topology.device_type, worker.__module__,
+                        then=serve, not_inherited=listener)
         except mp.ProcessExitedException as err:
             raise _exited(topology.first_rank + err.error_index, err) from None
         except mp.ProcessRaisedException as err:
@@ -95,23 +98,40 @@ def launch(node, backend, worker, *worker_args, identity=None, board=None, topol
 
 
 # What every rank imports before it trains (torch.optim's first param group
-# imports torch._dynamo; --zero 3 needs FSDP), and the fork server's quick
-# end once the command that started it has ended (quick_exit.py).
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed.fsdp", "hetseq.distributed.quick_exit")
+# imports torch._dynamo; --zero 3 needs FSDP); for the fork server also its
+# quick end once the command that started it has ended (quick_exit.py,
+# never imported by a command: it would end with code 0).
+RANK_MODULES = ("torch", "torch._dynamo", "torch.distributed.fsdp")
+PRELOAD = (*RANK_MODULES, "hetseq.distributed.quick_exit")
 
 
 def start_method(device_type, *modules):
-    """How to start ranks on ``device_type``. CPU ranks fork from a fork
-    server that imported PRELOAD and ``modules`` once, in a fresh process of
-    its own (nothing of the caller is copied): a spawned rank would import
-    them again, each (docs/design.md gives the cost). CUDA ranks are
-    spawned: a process forked after an import touched the CUDA driver
-    cannot use it."""
+    """How to start ranks on ``device_type``. CPU ranks fork from this
+    process while it has one thread (it imported torch already, so they
+    start at no cost; no other thread can hold a lock the copy inherits);
+    else from a fork server that imported PRELOAD and ``modules`` once, in a
+    fresh process of its own (a spawned rank would import them again, each:
+    docs/design.md gives the cost). CUDA ranks are spawned: a process forked
+    after an import touched the CUDA driver cannot use it."""
     if device_type == "cuda":
         return "spawn"
-    multiprocessing.set_forkserver_preload(
-        [*PRELOAD, *(m for m in modules if m != "__main__")])
+    modules = [m for m in modules if m != "__main__"]
+    if threads_here() == 1:
+        for name in (*RANK_MODULES, *modules):      # once here, not once per rank
+            importlib.import_module(name)
+        if threads_here() == 1:                     # an import may have started one
+            return "fork"
+    multiprocessing.set_forkserver_preload([*PRELOAD, *modules])
     return "forkserver"
+
+
+def threads_here():
+    """This process's threads, native ones too (a store's, an OpenMP pool's),
+    as Linux lists them; 0 where it cannot tell (another system)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 def start_linked(index, fn, args, device_type="cpu", *modules):
@@ -123,22 +143,39 @@ def start_linked(index, fn, args, device_type="cpu", *modules):
     context = mp.get_context(start_method(device_type, *modules))
     mine, theirs = context.Pipe()
     process = context.Process(target=_in_environment,
-                              args=(index, dict(os.environ), fn, (theirs, *args)))
+                              args=(index, dict(os.environ), (), fn, (theirs, *args)))
     process.start()
     theirs.close()
     return process, mine
 
 
-def start_ranks(fn, args, nprocs, device_type="cpu", *modules):
+def start_ranks(fn, args, nprocs, device_type="cpu", *modules, then=None, not_inherited=()):
     """Run ``fn(index, *args)`` in ``nprocs`` processes started as
     ``start_method`` says, with this process's environment of now (a fork
     server's children would otherwise inherit its environment of when it
-    started); wait for all of them."""
-    mp.start_processes(_in_environment, args=(dict(os.environ), fn, args), nprocs=nprocs,
-                       join=True, start_method=start_method(device_type, *modules))
+    started); call ``then()`` once they started (a thread it starts is not
+    in their copy); wait for all of them. ``not_inherited``: file
+    descriptors a forked rank closes at once (a listener of this process)."""
+    method = start_method(device_type, *modules)
+    # Only a forked rank has these: in another, the same numbers may be its own.
+    inherited = tuple(not_inherited) if method == "fork" else ()
+    context = mp.start_processes(_in_environment, nprocs=nprocs, join=False,
+                                 args=(dict(os.environ), inherited, fn, args),
+                                 start_method=method)
+    try:
+        if then is not None:
+            then()
+    except BaseException:
+        for process in context.processes:       # they would wait for a store never served
+            process.kill()
+        raise
+    while not context.join():
+        pass
 
 
-def _in_environment(index, environ, fn, args):
+def _in_environment(index, environ, not_inherited, fn, args):
+    for fd in not_inherited:
+        os.close(fd)
     os.environ.clear()
     os.environ.update(environ)
     fn(index, *args)
@@ -159,14 +196,23 @@ def _hosted_store(topology, secret=None):
     """A single-node job with no init method meets at a TCP store served by this
     parent on a port the OS picks: free by construction, no guessed numbers.
     With a job secret it is behind the gate, so other users of this host
-    cannot reach it either."""
+    cannot reach it either.
+    Yields (topology, serve, fds): ``serve()`` starts serving once the ranks
+    started (they fork while this process has one thread: launch.start_method),
+    ``fds`` the listener's, which a forked rank closes."""
     if topology.init_method is not None:
-        yield topology
+        yield topology, None, ()
         return
-    store = meeting_point.loopback_store(topology.world_size, datetime.timedelta(seconds=60), secret)
-    yield dataclasses.replace(topology, init_method=f"tcp://127.0.0.1:{store.port}",
-                              store_hosted=True)
-    del store
+    listener, served = meeting_point.loopback_listener(), []
+    port = listener.getsockname()[1]
+
+    def serve():
+        served.append(meeting_point.loopback_store(
+            topology.world_size, datetime.timedelta(seconds=60), secret, listener))
+
+    yield (dataclasses.replace(topology, init_method=f"tcp://127.0.0.1:{port}", store_hosted=True),
+           serve, (listener.fileno(),))
+    served.clear()       # the store stops with its last reference
 
 
 def _spawned_rank(index, topology, node, identity, worker, worker_args, board):
@@ -200,7 +246,7 @@ def _run_rank(index, topology, node, identity, worker, worker_args, board=None):
         return worker(ctx, *worker_args)
     store, peers = rendezvous.init_process_group(
         topology, rank, node.launch.distributed_timeout, node.launch.distributed_interface,
-        identity, job_secret.read_secret(node.launch.job_secret_file, identity=identity))
+        identity, job_secret.read_secret(node.launch.job_secret_file))
     heartbeat = health.Heartbeat(store, rank)
     if rank == 0 and board is not None:
         ctx = dataclasses.replace(ctx, board=board(

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hetseq.distributed import interfaces, network
 from hetseq.errors import UserError
 from hetseq.store import channel, store
-from hetseq.store.job_secret import JobSecret
+from hetseq.store.job_secret import JobSecret, job_id
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class Access:
     """Who may reach the store this node serves or joins. ``secret``: the job
-    secret (None: no secret); ``interface``: --distributed-interface;
+    secret (None: no secret), salted with the job id of the URL this node
+    was given (rendezvous.py; elastic/node.py); ``interface``: --distributed-interface;
     ``spans_hosts``: ranks of this job run on other hosts."""
     secret: JobSecret | None = None
     interface: str | None = None
@@ -180,16 +181,25 @@ def _serve(url, host, port, world_size, timeout, access):
     return store.serve(listener, access.secret, timeout)
 
 
-def loopback_store(world_size, timeout, secret=None):
+def loopback_store(world_size, timeout, secret=None, listener=None):
     """A store served on 127.0.0.1 only, on a port the OS picks (``.port``);
-    with a secret, behind the gate as on the job's address."""
-    listener = _listen("tcp://127.0.0.1:0", "127.0.0.1", 0)
+    with a secret, behind the gate as on the job's address, salted with the
+    job id of tcp://127.0.0.1:PORT, the URL its ranks are given.
+    ``listener``: a ``loopback_listener()`` made earlier (its port known, and
+    clients queued on it, before any thread serves it)."""
+    listener = listener or loopback_listener()
     if secret is None:
         return _store_on(listener, world_size, timeout)
     _LISTENERS.append(listener)
-    served = store.serve(listener, secret, timeout)
-    served.port = listener.getsockname()[1]
+    port = listener.getsockname()[1]
+    served = store.serve(listener, secret.for_url(f"tcp://127.0.0.1:{port}"), timeout)
+    served.port = port
     return served
+
+
+def loopback_listener():
+    """A socket listening on 127.0.0.1, on a port the OS picks."""
+    return _listen("tcp://127.0.0.1:0", "127.0.0.1", 0)
 
 
 def _store_on(listener, world_size, timeout):
@@ -280,7 +290,9 @@ def url_host_port(url):
 def _open_tcp(url, rank, world_size, timeout, hosted, access):
     host, port = url_host_port(url)
     if not host or not port:
-        raise UserError(f"--distributed-init-method {url}: expected tcp://HOST:PORT")
+        raise UserError(f"--distributed-init-method {url}: expected tcp://HOST:PORT "
+                        "or tcp://HOST:PORT/JOB_ID")
+    job_id(url)         # what follows the port is a job id, secret or not
     return _tcp_store(url, host, port, rank, world_size, timeout, hosted, access)
 
 

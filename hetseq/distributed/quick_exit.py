@@ -4,7 +4,7 @@ teardown of torch.
 
 Why, for users: the fork server holds the job's standard output, so whatever
 reads it (``| tee log``, a CI log, ``subprocess.run``) sees the job end only
-when the server has exited; bench/quick_exit.py measures the difference.
+when the server has exited; bench/rank_start.py measures the difference.
 Its ranks never run this: a forked rank ends with os._exit, as
 multiprocessing's children do.
 """

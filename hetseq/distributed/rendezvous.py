@@ -76,6 +76,12 @@ def wait_for_ranks(store, prefix, world_size, deadline, url, rank=None):
 
 
 def _check_peer(rank, info, world_size):
+    if not (isinstance(info, dict) and isinstance(info.get("world_size"), int)
+            and isinstance(info.get("host"), str)):
+        # (What a peer registered: in a job without a secret, anyone's words.)
+        raise UserError(f"rank {rank} registered at the meeting point in a form this HetSeq "
+                        "does not read (another HetSeq version, or not a HetSeq node): install "
+                        "the same HetSeq on every node")
     if info["world_size"] != world_size:
         raise UserError(f"rank {rank} ({info['host']}) runs with --distributed-world-size "
                         f"{info['world_size']} but this process with {world_size}; "
@@ -86,9 +92,13 @@ def init_process_group(topology, rank, timeout_s, interface=None, job=None, secr
     """Meet the other ranks and start torch.distributed; returns the store and
     what every rank registered (host, pid, the address its collectives use).
     ``job``: the flags every node must agree on (refused before claiming a rank).
-    ``secret``: the job secret (job_secret.JobSecret), or None."""
+    ``secret``: the job secret (job_secret.JobSecret), or None; it is
+    salted here with the job id of the URL every rank was given, the same
+    on every rank whatever its flags (job_secret.job_id)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     url, world = topology.init_method, topology.world_size
+    if secret is not None:
+        secret = secret.for_url(url)
     access = Access(secret, interface, spans_hosts=world > topology.nprocs)
     store = open_store(url, rank, world, timeout, topology.store_hosted, access)
     master = master_host(url)

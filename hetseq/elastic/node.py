@@ -53,7 +53,9 @@ class Ended:
 
 def train_elastic(args, job, node, inputs):
     """Train this node's ranks across generations, as its first process."""
-    secret = job_secret.read_secret(node.launch.job_secret_file, identity=job.identity())
+    # Salted with the job id of the URL this node was given (job_secret.job_id).
+    secret = job_secret.read_secret(node.launch.job_secret_file,
+                                    url=node.launch.distributed_init_method)
     if secret is None:
         raise UserError("--elastic needs a job secret, since nodes join by themselves: set "
                         f"HETSEQ_JOB_SECRET or --job-secret-file on every node ({job_secret.MAKE_ONE} "

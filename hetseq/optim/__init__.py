@@ -61,8 +61,9 @@ class AdamW(OptimizerFactory):
     def build(cls, cfg, params, lr):
         params = list(params)
         betas = parse_float_tuple(cfg.adam_betas)
-        if len(betas) != 2:
-            raise UserError(f"--adam-betas {cfg.adam_betas}: expected two numbers, e.g. '(0.9, 0.999)'")
+        if len(betas) != 2 or not all(0 <= beta < 1 for beta in betas):   # (nan fails too)
+            raise UserError(f"--adam-betas {cfg.adam_betas}: expected two numbers from 0 up to "
+                            "(not including) 1, e.g. '(0.9, 0.999)'")
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=cfg.adam_eps,
                                  weight_decay=cfg.weight_decay, fused=fused_for(params))
 

@@ -11,6 +11,8 @@ import math
 
 from hetseq.errors import UserError
 from hetseq.sections import Section, flag, section
+from hetseq.state import Count, Fields, ListOf, Number, StateMismatch
+from hetseq.state import describe as described
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,35 @@ class Plan:
     @classmethod
     def from_state_dict(cls, state):
         return cls(**state)
+
+    @staticmethod
+    def state_kind():
+        """What a saved plan must be (hetseq/state.py): its fields only (they
+        are the constructor's), one entry per rank in each list, a batch of
+        at least one sample, sitting ranks among them. Its world may differ
+        from this run's (Balance.load_state_dict then starts afresh)."""
+        return SavedPlan()
+
+
+class SavedPlan(Fields):
+    """Plan.state_kind(): the fields, then how they agree with each other."""
+
+    def __init__(self):
+        super().__init__({"batch_sizes": ListOf(Count()), "micro_caps": ListOf(Count()),
+                          "rates": ListOf(Number(low=0))}, {"sitting": ListOf(Count())})
+
+    def check(self, value, path):
+        super().check(value, path)
+        ranks = len(value["batch_sizes"])
+        if sum(value["batch_sizes"]) < 1:
+            raise StateMismatch(f"{path}.batch_sizes", described(value["batch_sizes"]) +
+                                " summing to 0", "a global batch of at least one sample")
+        for key in ("micro_caps", "rates"):
+            if len(value[key]) != ranks:
+                raise StateMismatch(f"{path}.{key}", described(value[key]),
+                                    f"one entry per rank of {path}.batch_sizes ({ranks})")
+        for i, rank in enumerate(value.get("sitting", [])):
+            Count(0, ranks - 1).check(rank, f"{path}.sitting.{i}")
 
 
 def proportional(global_batch, weights, caps, rates=None, can_sit=False, fixed=False):

@@ -312,6 +312,9 @@ class Balance:
     def state_dict(self):
         return self.plan.state_dict()
 
+    def state_kind(self):
+        return Plan.state_kind()
+
     def load_state_dict(self, state):
         """The saved split continues the run; a different world or batch starts
         afresh (the data position, loaded before, is kept in samples)."""

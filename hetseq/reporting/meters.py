@@ -2,6 +2,8 @@
 
 import time
 
+from hetseq.state import ANYTHING, Fields, MapOf, Number, OfType
+
 
 class AverageMeter:
     """Weighted running average (e.g. loss weighted by sample count)."""
@@ -65,6 +67,13 @@ class Meters:
 
     def state_dict(self):
         return {name: meter.state_dict() for name, meter in self._meters.items()}
+
+    @staticmethod
+    def state_kind():
+        """What saved meters must be (hetseq/state.py): named sums, any sign
+        (a loss may be negative, inf or NaN), over a weight that is not negative."""
+        return MapOf(OfType(str), Fields({"sum": Number(finite=False),
+                                          "count": Number(low=0)}, extra=ANYTHING))
 
     def load_state_dict(self, state):
         self._meters = {}

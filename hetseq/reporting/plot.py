@@ -5,6 +5,7 @@ each rank's speed and the plan's shares without writing a plotting script
 docs/capacity.md, "What a run records" (the panels).
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import sys
 
 from hetseq.errors import UserError
 from hetseq.flags import Parser
+from hetseq.logs import disk_of, why_not_written
 from hetseq.reporting.balance import BalanceLog, ValidLog
 
 logger = logging.getLogger("hetseq.reporting.plot")
@@ -85,12 +87,24 @@ def shares(lines):
 
 
 def plot(save_dir, out=None):
-    """Write the picture; returns its path."""
+    """Write the picture; returns its path. It is drawn into a file beside
+    ``out`` and renamed onto it: a full disk leaves the previous picture
+    whole, and is one line (UserError) naming the file and the disk."""
     fig = figure(save_dir)
     out = out or os.path.join(save_dir, "run.png")
-    fig.savefig(out, dpi=100)
     import matplotlib.pyplot as plt        # (figure imported it)
-    plt.close(fig)
+    folder, name = os.path.split(os.path.abspath(out))
+    partial = os.path.join(folder, f".{name}.partial")
+    try:
+        fig.savefig(partial, dpi=100, format=os.path.splitext(name)[1][1:] or "png")
+        os.replace(partial, out)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise UserError(f"cannot write {out} ({why_not_written(err)}; {disk_of(out)}); "
+                        "free space there or pass --out on another disk") from None
+    finally:
+        plt.close(fig)
     return out
 
 

@@ -1,4 +1,4 @@
-"""``hetseq-status tcp://HOST:PORT``: a running job seen from any machine that
+"""``hetseq-status tcp://HOST:PORT[/JOB_ID]``: a running job seen from any machine that
 reaches its meeting point. Rank 0 writes one JSON value into the store it
 serves (``StatusBoard``); the viewer passes the gate as a node would, reads
 that one bounded key and draws it. Every network step has a deadline and
@@ -76,8 +76,9 @@ def open_store(url, secret, timeout_s=CONNECT_S):
     except ValueError:
         host, port = None, None
     if not host or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise UserError(f"{url}: expected the job's tcp://HOST:PORT (its "
-                        "--distributed-init-method)")
+        raise UserError(f"{url}: expected the job's tcp://HOST:PORT or tcp://HOST:PORT/JOB_ID "
+                        "(its --distributed-init-method)")
+    job_secret.job_id(url)          # a UserError for what is no job id
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
@@ -101,6 +102,7 @@ def open_store(url, secret, timeout_s=CONNECT_S):
 def leader_store(store, url, secret, timeout_s=CONNECT_S):
     """Under --elastic, the store of the generation's leader (every member
     names it in ``e/leader``); otherwise ``store`` itself."""
+    from hetseq.distributed.meeting_point import url_host_port
     if secret is None or not store.check(["e/leader"]):
         return store, url
     leader = _json_value(store, "e/leader")
@@ -110,7 +112,7 @@ def leader_store(store, url, secret, timeout_s=CONNECT_S):
             and " " not in addr and port is not None and 1 <= port <= 65535):
         raise UserError(f"{url}: the member's e/leader is not an address")
     there = f"tcp://{f'[{addr}]' if ':' in addr else addr}:{port}"
-    if there == url:
+    if url_host_port(there) == url_host_port(url):        # (url may end in its job id)
         return store, url
     store.close()
     return open_store(there, secret, timeout_s), there
@@ -352,8 +354,9 @@ def main(argv=None):
     parser = Parser(
         prog="hetseq-status", description="Show a running HetSeq job: members, shares, "
         "speed, progress, last checkpoint (read-only).")
-    parser.add_argument("url", metavar="tcp://HOST:PORT",
-                        help="the job's --distributed-init-method (any member's, with --elastic)")
+    parser.add_argument("url", metavar="tcp://HOST:PORT[/JOB_ID]",
+                        help="the job's --distributed-init-method, its job id included (as "
+                        "hetseq-launch prints it; any member's address, with --elastic)")
     parser.add_argument("--job-secret-file", metavar="PATH",
                         help="the job's secret (or HETSEQ_JOB_SECRET)")
     parser.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
@@ -366,7 +369,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     code = 0
     try:
-        watch(args, job_secret.read_secret(args.job_secret_file))
+        # Salted once, with the job id of the URL given: a leader it moves
+        # to is named by address only, and is the same job.
+        watch(args, job_secret.read_secret(args.job_secret_file, url=args.url))
     except KeyboardInterrupt:
         pass
     except BrokenPipeError:           # | head -1: the reader has what it wanted

@@ -2,12 +2,15 @@
 default <save-dir>/tensorboard; --no-tensorboard: none).
 
 TensorBoard is for people to look at: when its files cannot be written (a
-full disk, a folder that went away) the run warns once and goes on without
-it, and the checkpoint, which matters, reports the disk itself."""
+full disk, a folder that went away) the run warns once, naming the disk
+(logs.BestEffort), and goes on without it; the checkpoint, which matters,
+reports the disk itself."""
 
 import logging
 import os
 import threading
+
+from hetseq.logs import BestEffort
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +34,7 @@ class TensorBoard:
     def __init__(self, logdir, enabled):
         self._writers = {}
         self.logdir = logdir if enabled else None
+        self._out = BestEffort(self.logdir, "TensorBoard", logger)
 
     def log(self, split, scalars, step):
         if self.logdir is None:
@@ -53,9 +57,7 @@ class TensorBoard:
         return self._writers[split]
 
     def _give_up(self, err):
-        logger.warning("TensorBoard: cannot write to %s (%s); going on without it",
-                       self.logdir, str(err).strip().splitlines()[-1][:200] if str(err) else
-                       type(err).__name__)
+        self._out.stop(err)
         self.logdir = None
         self.close()
 
@@ -64,5 +66,5 @@ class TensorBoard:
         for writer in writers:
             try:
                 writer.close()
-            except Exception:   # already reported, or the disk is gone: nothing to keep
-                pass
+            except Exception as err:   # the last events met the full disk: said once
+                self._out.stop(err)

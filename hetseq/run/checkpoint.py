@@ -7,23 +7,34 @@ Sharded state is gathered to rank 0 and saved in the one full format
 
 import logging
 import os
-import random
 import re
+import zipfile
 
-import numpy as np
 import torch
 
 from hetseq.errors import UserError
 from hetseq.run import checkpoint_files as files
+from hetseq.run.rng_state import rng_kind, rng_state, set_rng_state
 from hetseq.sections import Section, flag, section
-from hetseq.state import Component
+from hetseq.state import (ANYTHING, Component, Count, Fields, ListOf, Number, OfType, Optional,
+                          StateMismatch, describe)
+from hetseq.update.state_keys import CONTROLLER, UPDATES
 
 logger = logging.getLogger(__name__)
 
 # The checkpoint's own entries: the run's flags for people to read, every
 # rank's random generators, the best validation metric, the elastic lineage.
-for _name in ("format", "args", "best", "elastic"):
-    Component(_name)
+# Their kinds are what any reader relies on (fine-tuning reads the flags'
+# paths, an elastic node the members' addresses); the RNG's is rng_state.py's.
+_PATH = Optional(OfType(str))
+Component("format", kind=OfType(str))
+Component("args", kind=Fields(optional={"task": _PATH, "config_file": _PATH, "dict": _PATH},
+                              extra=ANYTHING))
+Component("best", kind=Optional(Number(finite=False)))    # a metric may be NaN
+Component("elastic", kind=Fields(optional={
+    "lineage": ListOf(OfType(str)),
+    "members": ListOf(Fields({"addr": OfType(str), "port": Count(0, 65535)}, extra=ANYTHING))},
+    extra=ANYTHING))
 RNG = Component("rng", reset="dataloader").name
 
 
@@ -74,34 +85,25 @@ class CheckpointConfig(Section):
         return super().from_args(args, maximize_best_checkpoint_metric=maximize)
 
 
-def rng_state():
-    """This process's random generators, as plain data and tensors."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state):
-    random.setstate(_tuples(state["python"]))
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _tuples(value):
-    # A checkpoint may hand back lists where random.setstate wants tuples.
-    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
 def plain_args(args):
     """The flags as plain data (what a checkpoint may hold)."""
     return {k: v for k, v in vars(args).items()
             if v is None or isinstance(v, (bool, int, float, str, list, tuple))}
+
+
+def _updates_in(path):
+    """The updates checkpoint ``path`` holds, its tensors left on the disk
+    (mmap: the file may be large and the run is ending); None when it cannot
+    be read. Only an archive of stored records, as torch.save writes, is
+    read: torch.load would inflate a compressed one."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            if any(r.compress_type != zipfile.ZIP_STORED for r in archive.infolist()):
+                return None
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return int(state[CONTROLLER.name][UPDATES])
+    except Exception:   # only for the message: an unreadable count is left out
+        return None
 
 
 def _misfit(err):
@@ -145,6 +147,7 @@ class Checkpointer:
         self.components, self.skip = dict(components), frozenset(skip)
         self.flags = flags or {}
         self.best = None
+        self._saved = None          # the updates of this run's last save (rank 0)
         if not save.no_save and ctx.is_main:
             files.check_save_dir(save.save_dir)
             files.remove_stale_temporaries(save.save_dir)
@@ -167,6 +170,7 @@ class Checkpointer:
         refusal = check(state) if check is not None else None
         if refusal:
             raise UserError(f"{where} {refusal}")
+        self.check(state, where)
         try:
             for name, component in self.components.items():
                 if name not in self.skip:
@@ -182,6 +186,39 @@ class Checkpointer:
             set_rng_state(rng[self.ctx.rank])
         self.best = state.get("best")
         return where
+
+    def check(self, state, where=None):
+        """Refuse ``state`` (a UserError naming the field, the same on every
+        rank) unless every part this run loads is what it builds: each
+        component's ``state_kind()`` (a Kind of hetseq/state.py; anything
+        for a component without one), the kinds declared with the keys,
+        and the RNG states. Before any part loads: a part of the wrong type,
+        sign or shape would fail inside torch, mid-load or mid-step, and
+        under a split state (--zero 1/2/3) on some ranks only."""
+        try:
+            if not isinstance(state, dict):
+                raise StateMismatch("", describe(state), "a dict")
+            Component.check_declared(state)
+            for name, component in self.components.items():
+                if name in self.skip:
+                    continue
+                if name not in state:
+                    raise StateMismatch(name, "missing", "this run's part "
+                                        f"'{name}' (a checkpoint of another task or program?)")
+                kind = getattr(component, "state_kind", None)
+                if not isinstance(state[name], dict):
+                    raise StateMismatch(name, describe(state[name]), "a dict")
+                if kind is not None:
+                    kind().check(self._kept(name, state[name]), name)
+            if RNG in state and RNG not in self.skip:
+                rng_kind().check(state[RNG], RNG)
+        except StateMismatch as err:
+            named = "the checkpoint" if where is None else f"checkpoint {where}"
+            raise UserError(f"{named} does not fit this run: {err}; pass --restore-file for "
+                            "another checkpoint, or a new --save-dir to start afresh") from None
+        except UserError as err:    # a kind's own words, with their fix (another optimizer)
+            raise UserError(str(err) if where is None else f"checkpoint {where}: {err}") \
+                from None
 
     def _kept(self, name, state):
         """A component's state without the parts ``skip`` leaves out."""
@@ -206,7 +243,6 @@ class Checkpointer:
         state = self._state(components, rngs)
         folder, cfg = self.where.save_dir, self.cfg
         last = os.path.join(folder, "checkpoint_last.pt")
-        files.save(last, state)
         copies = []
         # A copy that would be pruned at once (--keep-* 0) is not written.
         if epoch is not None and not cfg.no_epoch_checkpoints and cfg.keep_last_epochs != 0:
@@ -216,12 +252,38 @@ class Checkpointer:
             copies.append(f"checkpoint_{data_epoch}_{updates}.pt")
         if improved:
             copies.append("checkpoint_best.pt")
-        for name in copies:
-            files.copy(last, os.path.join(folder, name))
+        try:
+            files.save(last, state)
+            for name in copies:
+                files.copy(last, os.path.join(folder, name))
+        except files.SaveFailed as err:
+            raise self._save_failed(err, last, updates) from None
+        self._saved = updates
         files.prune(folder, r"checkpoint_(\d+)_(\d+)\.pt", cfg.keep_interval_updates)
         files.prune(folder, r"checkpoint(\d+)\.pt", cfg.keep_last_epochs)
         logger.info("saved %s (%d updates)%s", last, updates,
                     "".join(f", {name}" for name in copies))
+
+    def _save_failed(self, err, last, updates):
+        """The end of a run whose save the disk refused: one line naming the
+        disk (err's) and the checkpoint that resumes it, with the fix."""
+        last = os.path.abspath(last)
+        if err.gone:
+            resumes = "nothing resumes this run"
+        elif err.path != last:      # a copy: checkpoint_last.pt of this update was written
+            resumes = f"{last} holds update {updates} and resumes it"
+        elif err.kept:
+            saved = self._saved if self._saved is not None else _updates_in(last)
+            resumes = "it resumes" + (f" from update {saved}" if saved is not None else "")
+        else:
+            resumes = "no checkpoint resumes this run: the same command starts afresh"
+        again = "run the same command again"
+        if err.kept or err.path != last:
+            if os.path.abspath(files.restore_path(self.where)) != last:
+                again += f" with --restore-file {last}"
+            again += " to resume"
+        return UserError(f"{err.what()}; {err.previous()}; {resumes}; training stops at update "
+                         f"{updates}. {err.fix()}, then {again}")
 
     def _state(self, components, rngs):
         state = {"format": files.FORMAT, "args": self.flags, **components, RNG: rngs,

@@ -2,13 +2,14 @@
 pruned by number (checkpoint.py decides when and what).
 
 A checkpoint is a dict of plain data and tensors, so it loads with
-``torch.load(weights_only=True)``: no code runs from a checkpoint file. It
+``torch.load(weights_only=True)``: no code runs from a checkpoint file, and
+only an archive of stored records as torch.save writes is read
+(safe_load.py: torch.load would inflate a compressed one). It
 is written to a temporary file in the same folder, flushed to disk, renamed
 over the old one and the folder synced, so a crash or a power loss while
 saving never damages the previous checkpoint.
 """
 
-import errno
 import os
 import re
 import shutil
@@ -16,7 +17,10 @@ import tempfile
 
 import torch
 
+from hetseq import safe_load
 from hetseq.errors import UserError
+from hetseq.logs import disk_full, disk_of, os_error, why_not_written
+from hetseq.state import Component, StateMismatch
 
 FORMAT = "hetseq-checkpoint-1"
 
@@ -32,24 +36,51 @@ def _umask():
 FILE_MODE = 0o666 & ~_umask()
 
 
-def _disk_full(err):
-    """True when ``err`` or an exception it was raised from is ENOSPC (torch.save
-    reports it as an 'unexpected pos' RuntimeError caused by the OSError)."""
-    while err is not None:
-        if getattr(err, "errno", None) == errno.ENOSPC or "No space left" in str(err):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
+class SaveFailed(UserError):
+    """A checkpoint file could not be written (``path``); the previous file
+    of that name is as it was (``kept``: whether there was one). ``full``:
+    for want of space or quota. checkpoint.py says which checkpoint
+    resumes; the message alone says what a save of one file knows."""
+
+    def __init__(self, path: str, kept: bool, full: bool, reason: str) -> None:
+        self.path, self.kept, self.full, self.reason = path, kept, full, reason
+        self.folder = os.path.dirname(path)
+        self.gone = not os.path.isdir(self.folder)
+        self.disk = disk_of(path)
+        super().__init__(f"{self.what()}; {self.previous()}. {self.fix()}, then run the same "
+                         "command again to resume")
+
+    def what(self) -> str:
+        if self.full:
+            return f"no space left on device while writing {self.path}"
+        if self.gone:
+            return f"cannot write checkpoint {self.path}: its folder is gone (deleted or unmounted)"
+        return f"cannot write checkpoint {self.path} ({self.reason})"
+
+    def previous(self) -> str:
+        if self.gone:
+            return "the checkpoints it held went with it"
+        return f"the previous checkpoint {self.path} is intact" if self.kept else \
+            "there was no earlier checkpoint of that name"
+
+    def fix(self) -> str:
+        if self.full:
+            return f"Free space on {self.disk} or pass --save-dir on a larger disk"
+        if self.gone:
+            return f"Make {self.folder} again or pass another --save-dir"
+        return f"Make {self.folder} writable again ({self.disk}) or pass another --save-dir"
 
 
 def _atomic_write(dst, write):
     """``write(file)`` into a temporary file beside ``dst``, then rename it onto
     ``dst``: a crash or a full disk leaves the previous ``dst`` as it was. The
     file's data reach the disk before the rename, and the folder's entry
-    after it: a power loss then keeps the new file, not only its data."""
+    after it: a power loss then keeps the new file, not only its data. A
+    write the disk refuses (full, a quota, the folder gone) is SaveFailed."""
     folder = os.path.dirname(os.path.abspath(dst))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
         os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -58,15 +89,14 @@ def _atomic_write(dst, write):
         os.replace(tmp, dst)
         _sync_folder(folder)
     except BaseException as err:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
-        if not _disk_full(err):
+        full = disk_full(err)
+        # torch.save reports the OS's refusal as a RuntimeError caused by it.
+        if not (full or isinstance(err, OSError) or os_error(err) is not None):
             raise
-        kept = f"the previous checkpoint {dst} is intact" if os.path.exists(dst) else \
-            "there was no earlier checkpoint of that name"
-        raise UserError(f"no space left on device while writing {dst}; {kept}. Free space in "
-                        f"{folder} or pass --save-dir on a larger disk, then run the same "
-                        "command again to resume") from None
+        raise SaveFailed(os.path.abspath(dst), os.path.exists(dst), full,
+                         why_not_written(err)) from None
 
 
 def _sync_folder(folder):
@@ -92,15 +122,24 @@ def copy(src, dst):
 
 
 def load(path):
+    """The checkpoint at ``path``, its archive checked before torch.load
+    (safe_load.py) and the parts every reader relies on checked after
+    (state.py's declared kinds: the run checks the rest against itself)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated, foreign or unsafe files all land here
-        raise UserError(f"checkpoint {path} cannot be read ({type(err).__name__}: "
-                        f"{str(err).splitlines()[0][:200]}); it may be truncated or not a HetSeq "
-                        "checkpoint: pass another --restore-file or remove it") from None
+        state = safe_load.load(path)
+    except Exception as err:  # truncated, foreign, compressed or unsafe files all land here
+        what = "" if isinstance(err, safe_load.Unsafe) else f"{type(err).__name__}: "
+        raise UserError(f"checkpoint {path} cannot be read ({what}"
+                        f"{(str(err).splitlines() or [''])[0][:200]}); it may be truncated or not "
+                        "a HetSeq checkpoint: pass another --restore-file or remove it") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"{path} is not a HetSeq checkpoint (no '{FORMAT}' marker); pass another "
                         "--restore-file or remove it")
+    try:
+        Component.check_declared(state)
+    except StateMismatch as err:
+        raise UserError(f"checkpoint {path} cannot be used: {err}; it was damaged or not written "
+                        "by HetSeq: pass another --restore-file or remove it") from None
     return state
 
 

@@ -18,6 +18,7 @@ from hetseq.data.splits import Splits
 from hetseq.distributed import broadcast_from_main
 from hetseq.elastic.seam import FIXED
 from hetseq.errors import HetSeqError, UserError
+from hetseq.logs import disk_of, why_not_written, write_failed
 from hetseq.optim.lr_scheduler import planned_updates
 from hetseq.plan import capacity, rebalance, startup
 from hetseq.plan import links as exchange_links
@@ -157,6 +158,10 @@ class Run:
             # This rank stops on an error of its own: what its exchange already
             # sent completes first, so the members keep that round.
             self.controller.exchange.drain()
+            # The logs keep what they hold (the pending balance line, the
+            # buffered TensorBoard events); a file the disk refuses says so
+            # once (logs.BestEffort) and the error below stays the last line.
+            self.report.close()
             raise
 
     def _train(self):
@@ -277,7 +282,19 @@ class Run:
                         self.job.checkpoint.best_checkpoint_metric, self.checkpointer.best)
         model = self.task.build_model()
         model.load_state_dict(state)
-        self.task.export_hf(model, self.job.checkpoint.export_hf)
+        folder = self.job.checkpoint.export_hf
+        try:
+            self.task.export_hf(model, folder)
+        except (OSError, RuntimeError) as err:
+            if not write_failed(err):
+                raise
+            # The checkpoints are written: only the export is missing, and the
+            # same command, which resumes at the run's end, makes it again.
+            again = "(with --no-save it trains again)" if self.node.save.no_save else \
+                f"(it resumes from {self.node.save.save_dir} at the end and exports)"
+            raise UserError(f"--export-hf: cannot write {folder} ({why_not_written(err)}; "
+                            f"{disk_of(folder)}). Free space or pass another --export-hf, "
+                            f"then run the same command again {again}") from None
 
 
 def _log_exchange(plan, devices, links, per_update, can_sit):

@@ -12,6 +12,7 @@ import os
 import sys
 
 from hetseq.errors import UserError
+from hetseq.owned_file import refuse_unless_owned
 from hetseq.tasks.task import TASKS, Task, register_task
 
 __all__ = ["TASKS", "Task", "import_builtin_tasks", "import_user_dir", "register_task"]
@@ -39,6 +40,24 @@ def import_user_dir(path):
         raise UserError(f"--user-dir {path}: no such directory; pass the folder that holds "
                         "your task modules (it needs an __init__.py that imports them)")
     parent, name = os.path.split(path)
+    # Its modules run, and its parent goes first on sys.path (where any
+    # module not yet imported is looked up first): another user who could
+    # change either would choose the code of the job.
+    refuse_unless_owned(parent, f"--user-dir {path}: its parent folder (on the module path)")
+    refuse_unless_owned(path, "--user-dir")
+    # (Links to folders followed: Python imports through them; a folder seen
+    # twice, a link's cycle, once.)
+    seen = set()
+    for folder, subfolders, files in os.walk(path, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            subfolders[:] = []
+            continue
+        seen.add(real)
+        refuse_unless_owned(folder, "--user-dir's folder")
+        for entry in files:
+            if entry.endswith((".py", ".pyc")):        # (a cached .pyc runs as its source)
+                refuse_unless_owned(os.path.join(folder, entry), "--user-dir's module")
     module = sys.modules.get(name)
     if module is not None:
         # A package knows its folder by __path__; a plain folder (a namespace

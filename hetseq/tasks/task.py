@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import default_collate
 
 from hetseq.registry import Registry
+from hetseq.update import sharding
 
 
 class Task:
@@ -45,6 +46,17 @@ class Task:
         raise NotImplementedError(f"{type(self).__name__} must implement loss(model, sample)")
 
     # ---- provided; override when a task needs something else ----
+
+    def full_weights(self, model):
+        """Context: ``{name: whole weight}`` of ``model`` (what ``loss`` is
+        handed), in any ``--zero`` mode and state shares, like FSDP's
+        ``summon_full_params``: a regulariser's or an EMA's weights. Writes
+        to them are kept (each rank writes back its own shard: write the same
+        on every rank). Under ``--zero 2/3`` it is a collective: every rank
+        must enter it as often, and the model must not run inside it.
+        Outside forward a sharded parameter is only this rank's shard
+        (docs/tasks.md, 'Reading the weights in `loss`')."""
+        return sharding.full_weights(model)
 
     def train_step(self, model, sample, backward=None):
         """Forward with ``loss``, then backward. The Controller has already put

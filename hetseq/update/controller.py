@@ -12,10 +12,12 @@ import torch
 from hetseq import randomness
 from hetseq.data.iterators import move_to
 from hetseq.errors import TrainingFailed, UserError
+from hetseq.owned_file import compile_cache
 from hetseq.optim import (OPTIMIZERS, build_lr_scheduler, build_optimizer,
                           check_same_optimizer, keep_own_kernels)
 from hetseq.distributed.collectives import broadcast_from
 from hetseq.update import held, modes, precision, sharding, uneven  # noqa: F401 (registers)
+from hetseq.state import ANYTHING, Count, Fields, Number, like
 from hetseq.update.exchange import Updates
 from hetseq.update.members import Members
 # Its part of a checkpoint, and the keys of that part (the exchange mode adds its own).
@@ -49,12 +51,18 @@ class Controller:
             # would prefix them; nn.Module.compile() traces nothing in torch
             # 2.13). Graphs are built at the first forward, and once more for
             # batch shapes that vary.
+            compile_cache()      # a private cache: torch's own, in /tmp, others can plant
             self.model.forward = torch.compile(self.model.forward)
+        # What a checkpoint must hold for this model, taken before wrapping:
+        # a mode may shard or flatten the parameters, a checkpoint's format
+        # is the plain model's whatever the mode (state_kind).
+        self._saved_as = held.saved_as(self.model)
         self.wrapped = self.sharding.wrap(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise UserError(f"the model built by task '{job.task}' has no trainable parameters")
         built = build_optimizer(job.optimizer, self.params, job.schedule.lr[0])
+        self._plain_optimizer = built     # its kind and settings: what a saved state must fit
         # The settings a saved state must have to fit this kind of optimizer.
         self._optimizer_kind = (job.optimizer.optimizer, set(built.defaults))
         self.optimizer = self.sharding.build_optimizer(built)
@@ -67,8 +75,7 @@ class Controller:
         self.stepper = Stepper(ctx, self.sharding, self.params, self.optimizer, self._fused,
                                self._state_slots, lambda: self._steps)
         self._offloaded = job.sharding.cpu_offload and ctx.device.type != "cpu"
-        self.lr_scheduler = build_lr_scheduler(job.schedule, self.optimizer,
-                                               job.training.max_update)
+        self.lr_scheduler = build_lr_scheduler(job.schedule, self.optimizer, job.training.max_update)
         self.autocast = precision.autocast(job.precision, ctx.device)
         # fairseq's default window: 2**14 updates of one rank's batch.
         window = 2 ** 14 / ctx.world_size / job.training.update_freq[0]
@@ -102,7 +109,7 @@ class Controller:
 
     def gradient_bytes(self):
         """Bytes of the gradient one exchange sums (plan/links.py)."""
-        return sum(p.numel() * p.element_size() for p in self.params)
+        return self.sharding.gradient_bytes(self.params)
 
     def can_sit_out(self):
         """Whether a rank may leave the gradient exchange (members.py): the
@@ -354,10 +361,30 @@ class Controller:
             state[LOSS_SCALER] = self.scaler.state_dict()
         return state
 
+    def state_kind(self):
+        """What a checkpoint's part of the Controller must be to load here
+        (hetseq/state.py), checked before any of it loads, on every rank
+        alike: the model this run built, an optimizer state of this kind over
+        its parameters, a count of updates, and the exchange mode's entries.
+        The format is one whatever --zero mode and shares saved it or load
+        it, so the kind is too."""
+        optimizer = held.optimizer_kind(self._plain_optimizer, self._saved_as.params,
+                                        lambda saved: check_same_optimizer(
+                                            saved, *self._optimizer_kind))
+        optional = {OPTIMIZER: optimizer, LR_SCHEDULER: like(self.lr_scheduler.state_dict()),
+                    **self.exchange.state_kind(optimizer)}
+        if self.scaler is not None:
+            # A scale of 0 or less would divide the gradients by it.
+            optional[LOSS_SCALER] = Fields({"scale": Number(low=0, strict=True),
+                                            "clean_updates": Count()}, extra=ANYTHING)
+        # Entries of another exchange mode are left alone (extra).
+        return Fields({MODEL: self._saved_as.model, UPDATES: Count()}, optional, extra=ANYTHING)
+
     def load_state_dict(self, state):
         """What ``state`` holds: always the model; the optimizer, loss scale
         and schedule unless the checkpointer left them out (--reset-*). A state
-        saved under any --zero mode loads."""
+        saved under any --zero mode loads. The Checkpointer has checked it
+        against ``state_kind()``."""
         self.sharding.load_model_state(self.model, state[MODEL])
         if OPTIMIZER in state:
             own = self.exchange.resumed_optimizer(state, state[OPTIMIZER])

@@ -211,6 +211,12 @@ class Exchange:
         gathered); ``local``: this rank's own view, for a snapshot."""
         return {}
 
+    def state_kind(self, optimizer):
+        """{entry: its kind} for its entries in the Controller's state
+        (hetseq/state.py), checked before anything loads; ``optimizer``: the
+        kind of the Controller's optimizer state (a held.OptimizerState)."""
+        return {}
+
     def load_state_dict(self, state):
         """From the Controller's saved state (entries a reset left out are absent)."""
 

@@ -30,12 +30,14 @@ def load_model_state(flats, model, state):
     """``state`` (whole, on every rank) into this rank's ranges, as strict
     as torch's ``load_state_dict``: its messages, so that a checkpoint of
     another model is named alike whatever the mode (checkpoint._misfit)."""
-    expected = model.state_dict(keep_vars=True)
+    # A freed unit's parameters are views of this rank's shard: their shapes are the unit's.
+    shapes = {id(p): shape for flat in flats for p, shape in zip(flat.params, flat.shapes)}
+    expected = {k: shapes.get(id(v), v.shape) for k, v in model.state_dict(keep_vars=True).items()}
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     sizes = [f"size mismatch for {k}: copying a param with shape {state[k].shape} from "
-             f"checkpoint, the shape in current model is {expected[k].shape}."
-             for k in expected if k in state and state[k].shape != expected[k].shape]
+             f"checkpoint, the shape in current model is {expected[k]}."
+             for k in expected if k in state and state[k].shape != expected[k]]
     if missing or unexpected or sizes:
         lines = ([f"Missing key(s) in state_dict: {_quoted(missing)}."] if missing else []) + \
             ([f"Unexpected key(s) in state_dict: {_quoted(unexpected)}."] if unexpected else []) \
@@ -73,13 +75,14 @@ def optimizer_state(flats, inner, index, ctx):
                   for key, kind in sorted(kinds[f].items())}
         if not ctx.is_main:
             continue
-        for i, (param, offset) in enumerate(zip(flat.params, flat.offsets)):
-            if param.numel() == 0 or not has[offset:offset + param.numel()].all():
+        # The unit's shapes: a freed unit's parameters are views of this rank's shard.
+        for param, offset, n, shape in zip(flat.params, flat.offsets, flat.numels, flat.shapes):
+            if n == 0 or not has[offset:offset + n].all():
                 continue
             entry = state.setdefault(index[id(param)], {})
             for key, kind in kinds[f].items():
-                part = values[key][offset:offset + param.numel()]
-                entry[key] = _part(part, param, kind)
+                part = values[key][offset:offset + n]
+                entry[key] = _part(part, shape, kind)
     if not ctx.is_main:
         return None
     groups = [{**{k: v for k, v in group.items() if k != "params"},
@@ -131,9 +134,9 @@ def _whole_of(flat, inner, take, dtype):
     return flat.whole(mine)
 
 
-def _part(values, param, kind):
+def _part(values, shape, kind):
     if kind[0] == "elements":
-        return values.view(param.shape).cpu().clone()
+        return values.view(shape).cpu().clone()
     if kind[1] is None:
         return values[0].item()
     return torch.tensor(values[0].item(), dtype=_dtype(("elements", kind[1])))
@@ -153,11 +156,11 @@ def load_optimizer_state(flats, inner, state, index):
             mine = {}
             for key, value in entry.items():
                 if torch.is_tensor(value) and value.dim() > 0:
-                    if value.numel() != param.numel():
+                    if value.numel() != flat.numels[i]:
                         raise RuntimeError(
                             f"size mismatch for the optimizer's {key} of parameter "
                             f"{index[id(param)]}: {tuple(value.shape)} saved, "
-                            f"{tuple(param.shape)} here")
+                            f"{tuple(flat.shapes[i])} here")
                     mine[key] = value.reshape(-1)[start:start + piece.numel()].to(piece).clone()
                 else:
                     mine[key] = value.clone() if torch.is_tensor(value) else value

@@ -102,29 +102,46 @@ def owned(tensors, lo, hi):
     return tensors[0].new_empty(0)
 
 
+def _repoint(param, data):
+    """``param.data = data``, with a gradient accumulator of its own from
+    now on: set_data keeps the cached one unless the dtype or device
+    changes, hence the empty tensor of another dtype first. A graph built
+    on a freed parameter's view then sends its gradient (the view's shape)
+    to the hook uneven.py refuses it in, not into the whole weight's
+    accumulator, where autograd dies mid-backward ('invalid gradient')."""
+    other = torch.float32 if data.dtype != torch.float32 else torch.float64
+    param.data = data.new_empty(0, dtype=other)
+    param.data = data
+
+
 class FlatUnit:
     """One unit's parameters (of one dtype) as one flat vector ``full``, of
-    which this rank owns [lo, hi). The parameters are views of ``full``,
-    whose storage is freed while the unit is not gathered. ``kept`` (--zero
-    1): always gathered, the shard a view of ``full``; else the shard is a
-    tensor of its own on ``home`` (the host under --cpu-offload). The
-    optimizer steps ``pieces``: one parameter per model parameter the range
-    overlaps, views of the shard; a model parameter no rank gave a gradient
-    in an update gives its pieces none, so the optimizer leaves it alone."""
+    which this rank owns [lo, hi). Gathered, the parameters are views of
+    ``full`` in their shapes (``shapes``, ``numels``, ``offsets``); freed
+    (storage resized to 0), each is a flat view of its part of this rank's
+    shard, or empty, as FSDP1's are: read outside forward, valid memory."""
+
+    # ``kept`` (--zero 1): always gathered, the shard a view of ``full``;
+    # else the shard is a tensor of its own on ``home`` (the host under
+    # --cpu-offload). The optimizer steps ``pieces``: one parameter per model
+    # parameter the range overlaps, views of the shard; a model parameter no
+    # rank gave a gradient in an update gives its pieces none, so the
+    # optimizer leaves it alone.
 
     def __init__(self, params, cuts, rank, device, home, kept):
         self.params, self.kept = params, kept
-        self.numel = sum(p.numel() for p in params)
+        self.shapes = [param.shape for param in params]
+        self.numels = [param.numel() for param in params]
+        self.numel = sum(self.numels)
         self.full = torch.empty(self.numel, dtype=params[0].dtype, device=device)
         self._bytes = self.full.untyped_storage().nbytes()
         self.offsets, offset = [], 0
         with torch.no_grad():
-            for param in params:
-                view = self.full[offset:offset + param.numel()]
-                view.copy_(param.detach().reshape(-1))
-                param.data = view.view(param.shape)
+            for param, n in zip(params, self.numels):
+                self.full[offset:offset + n].copy_(param.detach().reshape(-1))
                 self.offsets.append(offset)
-                offset += param.numel()
+                offset += n
+        self._as_views()
         self.gathered = True
         self._own(cuts, rank, home)
         if not kept:
@@ -136,8 +153,8 @@ class FlatUnit:
         own = self.full[self.lo:self.hi]
         self.shard = own if self.kept else own.detach().to(home, copy=True)
         self.pieces = []          # (parameter index, its first element, the piece)
-        for i, (param, offset) in enumerate(zip(self.params, self.offsets)):
-            start, end = max(self.lo, offset), min(self.hi, offset + param.numel())
+        for i, (n, offset) in enumerate(zip(self.numels, self.offsets)):
+            start, end = max(self.lo, offset), min(self.hi, offset + n)
             if start < end:
                 piece = nn.Parameter(self.shard[start - self.lo:end - self.lo])
                 self.pieces.append((i, start - offset, piece))
@@ -166,7 +183,59 @@ class FlatUnit:
         data[self.lo:self.hi].copy_(self.shard.detach())
         for r, lo, hi in self.ranges():
             dist.broadcast(data[lo:hi], src=r)
+        self._as_views()
         self.gathered = True
+
+    def _as_views(self):
+        """Each parameter a view of ``full`` in its shape (the unit gathered).
+        ``.data`` is swapped, not the parameter: autograd's graph, hooks and
+        the optimizer keep the same objects."""
+        for param, offset, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
+            _repoint(param, self.full[offset:offset + n].view(shape))
+
+    def _as_shard(self):
+        """Each parameter the flat view of its part of this rank's shard, or
+        an empty tensor where the range holds none of it (the unit freed):
+        a task that reads one outside forward reads memory that exists,
+        never the freed storage of ``full`` (issue 58: a segfault)."""
+        shard = self.shard.detach()
+        for param, offset, n in zip(self.params, self.offsets, self.numels):
+            start, end = max(self.lo, offset), min(self.hi, offset + n)
+            _repoint(param, shard[start - self.lo:end - self.lo] if start < end else
+                     shard.new_empty(0))
+
+    def copy_whole(self):
+        """A new flat vector of the unit's whole weights (a collective where
+        the unit is freed: each owner's range broadcast), never a view of
+        ``full``, whose storage free() releases: what ``full_weights``
+        yields stays valid however long a task keeps it."""
+        if self.gathered:
+            return self.full.detach().clone()
+        return self.whole(self.shard.detach().to(self.full.device))
+
+    def write_whole(self, flat):
+        """What a task left in ``flat`` (copy_whole's) into the unit: this
+        rank's range into its shard and, where the unit is gathered, each
+        parameter it changed into ``full`` too (a write, as a write to the
+        parameter: autograd sees it)."""
+        with torch.no_grad():
+            if not self.gathered:
+                self.shard.copy_(flat[self.lo:self.hi])
+                return
+            for param, offset, n, shape in zip(self.params, self.offsets, self.numels,
+                                               self.shapes):
+                part = flat[offset:offset + n].view(shape)
+                if not torch.equal(part, param.data):
+                    param.detach().copy_(part)
+            self.write_back()
+
+    def write_back(self):
+        """What was written into ``full`` while gathered (a task's
+        ``full_weights``), this rank's range of it, into the shard that the
+        optimizer steps and the next gather reads."""
+        if not self.kept and self.gathered:
+            with torch.no_grad():
+                self.shard.copy_(self.full.data[self.lo:self.hi])
 
     def share_update(self):
         """--zero 1, after the step: each owner's updated range to every rank."""
@@ -176,15 +245,21 @@ class FlatUnit:
 
     def free(self):
         if self.gathered and not self.kept:
-            # Resized to 0, as FSDP1 does: autograd's saved parameters keep their
-            # shapes and see the data again once the unit is gathered.
+            self._as_shard()
+            # Resized to 0, as FSDP1 does: the views of ``full`` autograd saved in
+            # forward (a weight's transpose) see the data again once the unit is
+            # gathered; the parameters themselves point at the shard meanwhile.
             self.full.untyped_storage().resize_(0)
             self.gathered = False
 
     def _whole_grads(self):
         """The parameters' gradients (zeros where none), noting which had one."""
         self.used |= torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32)
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        # Zeros in the parameter's own shape: a unit whose backward never ran
+        # is freed here, its parameters then views of the shard.
+        return [p.grad if p.grad is not None else
+                torch.zeros(shape, dtype=self.full.dtype, device=self.full.device)
+                for p, shape in zip(self.params, self.shapes)]
 
     def reduce_grads(self, world, dtype):
         """The summed gradient of this rank's range, divided by W, added to
@@ -234,5 +309,5 @@ class FlatUnit:
 
     def split(self, flat):
         """``flat`` cut into one host tensor per parameter, in its shape."""
-        return [flat[offset:offset + param.numel()].view(param.shape).detach().cpu().clone()
-                for param, offset in zip(self.params, self.offsets)]
+        return [flat[offset:offset + n].view(shape).detach().cpu().clone()
+                for offset, n, shape in zip(self.offsets, self.numels, self.shapes)]

@@ -11,14 +11,14 @@ import logging
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hetseq.errors import UserError
 from hetseq.registry import Registry
 from hetseq.sections import Section, flag, section
-from hetseq.update import flat_units, full_state, timing
+from hetseq.update import flat_units, full_state, timing, whole_weights
 from hetseq.update.held import optimizer_tensors, settings
+from hetseq.update.whole_weights import full_weights, holds, named_weights  # noqa: F401 (also sharding.*)
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,19 @@ class Sharding:
     def counted_params(self, params):
         """The parameters whose bytes this rank holds (model_state_bytes)."""
         return params
+
+    def gradient_bytes(self, params):
+        """Bytes of the whole gradient one exchange sums: the same on every
+        rank (plan/links.py sizes its probes by it). A DTensor shard counts
+        its whole parameter (its numel is the global one)."""
+        return sum(p.numel() * p.element_size() for p in params)
+
+    def full_weights(self, model):
+        """Context: {name: the whole weight} of ``model`` (the module built
+        by the task, unwrapped), writes to them kept. Here every rank holds
+        the parameters whole. Every rank must enter it alike: under the
+        sharded modes it is a collective (docs/tasks.md)."""
+        return whole_weights.whole_here(model)
 
 
 SHARDING = Registry("ZeRO stage", base=Sharding)
@@ -261,7 +274,34 @@ class FullyShard(Sharding):
             fully_shard(unit, **options)
         fully_shard(model, **options)
         timing.time_fsdp_waits()
+        # The sharded parameters (DTensors), by name: between a forward and
+        # its backward the model's own attributes are FSDP2's gathered copies.
+        self._sharded = list(model.named_parameters(remove_duplicate=False))
+        self._open = 0            # full_weights contexts open now
+        # First, before FSDP2's own hook gathers: a refused forward leaves no unit half-run.
+        model.register_forward_pre_hook(self._refuse_inside, prepend=True)
+        holds(self, model)
         return model
+
+    def _refuse_inside(self, module, args):
+        if self._open:
+            # The forward would all-gather the shards, not what the task wrote
+            # into the whole copies (those reach the shards on leaving).
+            raise UserError(f"the model ran inside full_weights under --zero "
+                            f"{self.registered_name}: the context is for reading or writing "
+                            "the weights; leave it before calling the model")
+
+    @contextlib.contextmanager
+    def full_weights(self, model):
+        """Each DTensor shard gathered whole where it lives, written back on
+        leaving (whole_weights.gathered); the model refuses to run inside."""
+        device = torch.device("cpu") if dist.get_backend() == "gloo" else self.ctx.device
+        with whole_weights.gathered(self._sharded, device) as weights:
+            self._open += 1
+            try:
+                yield weights
+            finally:
+                self._open -= 1
 
     def _placement(self, param):
         """Dim 0 (FSDP's default) unless it is shorter than the world: then a

@@ -4,13 +4,13 @@ Here, below both the Controller and the exchange modes, so that a mode
 declares its own entries (``mode_key``) without importing the Controller.
 """
 
-from hetseq.state import Component
+from hetseq.state import Component, Count
 
 CONTROLLER = Component("controller")
 MODEL = CONTROLLER.key("model")
 OPTIMIZER = CONTROLLER.key("optimizer", reset="optimizer")
 LR_SCHEDULER = CONTROLLER.key("lr_scheduler", reset="lr-scheduler")
-UPDATES = CONTROLLER.key("num_updates")
+UPDATES = CONTROLLER.key("num_updates", kind=Count())   # an elastic node reads it from any file
 LOSS_SCALER = CONTROLLER.key("loss_scaler", reset="optimizer")
 
 

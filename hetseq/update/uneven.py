@@ -6,6 +6,7 @@ updates this rank's range of it; the gradient math and the checkpoint format
 are the other modes' (docs/memory-and-precision.md, 'State shares by memory').
 """
 
+import contextlib
 import logging
 import time
 
@@ -13,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetseq.update import flat_state, flat_units
+from hetseq.errors import UserError
+from hetseq.update import flat_state, flat_units, sharding
 from hetseq.update.flat_units import FlatUnit
 from hetseq.update.held import rebuilt_optimizer
 from hetseq.update.sharding import SHARDS_BY_MEMORY, Replicas, Sharding
@@ -109,6 +111,11 @@ class UnevenBase:
     def _flats(self):
         return [flat for _, flat in self.flats]
 
+    def gradient_bytes(self, params):
+        # The units' whole sizes: a freed unit's parameters are views of this
+        # rank's shard, and every rank must count the same bytes.
+        return sum(flat.numel * flat.full.element_size() for flat in self._flats())
+
     def reshare(self, shares, optimizer):
         """Every rank's fraction of each unit from now on (a collective),
         before the first update: the optimizer is rebuilt over the new ranges."""
@@ -176,8 +183,11 @@ class UnevenShards(UnevenBase, Sharding):
             owner = model.get_submodule(module_name) if module_name else model
             owner._buffers[attr] = buffer.to(self.ctx.device)
         self.make_flats(model, self.ctx.device, home, kept=False)
+        names = {id(param): name for name, param in model.named_parameters()}
         self._root = model
         self._waited, self._queued = 0.0, False
+        self._open = 0            # full_weights contexts open now
+        sharding.holds(self, model)
         from hetseq.update.precision import DTYPES
         # float32 (the default) means: summed in the parameters' own dtype.
         low = self.precision.reduce_dtype != "float32"
@@ -186,17 +196,66 @@ class UnevenShards(UnevenBase, Sharding):
             flat.pending = 0
             unit.register_forward_pre_hook(self._before_forward(flat))
             unit.register_forward_hook(self._after_forward(flat))
-            for param in flat.params:
+            for param, shape in zip(flat.params, flat.shapes):
+                param.register_hook(self._arriving(names.get(id(param), "?"), shape))
                 param.register_post_accumulate_grad_hook(self._after_grad(flat))
         return model
+
+    def _arriving(self, name, shape):
+        """A gradient of another shape than the weight's came from a graph
+        built on the freed parameter (this rank's flat part: flat_units.
+        _repoint gives it an accumulator of its own): refused, on every rank
+        that holds less than the whole weight."""
+        def hook(grad):
+            if grad.shape != shape:
+                raise UserError(
+                    f"a gradient reached parameter {name} from a term of loss computed "
+                    f"outside the forward under --zero {self.registered_name} --state-shares "
+                    f"memory, where the parameter is this rank's part of it (shape "
+                    f"{tuple(grad.shape)}, the weight's {tuple(shape)}): compute a "
+                    "regulariser inside the forward of the module holding the weight, or "
+                    "read its value without gradient in self.full_weights(model) "
+                    "(docs/tasks.md, 'Reading the weights in `loss`')")
+        return hook
 
     def _timed(self, work):
         started = time.perf_counter()
         work()
         self._waited += time.perf_counter() - started
 
+    @contextlib.contextmanager
+    def full_weights(self, model):
+        """Every unit's whole weights copied into tensors of their own (a
+        collective for a freed unit, in the units' order: the same on every
+        rank); on leaving, each rank's range of what the task left written
+        there into its shard (and into ``full`` where a forward keeps the
+        unit gathered for its backward). The units stay as they were."""
+        flats = self._flats()
+        wholes = []
+        for flat in flats:
+            self._timed(lambda flat=flat: wholes.append(flat.copy_whole()))
+        views = {id(param): whole[offset:offset + n].view(shape)
+                 for flat, whole in zip(flats, wholes)
+                 for param, offset, n, shape in zip(flat.params, flat.offsets, flat.numels,
+                                                    flat.shapes)}
+        self._open += 1
+        try:
+            # Copies, not views of the units' ``full``: a tensor the task keeps
+            # (a snapshot, an EMA's source) never points at freed storage.
+            yield sharding.named_weights(
+                model, lambda param: views.get(id(param), param.detach()))
+        finally:
+            self._open -= 1
+            for flat, whole in zip(flats, wholes):
+                flat.write_whole(whole)
+
     def _before_forward(self, flat):
         def hook(module, args):
+            if self._open:
+                # Leaving would free a unit that this forward's backward reads.
+                raise UserError(f"the model ran inside full_weights under --zero "
+                                f"{self.registered_name}: the context is for reading or "
+                                "writing the weights; leave it before calling the model")
             self._timed(flat.gather)
             flat.pending = len(flat.params) if torch.is_grad_enabled() else 0
         return hook

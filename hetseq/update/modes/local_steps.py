@@ -13,6 +13,8 @@ import torch
 from hetseq.distributed.collectives import gather_to_main
 from hetseq.errors import UserError
 from hetseq.sections import Section, flag, given_flags, section
+from hetseq.state import ANYTHING, Count, Fields, ListOf, Optional
+from hetseq.update import held
 from hetseq.update.compress import CODECS
 from hetseq.update.exchange import Exchange, refuse, register_exchange
 from hetseq.update.flat import FlatParams
@@ -311,6 +313,13 @@ class LocalSteps(Exchange):
         rounds = {ROUNDS: {"outer_optimizer": outer, "local_steps": self.cfg.local_steps}}
         return rounds if local else {**rounds,
                                      OPTIMIZERS: gather_to_main(optimizer_state, self.ctx)}
+
+    def state_kind(self, optimizer):
+        # The outer optimizer is over the same parameters as the inner one.
+        outer = held.optimizer_kind(self.outer, optimizer.params)
+        return {ROUNDS: Fields(optional={"outer_optimizer": Optional(outer),
+                                         "local_steps": Count(1)}, extra=ANYTHING),
+                OPTIMIZERS: ListOf(optimizer)}
 
     def load_state_dict(self, state):
         saved = state.get(ROUNDS) or {}
