@@ -1256,4 +1256,15 @@ MUTATIONS = {
         "    for fd in not_inherited:\n        os.close(fd)",
         "    for fd in not_inherited:\n        pass",
         ["tests/test_startup.py::test_a_nodes_cpu_ranks_are_its_own_children"]),
+    "ranks-walk-the-parents-objects": (
+        "before CPU ranks fork from the command, its objects go to the collector's "
+        "permanent generation",
+        "    if method == \"fork\":\n        gc.collect()\n        gc.freeze()",
+        "    if method == \"fork\":\n        gc.collect()",
+        ["tests/test_startup.py::test_forked_ranks_never_walk_what_their_parent_imported"]),
+    "fork-server-keeps-imports-collectable": (
+        "the fork server freezes what it imported before it forks ranks",
+        "gc.collect()\ngc.freeze()\n",
+        "gc.collect()\n",
+        ["tests/test_startup.py::test_forked_ranks_never_walk_what_their_parent_imported"]),
 }

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """How one node of 2 CPU ranks (``python train.py``) starts and ends: its
 ranks forked from the command itself (what it does while it has one
-thread), from a fork server that ends at once (hetseq/distributed/
-quick_exit.py; what it does with more threads), and from one that runs the
-interpreter's teardown instead.
+thread), the same without freezing the command's objects before the fork
+(launch._frozen_for), from a fork server that ends at once (hetseq/
+distributed/quick_exit.py; what it does with more threads), and from one
+that runs the interpreter's teardown instead.
 
 Per way: the machine's CPU seconds and the wall seconds of the whole
 command, and how long after its last line the command exited and its
@@ -31,17 +32,21 @@ TOY = ["--task", "toy", "--user-dir", os.path.join(ROOT, "tests", "tasks"), "--c
        "--no-progress-bar", "--max-update", "4", "--max-sentences", "8", "--no-save",
        "--disable-validation", "--distributed-world-size", "2", "--distributed-rank", "0",
        "--distributed-gpus", "2"]
-# train.py, as it is ("fork") or as if the command had a second thread
-# (a fork server), with the server's preload list as it is or without quick_exit.
+# train.py, as it is ("fork"), forked without freezing first, or as if the
+# command had a second thread (a fork server), with the server's preload
+# list as it is or without quick_exit.
 TRAIN = ("import sys\n"
+         "import contextlib\n"
          "from hetseq.distributed import launch\n"
-         "if sys.argv[1] != 'fork':\n"
+         "if sys.argv[1] == 'fork, unfrozen':\n"
+         "    launch._frozen_for = lambda method: contextlib.nullcontext()\n"
+         "elif sys.argv[1] != 'fork':\n"
          "    launch.threads_here = lambda: 2\n"
          "if sys.argv[1] == 'fork server, teardown':\n"
          "    launch.PRELOAD = tuple(m for m in launch.PRELOAD if not m.endswith('quick_exit'))\n"
          "from hetseq.main import main\n"
          "main(sys.argv[2:])\n")
-WAYS = ("fork", "fork server, quick exit", "fork server, teardown")
+WAYS = ("fork", "fork, unfrozen", "fork server, quick exit", "fork server, teardown")
 
 
 def timed(way, folder):
@@ -93,6 +98,8 @@ def main():
           "fork_cpu_over_fork_server": round(fork["machine_cpu_s"] / server["machine_cpu_s"], 2),
           "fork_wall_over_fork_server": round(fork["command_wall_s"] / server["command_wall_s"],
                                               2),
+          "frozen_cpu_over_unfrozen": round(fork["machine_cpu_s"]
+                                            / results["fork, unfrozen"]["machine_cpu_s"], 2),
           "machine": f"{os.cpu_count()} cores", "repeats": args.repeats, "results": results},
          args.out)
 

@@ -61,6 +61,37 @@ def test_cpu_ranks_fork_from_the_command_or_a_preloaded_server_and_cuda_ranks_ar
     assert lines[3] == "spawn", done.stdout
 
 
+def test_forked_ranks_never_walk_what_their_parent_imported(tmp_path):
+    """Before CPU ranks fork, the command's objects (torch's modules) go to
+    the collector's permanent generation, and the fork server's after its
+    imports: a rank's collections skip them, so the kernel need not copy
+    every page they sit on into it (bench/rank_start.py)."""
+    (tmp_path / "frozen_probe.py").write_text(
+        "import gc, os\n"
+        "def rank(index, folder):\n"
+        "    with open(os.path.join(folder, str(index)), 'w') as f:\n"
+        "        f.write(str(gc.get_freeze_count()))\n")
+    probe = ("import gc, sys, threading\n"
+             "from hetseq.distributed import launch\n"
+             "import frozen_probe\n"
+             "folder = sys.argv[1]\n"
+             "print(gc.get_freeze_count(), launch.start_method('cpu'))\n"
+             "launch.start_ranks(frozen_probe.rank, (folder + '/a',), 2)\n"
+             "threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
+             "print(launch.start_method('cpu'))\n"
+             "launch.start_ranks(frozen_probe.rank, (folder + '/b',), 2)\n")
+    for way in "ab":
+        (tmp_path / way).mkdir()
+    done = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], cwd=tmp_path,
+                          env=child_env({"PYTHONPATH": str(tmp_path)}), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["0", "fork", "forkserver"], done.stdout
+    for way in "ab":
+        counts = [int((tmp_path / way / str(i)).read_text()) for i in range(2)]
+        assert min(counts) > 10_000, (way, counts)      # torch alone: about 100,000
+
+
 def listening_inodes(port):
     """The socket inodes listening on 127.0.0.1:``port`` (/proc/net/tcp)."""
     rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]

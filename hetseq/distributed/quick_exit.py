@@ -6,10 +6,17 @@ Why, for users: the fork server holds the job's standard output, so whatever
 reads it (``| tee log``, a CI log, ``subprocess.run``) sees the job end only
 when the server has exited; bench/rank_start.py measures the difference.
 Its ranks never run this: a forked rank ends with os._exit, as
-multiprocessing's children do.
+multiprocessing's children do. It also freezes what the server imported
+(below).
 """
 
 import atexit
+import gc
 import os
 
 atexit.register(os._exit, 0)
+# Imported after torch (launch.PRELOAD): what the server imported so far goes
+# to the collector's permanent generation, so that no rank's collection
+# walks it and has the kernel copy every page it sits on (launch._frozen_for).
+gc.collect()
+gc.freeze()

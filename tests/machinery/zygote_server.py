@@ -18,6 +18,7 @@ On a namespace host the child enters the host itself (namespace_host.py).
 """
 
 import atexit
+import gc
 import io
 import json
 import os
@@ -94,6 +95,11 @@ def serve(path):
     each child's exit code on its request's connection; end when standard
     input closes (the test worker that started this ended)."""
     preloaded = Preloaded()
+    # What the imports made goes to the collector's permanent generation: a
+    # child's collections never walk it, so the kernel never copies the pages
+    # it sits on into the child (as launch._frozen_for does for ranks).
+    gc.collect()
+    gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(64)
