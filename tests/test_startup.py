@@ -83,7 +83,9 @@ def test_forked_ranks_never_walk_what_their_parent_imported(tmp_path):
     for way in "ab":
         (tmp_path / way).mkdir()
     done = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], cwd=tmp_path,
-                          env=child_env({"PYTHONPATH": str(tmp_path)}), capture_output=True,
+                          env=child_env({"PYTHONPATH": os.pathsep.join(
+                              [str(tmp_path), os.environ.get("PYTHONPATH", "")])}),
+                          capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["0", "fork", "forkserver"], done.stdout
