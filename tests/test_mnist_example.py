@@ -49,18 +49,19 @@ def test_two_processes_learn(mnist_data, tmp_path):
 
 def test_defaults_learn_fashion_mnist_on_two_nodes_and_stop(tmp_path):
     """The docs' command (`--task mnist --user-dir examples/mnist`, no data,
-    optimizer or length given) on two nodes, for 120 of its 938 updates:
+    optimizer or length given) on two nodes, for 60 of its 938 updates:
     Fashion-MNIST from Debian's package (CI installs it), the task's
     Adadelta recipe. Measured with the whole run: 0.877 after epoch 1,
-    0.903 after epoch 2; after 120 updates about 0.8."""
+    0.903 after epoch 2; 0.80 after 60 updates (0.83 after 120, at 1.6x
+    the CPU)."""
     require(os.path.isdir(FASHION_MNIST), f"needs Fashion-MNIST in {FASHION_MNIST} "
             "(apt-get install dataset-fashion-mnist)")
-    results = run_job([*MNIST, "--max-update", 120, "--save-dir", tmp_path / "ckpt"],
+    results = run_job([*MNIST, "--max-update", 60, "--save-dir", tmp_path / "ckpt"],
                       [["--max-sentences", 96], ["--max-sentences", 32]], timeout=600)
     assert_ok(results)
     out = results[0][1]
     assert f"no --data: training on Fashion-MNIST in {FASHION_MNIST}" in out
-    assert "done: reached --max-update 120" in out
+    assert "done: reached --max-update 60" in out
     accuracy = float(re.search(r"valid on 'valid' \| epoch 001 \| loss=\S+ \| accuracy=(\S+)",
                                out).group(1))
     assert accuracy > 0.75, accuracy     # ten classes: chance is 0.1
