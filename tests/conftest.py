@@ -67,6 +67,27 @@ def pytest_sessionstart(session):
     torch.set_num_threads(1)
 
 
+# The files that take longest in CI (2 cores, three workers, a file each at
+# a time: docs/testing.md), longest first: pytest-xdist hands files out in
+# the order collected, so these start first and the suite ends on short
+# ones, not on one worker finishing a 3-minute file while a core idles.
+LONGEST_FIRST = ("test_elastic.py", "test_glue.py", "test_kernels.py", "test_checkpoint.py",
+                 "test_bert.py", "test_startup.py", "test_launchers.py", "test_parity.py",
+                 "test_elastic_shares.py", "test_sitting.py", "test_multihost.py",
+                 "test_capacity.py", "test_sharding.py", "test_mnist_example.py",
+                 "test_launch.py", "test_kernel_report.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """LONGEST_FIRST's files first; the others, and the tests in each file,
+    keep their order (a stable sort: every worker collects the same)."""
+    gone = [name for name in LONGEST_FIRST if not (ROOT / "tests" / name).is_file()]
+    if gone:
+        raise pytest.UsageError(f"conftest.LONGEST_FIRST names {gone}, not in tests/")
+    place = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: place.get(item.path.name, len(place)))
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Under HETSEQ_SUITE_LIMIT_S the suite fails when it ran longer (checked
     once, by the process that runs the session, not by each xdist worker)."""
