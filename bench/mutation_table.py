@@ -1267,4 +1267,9 @@ MUTATIONS = {
         "gc.collect()\ngc.freeze()\n",
         "gc.collect()\n",
         ["tests/test_startup.py::test_forked_ranks_never_walk_what_their_parent_imported"]),
+    "round-settles-early-without-an-expected-member": (
+        "a round waits EXPECTED_SETTLE_S, not SETTLE_S, for a member it expects",
+        "            settle = EXPECTED_SETTLE_S if expected - ids else SETTLE_S",
+        "            settle = SETTLE_S",
+        ["tests/test_elastic.py::test_a_round_does_not_wait_for_a_member_whose_store_refused"]),
 }

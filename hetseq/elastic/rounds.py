@@ -18,6 +18,10 @@ from hetseq.store.channel import GREETING_S
 logger = logging.getLogger("hetseq.elastic.membership")
 
 SETTLE_S = 3.0     # a round with enough members closes when nobody new came for this long
+# ... or for this long while a member it expects has not come: a survivor
+# slow to leave its failed group (a loaded machine: 16 nodes on 2 cores
+# came 3 s after the others) would come back as a newcomer, a generation more.
+EXPECTED_SETTLE_S = 10.0
 POLL_S = 0.05
 PROBE_EVERY_S = 2.0   # a waiting leader asks the previous members again this often
 MAX_WAITING = 64      # nodes waiting for a place that a round looks for
@@ -66,9 +70,10 @@ class LeadRound:
                 seen, changed = len(arrived), time.monotonic()
             ids = {m["id"] for m in arrived}
             enough = len(arrived) >= self.m.min_nodes and generations.has_quorum(previous, ids)
+            settle = EXPECTED_SETTLE_S if expected - ids else SETTLE_S
             if enough and ((self.m.max_nodes and len(arrived) >= self.m.max_nodes) or
                            (expected and expected <= ids) or
-                           time.monotonic() - changed >= SETTLE_S):
+                           time.monotonic() - changed >= settle):
                 break
             if time.monotonic() > deadline:
                 if enough:      # the last arrival had no time to settle: close with whoever came
