@@ -157,13 +157,18 @@ def _frozen_for(method):
     the collector's permanent generation first, so that a rank's collections
     (one at least, at its end) never walk them. Walking them writes to every
     page they sit on, which the kernel then copies into the rank (a 2-rank
-    toy command: 0.85x the CPU, bench/rank_start.py). They stay frozen
-    here too: this process only waits for its ranks, and what it imported
-    is never garbage."""
-    if method == "fork":
-        gc.collect()
-        gc.freeze()
-    yield
+    toy command: 0.85x the CPU, bench/rank_start.py). Here they go back to
+    the collector once the ranks started: a caller that goes on (a library
+    user, a test) must still reclaim the cycles it drops."""
+    if method != "fork":
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def start_ranks(fn, args, nprocs, device_type="cpu", *modules, then=None, not_inherited=()):
