@@ -228,7 +228,8 @@ class FollowRound:
         publishes nothing for longer than its own wait (--distributed-timeout)
         plus its probes is stuck: look again while the meeting has time."""
         store, number = self.store, self.number
-        key, waited = f"e/{number}/members", self.m.timeout_s + SETTLE_S + 2 * GREETING_S
+        key = f"e/{number}/members"
+        waited = self.m.timeout_s + EXPECTED_SETTLE_S + 2 * GREETING_S
         deadline = min(self.m._deadline, time.monotonic() + waited)
         while not store.check([key]):
             if store.check(["e/done"]):
