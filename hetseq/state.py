@@ -24,8 +24,8 @@ class Component:
     whatever the component's own ``state_kind()`` says when it loads),
     checked where any file is read (``check_declared``)."""
 
-    declared = {}   # "name" or "name.key" -> its reset flag (None: always loaded)
-    kinds = {}      # "name" or "name.key" -> its Kind, where declared with one
+    declared: dict = {}   # "name" or "name.key" -> its reset flag (None: always loaded)
+    kinds: dict = {}      # "name" or "name.key" -> its Kind, where declared with one
 
     def __init__(self, name, reset=None, kind=None):
         self.name = name

@@ -31,7 +31,7 @@ class GlueSpec:
 
     name: str
     columns: tuple
-    labels: tuple = None
+    labels: tuple | None = None
     metrics: tuple = ("accuracy",)
     header: bool = True
     splits: tuple = (("valid", "dev"),)

@@ -22,7 +22,8 @@ from hetseq.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-_QKV = re.compile(r"^(bert\.encoder\.layer\.\d+\.attention)\.self\.(query|key|value)\.(weight|bias)$")
+_QKV = re.compile(r"^(bert\.encoder\.layer\.\d+\.attention)\.self\."
+                  r"(query|key|value)\.(weight|bias)$")
 _DROPPED = ("position_ids", "cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 
 
@@ -47,7 +48,8 @@ def read_state_dict(path):
 
 
 def _canonical(key):
-    key = key.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+    key = key.replace("LayerNorm.gamma", "LayerNorm.weight")
+    key = key.replace("LayerNorm.beta", "LayerNorm.bias")
     if not key.startswith(("bert.", "cls.", "classifier.")):
         key = "bert." + key
     return key

@@ -70,7 +70,8 @@ def train_vocab(files, out_dir, vocab_size, lowercase=True):
     for path in files:
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
-                words.update(w for w, _ in splitter.pre_tokenize_str(normalizer.normalize_str(line)))
+                text = normalizer.normalize_str(line)
+                words.update(w for w, _ in splitter.pre_tokenize_str(text))
     vocab = wordpiece_vocab(words, vocab_size)
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "vocab.txt")
@@ -250,7 +251,8 @@ def create_pretraining_data(inputs, out_dir, vocab=None, vocab_size=30522, setti
     inputs = [str(path) for path in inputs]
     missing = [path for path in inputs if not os.path.isfile(path)]
     if not inputs or missing:
-        raise UserError(f"no input text files{': missing ' + ', '.join(missing) if missing else ''}")
+        named = ": missing " + ", ".join(missing) if missing else ""
+        raise UserError(f"no input text files{named}")
     os.makedirs(out_dir, exist_ok=True)
     vocab = vocab or train_vocab(inputs, out_dir, vocab_size, settings.lowercase)
     jobs = [(path, i, vocab, out_dir, prefix, settings) for i, path in enumerate(inputs)]

@@ -26,10 +26,10 @@ class StartingPoint:
     """Weights to fine-tune from: a Hugging Face folder, or a HetSeq BERT
     pretraining checkpoint with the config and vocab it was trained with."""
 
-    hf_folder: str = None
-    checkpoint: str = None
-    config: str = None
-    vocab: str = None
+    hf_folder: str | None = None
+    checkpoint: str | None = None
+    config: str | None = None
+    vocab: str | None = None
 
     def describe(self):
         if self.hf_folder:

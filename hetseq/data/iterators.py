@@ -237,8 +237,8 @@ class GlobalBatchIterator:
         self.epoch = state["epoch"]
         self.samples_in_epoch = state.get("samples_in_epoch")
         if self.samples_in_epoch is None:
-            self.samples_in_epoch = min(self.batches.dataset_size,
-                                        state["iterations_in_epoch"] * self.batches.global_batch_size)
+            done = state["iterations_in_epoch"] * self.batches.global_batch_size
+            self.samples_in_epoch = min(self.batches.dataset_size, done)
 
 
 def move_to(sample, device):

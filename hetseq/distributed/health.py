@@ -97,6 +97,7 @@ def peer_lost(err, store, rank, world_size, peers):
     else:
         lost = [r for r in silent if r != rank]
         how = "its heartbeat stopped" if lost else "no rank's heartbeat stopped"
-    names = ", ".join(f"rank {r} ({_where(peers.get(r, {}))})" for r in lost) or "no rank identified"
+    names = (", ".join(f"rank {r} ({_where(peers.get(r, {}))})" for r in lost)
+             or "no rank identified")
     cause = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
     return PeerLost(f"lost {names}: {how}. Rank {rank} stops too. Collective error: {cause}")

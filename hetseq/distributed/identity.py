@@ -66,6 +66,6 @@ def present(store, identity, rank, url, who, deadline):
               else "the job's identity there is of another form (another HetSeq version?)")
     raise UserError(
         f"{name} refused by the job at {url} (started by {printable(founder[:MAX_SHOWN])}): "
-        f"its flags differ: {printable(differ[:4 * MAX_SHOWN])}. Start every node with the same flags "
-        "(only those listed in the README as per-node may differ), or use another "
+        f"its flags differ: {printable(differ[:4 * MAX_SHOWN])}. Start every node with the "
+        "same flags (only those listed in the README as per-node may differ), or use another "
         "--distributed-init-method for another job")

@@ -27,8 +27,8 @@ class _Ifaddrs(ctypes.Structure):
 
 _Ifaddrs._fields_ = [("next", ctypes.POINTER(_Ifaddrs)), ("name", ctypes.c_char_p),
                      ("flags", ctypes.c_uint), ("addr", ctypes.POINTER(_Sockaddr)),
-                     ("netmask", ctypes.POINTER(_Sockaddr)), ("broadaddr", ctypes.POINTER(_Sockaddr)),
-                     ("data", ctypes.c_void_p)]
+                     ("netmask", ctypes.POINTER(_Sockaddr)),
+                     ("broadaddr", ctypes.POINTER(_Sockaddr)), ("data", ctypes.c_void_p)]
 
 
 def _address(sockaddr):

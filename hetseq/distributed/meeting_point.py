@@ -40,7 +40,7 @@ class Access:
 
 
 # Sockets handed to TCPStore as master_listen_fd must stay open while it serves.
-_LISTENERS = []
+_LISTENERS: list = []
 
 
 def _tcp_store(url, host, port, rank, world_size, timeout, hosted, access):

@@ -174,7 +174,8 @@ def _from_launcher(launch, backend, env, launched, device_type, cuda_count):
                         f"{launched.name} environment (world size {launched.world_size}); "
                         "drop the flag when a launcher starts the job")
     if not 0 <= launched.rank < launched.world_size:
-        raise UserError(f"{launched.name} gave rank {launched.rank} outside 0..{launched.world_size - 1}")
+        raise UserError(f"{launched.name} gave rank {launched.rank} outside "
+                        f"0..{launched.world_size - 1}")
     init = launch.distributed_init_method or _launcher_init_method(launch, env, launched)
     device = launched.local_rank if device_type == "cuda" else 0
     _check_devices(device_type, device, 1, cuda_count)
@@ -262,7 +263,8 @@ def _ranks_of_this_node(launch, world, init, device_type, cuda_count):
 
 def _check_devices(device_type, first_device, nprocs, cuda_count):
     if device_type == "cuda" and first_device + nprocs > cuda_count:
-        raise UserError(f"this node would use CUDA devices {first_device}..{first_device + nprocs - 1}"
+        last = first_device + nprocs - 1
+        raise UserError(f"this node would use CUDA devices {first_device}..{last}"
                         f" but only {cuda_count} are visible; lower --distributed-gpus or "
                         "--device-id, or pass --cpu")
 

@@ -58,8 +58,8 @@ def train_elastic(args, job, node, inputs):
                                     url=node.launch.distributed_init_method)
     if secret is None:
         raise UserError("--elastic needs a job secret, since nodes join by themselves: set "
-                        f"HETSEQ_JOB_SECRET or --job-secret-file on every node ({job_secret.MAKE_ONE} "
-                        "makes one)")
+                        "HETSEQ_JOB_SECRET or --job-secret-file on every node "
+                        f"({job_secret.MAKE_ONE} makes one)")
     # This process trains the first process's rank: it imports what the first update
     # needs (seconds of CPU) before it meets, not while members wait
     # for it in a new generation.

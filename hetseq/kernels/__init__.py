@@ -17,9 +17,9 @@ from hetseq.kernels import ops, philox
 
 logger = logging.getLogger(__name__)
 PATHS = ("torch", "triton")
-_checked = set()    # HETSEQ_KERNELS values seen: checked once each
-_triton = []        # whether Triton imports, once known
-_capable = {}       # CUDA device index -> whether auto takes the Triton path there
+_checked: set[str] = set()    # HETSEQ_KERNELS values seen: checked once each
+_triton: list[bool] = []        # whether Triton imports, once known
+_capable: dict[int, bool] = {}       # CUDA device index -> whether auto takes the Triton path there
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)     # what the kernels compute in
 
 
@@ -120,7 +120,7 @@ def attention(q, k, v, key_mask, draw, p):
     return explicit_attention(q, k, v, key_mask, draw, p)
 
 
-_noted = set()      # what was said once about the path attention takes
+_noted: set[str] = set()      # what was said once about the path attention takes
 
 
 def _kernel_path(q):

@@ -166,11 +166,11 @@ class _Probe:
                                      "HetSeq and torch (try the ssh command of --dry-run)"))
 
     def _judge(self, code):
-        answer, lines = self.answer, [l for l in self.output.splitlines() if l.strip()]
-        reached = any(l.startswith(STARTED) for l in lines)
-        said = [l for l in lines if not l.startswith((STARTED, PREFIX))]
+        answer, lines = self.answer, [s for s in self.output.splitlines() if s.strip()]
+        reached = any(s.startswith(STARTED) for s in lines)
+        said = [s for s in lines if not s.startswith((STARTED, PREFIX))]
         last = said[-1].strip() if said else f"exit {code}"
-        facts = [l[len(PREFIX):] for l in lines if l.startswith(PREFIX)]
+        facts = [s[len(PREFIX):] for s in lines if s.startswith(PREFIX)]
         if facts:
             try:
                 said_facts = json.loads(facts[-1])

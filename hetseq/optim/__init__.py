@@ -50,7 +50,8 @@ def parse_float_tuple(text):
     try:
         return tuple(float(part) for part in stripped.split(",") if part.strip())
     except ValueError:
-        raise UserError(f"expected numbers separated by commas such as '(0.9, 0.999)', got '{text}'")
+        raise UserError("expected numbers separated by commas such as '(0.9, 0.999)', "
+                        f"got '{text}'")
 
 
 # HetSeq's "adam" was fairseq's Adam, which already decouples weight decay

@@ -114,7 +114,7 @@ def planned_updates(training, steps_per_epoch):
                for epoch in range(1, training.max_epoch + 1))
 
 
-SCHEDULERS = Registry("LR scheduler", base=LRScheduler)
+SCHEDULERS: Registry = Registry("LR scheduler", base=LRScheduler)
 register_lr_scheduler = SCHEDULERS.register
 
 

@@ -211,10 +211,11 @@ class Rebalancer:
 
     def _judge_trial(self):
         """Keep a change unless it made updates slower by more than half the
-        gain it predicted (then it was wrong, not noise): undo it. A rank's rate is not quite independent of its share (a fixed
-        cost per update makes a small share look slow), so a prediction can be
-        wrong: the measured update time is the judge. After an undo, any change
-        must promise twice the failed gain for ``hold`` updates (doubling with
+        gain it predicted (then it was wrong, not noise): undo it. A rank's
+        rate is not quite independent of its share (a fixed cost per update
+        makes a small share look slow), so a prediction can be wrong: the
+        measured update time is the judge. After an undo, any change must
+        promise twice the failed gain for ``hold`` updates (doubling with
         each failure)."""
         previous, before, gain = self.trial
         self.trial = None

@@ -251,7 +251,8 @@ def _speeds_and_shares(ax_rate, ax_share, lines, updates):
 
 def main(argv=None):
     parser = Parser(
-        prog="hetseq-plot", description="Draw a run (SAVE_DIR/balance.jsonl) into SAVE_DIR/run.png.")
+        prog="hetseq-plot",
+        description="Draw a run (SAVE_DIR/balance.jsonl) into SAVE_DIR/run.png.")
     parser.add_argument("save_dir", metavar="SAVE_DIR", help="the --save-dir of a run")
     parser.add_argument("--out", metavar="PNG", help="where to write (default: SAVE_DIR/run.png)")
     args = parser.parse_args(argv)

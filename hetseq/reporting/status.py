@@ -123,7 +123,7 @@ def look(url, secret, timeout_s=CONNECT_S):
     return leader_store(open_store(url, secret, timeout_s), url, secret, timeout_s)
 
 
-_workers = []                # bounded()'s threads; one alive is blocked in the network
+_workers: list = []                # bounded()'s threads; one alive is blocked in the network
 
 
 def bounded(step, url, timeout_s):

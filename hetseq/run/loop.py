@@ -118,7 +118,8 @@ class Run:
             logger.info("capacity plan (%s), global batch %d, %s, %s:\n%s", job.capacity.capacity,
                         plan.global_batch, controller.describe_sharding(),
                         precision.describe(job.precision),
-                        capacity.describe(plan, devices, list(zip(held, controller.state_shares()))))
+                        capacity.describe(plan, devices,
+                                          list(zip(held, controller.state_shares()))))
             _log_exchange(plan, devices, links, per_update, controller.can_sit_out())
         auto = job.capacity.capacity == "auto"
         rebalancer = None if job.capacity.no_rebalance else rebalance.Rebalancer(

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 REFUSALS_LOG_S = 30.0   # refused handshakes: a source's first logged, then one line per interval
 POLL_S = 1.0              # an accept loop notices its listener closed within this
 
-_WARNED = set()
+_WARNED: set[str] = set()
 
 
 def _warn_once(kind, message, *args):
@@ -85,7 +85,7 @@ def _start(handle, sock, peer, dropped):
 
 # Every gate, so that it lives as long as the job whatever holds it (as
 # meeting_point._LISTENERS for the sockets under the stores).
-_GATES = []
+_GATES: list["Gate"] = []
 
 
 class Gate:

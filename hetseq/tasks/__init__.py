@@ -72,7 +72,8 @@ def import_user_dir(path):
     found = {os.path.abspath(p) for p in getattr(module, "__path__", [])}
     if path not in found:
         del sys.modules[name]
-        raise UserError(f"--user-dir {path}: importing '{name}' found {sorted(found)[:1] or module} "
+        first = sorted(found)[:1] or module
+        raise UserError(f"--user-dir {path}: importing '{name}' found {first} "
                         "first on the module path; rename the directory")
     if not os.path.exists(os.path.join(path, "__init__.py")):
         # A plain folder of modules: import each one so its tasks register.

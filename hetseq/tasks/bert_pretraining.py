@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 class BertInputs:
     data: str
     config: str
-    vocab: str = None
+    vocab: str | None = None
 
     @classmethod
     def from_flags(cls, args):

@@ -15,9 +15,9 @@ from hetseq.update import sharding
 class Task:
     # This task's flags that may differ from node to node (every other flag
     # must agree across nodes: hetseq/distributed/identity.py).
-    per_node_flags = frozenset()
+    per_node_flags: frozenset[str] = frozenset()
     # Defaults of general flags for this task, by argparse dest (see above).
-    defaults = {}
+    defaults: dict = {}
 
     def __init__(self, args, inputs=None):
         self.args = args

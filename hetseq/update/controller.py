@@ -49,8 +49,7 @@ class Controller:
             # The forward, in place: the parameters and their names, hence
             # checkpoints, stay those of the plain model (torch.compile(model)
             # would prefix them; nn.Module.compile() traces nothing in torch
-            # 2.13). Graphs are built at the first forward, and once more for
-            # batch shapes that vary.
+            # 2.13). Graphs are built at the first forward and for new shapes.
             compile_cache()      # a private cache: torch's own, in /tmp, others can plant
             self.model.forward = torch.compile(self.model.forward)
         # What a checkpoint must hold for this model, taken before wrapping:
@@ -75,7 +74,8 @@ class Controller:
         self.stepper = Stepper(ctx, self.sharding, self.params, self.optimizer, self._fused,
                                self._state_slots, lambda: self._steps)
         self._offloaded = job.sharding.cpu_offload and ctx.device.type != "cpu"
-        self.lr_scheduler = build_lr_scheduler(job.schedule, self.optimizer, job.training.max_update)
+        self.lr_scheduler = build_lr_scheduler(job.schedule, self.optimizer,
+                                               job.training.max_update)
         self.autocast = precision.autocast(job.precision, ctx.device)
         # fairseq's default window: 2**14 updates of one rank's batch.
         window = 2 ** 14 / ctx.world_size / job.training.update_freq[0]

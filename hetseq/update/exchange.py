@@ -83,7 +83,7 @@ class NoFlags(Section):
 class Exchange:
     """The base of every mode: the protocol the Controller calls, and what
     every mode does alike (this rank's report in each update's stats)."""
-    Config = NoFlags        # its section of the job's ExchangeConfig (its flags)
+    Config: type[Section] = NoFlags        # its section of the job's ExchangeConfig (its flags)
     sits_out = False        # True: a rank may leave its exchange (update/members.py)
     updates_per_exchange = 1
     # True: the --zero mode it holds may split the state by memory

@@ -362,7 +362,8 @@ class FullyShard(Sharding):
             # cannot place an empty state on the shards (it fails on the device).
             full_state.load_settings(optimizer, state)
             return
-        set_optimizer_state_dict(model, optimizer, full_state.by_name(model, state), options=full_state.full_options())
+        set_optimizer_state_dict(model, optimizer, full_state.by_name(model, state),
+                                 options=full_state.full_options())
 
 
 @SHARDING.register("3")

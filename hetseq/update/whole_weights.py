@@ -34,7 +34,7 @@ def named_weights(model, whole):
 # Each module of a sharded model -> (weak references to the mode that shards
 # it and to the model, its name's prefix there), for full_weights: weak, so
 # that neither keeps a finished Controller's model or mode alive.
-_HOLDERS = weakref.WeakKeyDictionary()
+_HOLDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def holds(mode, model):

@@ -72,7 +72,8 @@ class LocalSteps(Exchange):
         self.round = StatsSum(ctx, local=True)   # the round's stats so far
         self.seconds = 0.0             # the round's compute seconds so far
         self.anchor = None             # theta_0; with --outer-overlap: global
-        self.start = None              # --outer-overlap: this rank's parameters at the round's start
+        # --outer-overlap: this rank's parameters at the round's start
+        self.start = None
         self.pending = None            # --outer-overlap: the exchange in flight
         # rewindable: (inner optimizer state, updates) at the starts of the
         # last two rounds (--outer-overlap may have to train both again).
