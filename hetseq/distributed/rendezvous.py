@@ -160,8 +160,18 @@ def shutdown(topology, rank, store):
     dist.destroy_process_group()
     url = topology.init_method or ""
     leave(store, rank, topology.world_size)
-    if rank == 0 and url.startswith("file://"):
-        _remove(url)
+    if url.startswith("file://"):
+        if rank == 0:
+            _remove(url)
+        else:
+            _KEPT.append(store)
+
+
+# A file:// store's destructor opens its file again (FileStore counts there
+# the processes done with it), which made the file anew when rank 0 had just
+# removed it. The other ranks keep theirs to their end: a quick exit never
+# runs it, and at a normal exit the file is long gone (it then does nothing).
+_KEPT: list = []
 
 
 def leave(store, rank, world_size):
