@@ -153,7 +153,8 @@ def shutdown(topology, rank, store):
     """Leave the process group after a clean run. The ranks leave together: the
     process serving the TCP store (rank 0) waits until every rank has let go
     of it, since a client whose server vanished can abort at exit. Rank 0 then
-    removes a file:// store file (a leftover file breaks the next job there)."""
+    removes a file:// store file (a leftover file breaks the next job there);
+    the others keep their store object, whose destructor would make it anew."""
     if not dist.is_initialized():
         return
     dist.barrier()                      # bounded by the process group's timeout
