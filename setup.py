@@ -15,7 +15,7 @@ setup(
     # GLUE tests; transformers loads our exports back; scipy and scikit-learn are
     # the references for the GLUE metrics; pytest-timeout holds pytest.ini's
     # per-test limit; pytest-xdist runs the suite in three workers; triton runs
-    # hetseq/kernels/ in its interpreter on CPU (torch's CUDA builds bring
+    # hetseq/keyed/kernels/ in its interpreter on CPU (torch's CUDA builds bring
     # their own triton; a CPU-only host needs none to train).
     # [secret]: a job secret seals the store's frames with ChaCha20-Poly1305
     # (hetseq/store/cipher.py); imported only by jobs with a secret, so an
@@ -27,9 +27,9 @@ setup(
                     "secret": ["cryptography>=42"],
                     "hf": ["safetensors"],
                     "bench": ["matplotlib", "transformers>=4.40", "accelerate"]},   # plots; Trainer
-    entry_points={"console_scripts": ["hetseq-train=hetseq.main:main",
+    entry_points={"console_scripts": ["hetseq-train=hetseq.app.main:main",
                                       "hetseq-plot=hetseq.reporting.plot:main",
-                                      "hetseq-launch=hetseq.launch.main:main",
+                                      "hetseq-launch=hetseq.launch.launcher:main",
                                       "hetseq-status=hetseq.reporting.status:main",
                                       "hetseq-secret=hetseq.store.secret:main"]},
 )

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Thin entry point: ``python train.py --task NAME ...`` (see README)."""
 
-from hetseq.main import main
+from hetseq.app.main import main
 
 if __name__ == "__main__":
     main()

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hetseq.kernels import ops, philox  # noqa: E402
-from hetseq.randomness import sample_keys  # noqa: E402
+from hetseq.keyed.kernels import ops, philox  # noqa: E402
+from hetseq.keyed.randomness import sample_keys  # noqa: E402
 
 GOALS = {128: 1.5, 512: 1.3}    # keyed / flash, forward + backward
 

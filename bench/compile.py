@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from output import emit  # noqa: E402  (bench/output.py)
 from precision import batches, controller  # noqa: E402  (the same model and batches)
 
-from hetseq import cli  # noqa: E402
+from hetseq.app import cli  # noqa: E402
 from hetseq.tasks import TASKS, import_builtin_tasks  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """What drawing dropout per sample costs: the default BERT's training step
-with HetSeq's keyed masks (hetseq/randomness.py) against torch's own dropout.
+with HetSeq's keyed masks (hetseq/keyed/randomness.py) against torch's own dropout.
 
 One process, the default BERT of ``--task bert`` (hidden 256, 4 layers,
 4 heads, sequences of 128, batch 32, dropout 0.1 everywhere), SGD.
@@ -27,10 +27,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hetseq import cli  # noqa: E402
+from hetseq.app import cli  # noqa: E402
 from hetseq.update.controller import Controller  # noqa: E402
-from hetseq.distributed.launch import DistContext  # noqa: E402
-from hetseq.randomness import KeyedBatch, sample_keys  # noqa: E402
+from hetseq.distributed.spawn import DistContext  # noqa: E402
+from hetseq.keyed.randomness import KeyedBatch, sample_keys  # noqa: E402
 from hetseq.tasks import TASKS  # noqa: E402
 from models import Bert, register  # noqa: E402  (bench/models.py)
 from output import emit  # noqa: E402

@@ -63,7 +63,7 @@ def trainer_worker(epochs, model, data):
     import numpy as np
     import torch
     import transformers
-    from hetseq.metrics import binary_stats, f1
+    from hetseq.tasks.metrics import binary_stats, f1
 
     torch.set_num_threads(os.cpu_count())
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)

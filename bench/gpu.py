@@ -5,7 +5,7 @@ memory probe of --capacity auto, and --compile. Prints JSON.
 Models: the default BERT of ``--task bert`` (hidden 256, 4 layers) and
 BERT-base (hidden 768, 12 layers, vocab 30522), sequences of 128, on random
 token batches keyed as the training iterator keys them (dropout drawn per
-sample, hetseq/randomness.py), AdamW at a fixed rate, clip 1.
+sample, hetseq/keyed/randomness.py), AdamW at a fixed rate, clip 1.
 - speed: seconds per ``Controller.train_step`` (forward, backward, update),
   after 3 warm-up steps, synchronised, in fp32 (torch's default matmul
   precision, no TF32) and bf16 autocast;
@@ -38,11 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models import Bert, BertBase, register  # noqa: E402  (bench/models.py)
 from output import emit  # noqa: E402
 
-from hetseq import cli  # noqa: E402
-from hetseq.distributed.launch import DistContext  # noqa: E402
+from hetseq.app import cli  # noqa: E402
+from hetseq.distributed.spawn import DistContext  # noqa: E402
 from hetseq.plan.capacity import cuda_memory_cap  # noqa: E402
 from hetseq.plan.startup import steady_rate  # noqa: E402
-from hetseq.randomness import KeyedBatch, sample_keys  # noqa: E402
+from hetseq.keyed.randomness import KeyedBatch, sample_keys  # noqa: E402
 from hetseq.tasks import TASKS  # noqa: E402
 from hetseq.update.controller import Controller  # noqa: E402
 

@@ -6,7 +6,7 @@
 # a figure is measured, so a step that fails, hangs or is cut off costs only
 # itself. Nothing runs here that a CPU can check (bench/kernel_report.py
 # reads the kernels' SASS on a CPU); the kernels' tiles are pinned
-# (hetseq/kernels/flash.py), never tuned here.
+# (hetseq/keyed/kernels/flash.py), never tuned here.
 #   bash bench/gpu_checklist.sh
 set -u
 cd "$(dirname "$0")/.."

@@ -43,8 +43,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from hetseq import cli  # noqa: E402
-from hetseq.distributed.launch import launch  # noqa: E402
+from hetseq.app import cli  # noqa: E402
+from hetseq.distributed.spawn import launch  # noqa: E402
 from hetseq.reporting.status import StatusBoard  # noqa: E402
 from hetseq.tasks import TASKS, import_user_dir  # noqa: E402
 from hetseq.run.loop import train_worker  # noqa: E402

@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from output import emit  # noqa: E402
 
-from hetseq.kernels import flash, philox, triton_dropout  # noqa: E402
-from hetseq.randomness import sample_keys  # noqa: E402
+from hetseq.keyed.kernels import flash, philox, triton_dropout  # noqa: E402
+from hetseq.keyed.randomness import sample_keys  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 GOALS = {   # issue 57

@@ -36,9 +36,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hetseq import cli  # noqa: E402
+from hetseq.app import cli  # noqa: E402
 from hetseq.update.controller import Controller  # noqa: E402
-from hetseq.distributed.launch import DistContext  # noqa: E402
+from hetseq.distributed.spawn import DistContext  # noqa: E402
 from hetseq.tasks import TASKS  # noqa: E402
 from models import Bert, BertBase, register, take_turns  # noqa: E402  (bench/models.py)
 from output import emit  # noqa: E402  (bench/output.py)

@@ -50,9 +50,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hetseq import cli  # noqa: E402
-from hetseq.distributed.launch import DistContext  # noqa: E402
-from hetseq.errors import UserError  # noqa: E402
+from hetseq.app import cli  # noqa: E402
+from hetseq.distributed.spawn import DistContext  # noqa: E402
+from hetseq.base.errors import UserError  # noqa: E402
 from hetseq.optim import OPTIMIZERS  # noqa: E402
 from hetseq.plan import state_shares  # noqa: E402
 from hetseq.tasks import TASKS  # noqa: E402

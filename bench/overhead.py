@@ -37,9 +37,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hetseq import cli  # noqa: E402
+from hetseq.app import cli  # noqa: E402
 from hetseq.update.controller import Controller  # noqa: E402
-from hetseq.distributed.launch import DistContext  # noqa: E402
+from hetseq.distributed.spawn import DistContext  # noqa: E402
 from hetseq.tasks import TASKS  # noqa: E402
 from models import MODELS, register  # noqa: E402  (bench/models.py)
 

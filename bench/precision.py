@@ -22,9 +22,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hetseq import cli  # noqa: E402
+from hetseq.app import cli  # noqa: E402
 from hetseq.update.controller import Controller  # noqa: E402
-from hetseq.distributed.launch import DistContext  # noqa: E402
+from hetseq.distributed.spawn import DistContext  # noqa: E402
 from hetseq.tasks import TASKS, import_builtin_tasks  # noqa: E402
 from output import emit  # noqa: E402  (bench/output.py)
 
@@ -43,8 +43,8 @@ def controller(flags, inputs, updates):
 
 def batches(task, count, size=32):
     """``count`` training batches as the iterator gives them: keyed, so
-    dropout draws per sample (hetseq/randomness.py), as in a run."""
-    from hetseq.randomness import KeyedBatch, sample_keys
+    dropout draws per sample (hetseq/keyed/randomness.py), as in a run."""
+    from hetseq.keyed.randomness import KeyedBatch, sample_keys
     data = task.load_dataset("train")
     collate = task.collater(data)
     g = torch.Generator().manual_seed(0)

@@ -37,14 +37,14 @@ TOY = ["--task", "toy", "--user-dir", os.path.join(ROOT, "tests", "tasks"), "--c
 # list as it is or without quick_exit.
 TRAIN = ("import sys\n"
          "import contextlib\n"
-         "from hetseq.distributed import launch\n"
+         "from hetseq.distributed import spawn as launch\n"
          "if sys.argv[1] == 'fork, unfrozen':\n"
          "    launch._frozen_for = lambda method: contextlib.nullcontext()\n"
          "elif sys.argv[1] != 'fork':\n"
          "    launch.threads_here = lambda: 2\n"
          "if sys.argv[1] == 'fork server, teardown':\n"
          "    launch.PRELOAD = tuple(m for m in launch.PRELOAD if not m.endswith('quick_exit'))\n"
-         "from hetseq.main import main\n"
+         "from hetseq.app.main import main\n"
          "main(sys.argv[2:])\n")
 WAYS = ("fork", "fork, unfrozen", "fork server, quick exit", "fork server, teardown")
 

@@ -33,7 +33,7 @@ from drift import timed  # noqa: E402  (median seconds of repeated calls)
 from output import emit  # noqa: E402
 
 from hetseq.store import channel, cipher, gate, job_secret, secret  # noqa: E402
-from hetseq.store import store as job_store  # noqa: E402
+from hetseq.store import server as job_store  # noqa: E402
 
 URL = "tcp://127.0.0.1:29500/bench-secret-cost"      # its job id: the salt
 FRAMES = {"64B": 64, "4KiB": 4 << 10, "64KiB": channel.CHUNK}

@@ -8,7 +8,7 @@ alive, and is timed in alternating rounds (the order rotating each round),
 so a GPU's clocks and a shared machine's drift hit all alike:
 
     hetseq            Controller.train_step on a KeyedBatch: the training
-                      default, dropout drawn per sample (hetseq/kernels/)
+                      default, dropout drawn per sample (hetseq/keyed/kernels/)
     hetseq_compile    the same with --compile
     hetseq_unkeyed    the Controller on the bare batch: torch's dropout and
                       fused attention (the Controller's own cost)
@@ -45,9 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models import Bert, BertBase, register  # noqa: E402  (bench/models.py)
 from output import emit  # noqa: E402
 
-from hetseq import cli  # noqa: E402
-from hetseq.distributed.launch import DistContext  # noqa: E402
-from hetseq.randomness import KeyedBatch, sample_keys  # noqa: E402
+from hetseq.app import cli  # noqa: E402
+from hetseq.distributed.spawn import DistContext  # noqa: E402
+from hetseq.keyed.randomness import KeyedBatch, sample_keys  # noqa: E402
 from hetseq.tasks import TASKS  # noqa: E402
 from hetseq.data.iterators import move_to  # noqa: E402
 from hetseq.update.controller import Controller  # noqa: E402

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What the job's own store (hetseq/store/store.py, jobs with a secret)
+"""What the job's own store (hetseq/store/server.py, jobs with a secret)
 costs against c10d's TCPStore (jobs without one), on 127.0.0.1.
 
 Three measures, each taken on both stores in alternating rounds (so that the
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from output import emit  # noqa: E402
 
-from hetseq.store import job_secret, store as hstore  # noqa: E402
+from hetseq.store import job_secret, server as hstore  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=60)
 # Every store and listening socket stays open until the end: a TCPStore

@@ -1,44 +1,12 @@
-"""``hetseq-train`` and ``python train.py``: parse the flags, start this node's
-ranks (or its elastic member), each running hetseq/run/loop.py's Run."""
+"""Deprecated name of hetseq.app.main, kept so that old imports (and old
+installs' console scripts) work: this name is that module itself."""
 
-import logging
+import sys
+import warnings
 
-from hetseq import cli
-from hetseq.distributed.launch import WorkerFailed, exit_now, launch, node_label, node_topology
-from hetseq.elastic.node import train_elastic
-from hetseq.errors import HetSeqError
-from hetseq.logs import setup_logging
-from hetseq.reporting.status import StatusBoard
-from hetseq.run.loop import train_worker
-from hetseq.tasks import TASKS
+from hetseq.app import main as _module
 
-logger = logging.getLogger("hetseq.run")
-
-
-def main(argv=None):
-    # This node's lines say its ranks from the first on: 'node' until they
-    # are known (an elastic member's come from the meeting), then its own.
-    setup_logging(0, label="node")
-    try:
-        args, job, node = cli.parse(argv)
-        topology = None
-        if not job.elastic.elastic:
-            topology = node_topology(node, job.distributed_backend)
-            setup_logging(0, label=node_label(topology))
-        inputs = TASKS.get(job.task).resolve_inputs(args)
-        if job.elastic.elastic:
-            train_elastic(args, job, node, inputs)
-        else:
-            launch(node, job.distributed_backend, train_worker, args, job, node, inputs,
-                   identity=job.identity(), board=StatusBoard, topology=topology)
-    except (HetSeqError, WorkerFailed) as err:
-        logger.error("%s", err)
-        exit_now(err.exit_code)
-    # Done: everything is written and closed (a rank's files as in a spawned
-    # rank, which also ends this way). The interpreter's teardown would only
-    # free torch's modules: 1-3 s of CPU per command for nothing.
-    exit_now(0)
-
-
-if __name__ == "__main__":
-    main()
+warnings.warn(
+    "hetseq.main is deprecated: import hetseq.app.main",
+    DeprecationWarning, stacklevel=2)
+sys.modules[__name__] = _module

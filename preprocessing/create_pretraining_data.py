@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hetseq.bert.preprocess import Settings, create_pretraining_data  # noqa: E402
-from hetseq.errors import UserError  # noqa: E402
+from hetseq.base.errors import UserError  # noqa: E402
 
 
 def parse_args(argv=None):

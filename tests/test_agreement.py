@@ -7,7 +7,9 @@ import pytest
 import torch
 from test_parity import COMMON, reference
 
-from conftest import TOY, assert_ok, final_params, max_diff, run_job
+from machinery.commands import assert_ok, final_params, run_job
+from machinery.in_process import max_diff
+from machinery.settings import TOY
 from hetseq.update.agreement import _buckets, checksum, disagreeing
 
 

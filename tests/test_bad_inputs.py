@@ -7,7 +7,8 @@ import torch
 
 from hetseq.bert import BertConfig
 
-from conftest import TOY, run_train
+from machinery.commands import run_train
+from machinery.settings import TOY
 from test_bert import TINY, write_nvidia_shard
 
 

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_ok, require_module, run_job, run_train
+from machinery.commands import assert_ok, run_job, run_train
+from machinery.settings import require_module
 from hetseq.bert import BertConfig, BertForPreTraining, hf_to_hetseq, load_hf_weights
 from hetseq.bert.preprocess import DTYPES, Settings, create_pretraining_data
 from hetseq.bert.pretraining_data import KEYS, BertH5Dataset, find_shards
-from hetseq.distributed.launch import DistContext
+from hetseq.distributed.spawn import DistContext
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -188,7 +189,7 @@ def test_bare_encoder_checkpoint_reports_missing_heads():
 
 
 def test_loss_decreases_on_a_tiny_corpus(shards):
-    from hetseq import cli
+    from hetseq.app import cli
     from hetseq.tasks.bert_pretraining import BertTask
     from hetseq.update.controller import Controller
     args, job, _ = cli.parse(["--task", "bert", "--data", str(shards["dir"]), "--config_file",

@@ -8,8 +8,9 @@ import re
 import pytest
 from test_parity import COMMON, EXACT, reference
 
-from conftest import assert_ok, final_params, max_diff, run_job
-from hetseq.errors import UserError
+from machinery.commands import assert_ok, final_params, run_job
+from machinery.in_process import max_diff
+from hetseq.base.errors import UserError
 from hetseq.plan import startup
 from hetseq.plan.capacity import Plan, proportional
 from hetseq.plan.rebalance import Rebalancer

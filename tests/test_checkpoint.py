@@ -11,11 +11,13 @@ import time
 import pytest
 import torch
 
-from conftest import (EXACT, EXACT_SGD, MNIST, ROOT, TOY, UPDATE_LINE, Watched, assert_ok,
-                      child_env, final_params, node_commands, ranks_of, run_job, run_train,
-                      start_nodes, train_cmd)
-from hetseq.errors import UserError
-from hetseq.run import checkpoint, checkpoint_files
+from machinery.commands import (assert_ok, final_params, node_commands, ranks_of, run_job,
+                                run_train, start_nodes, train_cmd)
+from machinery.settings import EXACT, EXACT_SGD, MNIST, ROOT, TOY, UPDATE_LINE, child_env
+from machinery.watched import Watched
+from hetseq.base.errors import UserError
+from hetseq.run import checkpoint
+from hetseq.checkpoints import files as checkpoint_files
 
 
 def test_resume_mid_epoch_is_bit_exact(mnist_data, tmp_path):
@@ -358,8 +360,8 @@ class Counter:
 
 
 def test_checkpointer_takes_named_components_not_the_run(tmp_path):
-    from hetseq import cli
-    from hetseq.distributed.launch import DistContext
+    from hetseq.app import cli
+    from hetseq.distributed.spawn import DistContext
     _, job, node = cli.parse([*TOY, "--save-dir", str(tmp_path)])
     ctx = DistContext(0, 1, 0, torch.device("cpu"))
 
@@ -383,9 +385,9 @@ def test_an_elastic_state_keeps_its_lineage_and_another_line_is_refused(tmp_path
     """--elastic: a checkpoint keeps the lineage of its generation; a state
     received as a generation's source must carry the lineage the round
     agreed on, or every rank refuses it."""
-    from hetseq import cli
-    from hetseq.distributed.launch import DistContext
-    from hetseq.elastic.seam import on_line
+    from hetseq.app import cli
+    from hetseq.distributed.spawn import DistContext
+    from hetseq.elastic.hooks import on_line
     _, job, node = cli.parse([*TOY, "--save-dir", str(tmp_path)])
     ctx = DistContext(0, 1, 0, torch.device("cpu"))
     line = {"lineage": ["1-aa", "2-bb"], "members": [{"addr": "10.0.0.1", "port": 29500}]}
@@ -407,7 +409,7 @@ SGD = ["--optimizer", "sgd", "--lr", 0.05, "--lr-scheduler", "fixed", "--clip-no
 
 
 def test_resume_on_another_world_size_is_exact_with_dropout(mnist_data, tmp_path):
-    """MNIST's CNN draws its two dropouts per sample (hetseq/randomness.py):
+    """MNIST's CNN draws its two dropouts per sample (hetseq/keyed/randomness.py):
     2 ranks of 16 + 8 for 3 updates, resumed on 3 ranks of 8 each up to
     update 6, end where 2 ranks that never stopped end, to float32's
     summation order. No RNG state of the first world size is needed for
@@ -439,13 +441,13 @@ PREVIOUS_FLAGS = {
 
 def test_every_key_of_a_checkpoint_is_declared_once():
     """The keys of the previous release's checkpoints are all declared
-    (hetseq/state.py's Component), by the modules that write them, and --reset-*
+    (hetseq/checkpoints/state.py's Component), by the modules that write them, and --reset-*
     leave out what their help says."""
     import hetseq.run.loop  # noqa: F401
     import hetseq.update.modes.local_steps  # noqa: F401  (declares its keys)
     from hetseq.run.checkpoint import CheckpointConfig
-    from hetseq.state import Component
-    from hetseq.update.controller import CONTROLLER
+    from hetseq.checkpoints.state import Component
+    from hetseq.checkpoints.keys import CONTROLLER
     for name in PREVIOUS_FLAGS:
         state = torch.load(PREVIOUS / name, weights_only=True)
         keys = set(state) | {f"{CONTROLLER.name}.{key}" for key in state[CONTROLLER.name]}
@@ -505,7 +507,7 @@ def test_checkpoints_of_the_previous_release_resume_exactly(tmp_path):
 _KILLED_SAVE = """
 import os, signal, sys
 import torch
-from hetseq.run import checkpoint_files
+from hetseq.checkpoints import files as checkpoint_files
 path, step = sys.argv[1], sys.argv[2]
 checkpoint_files.save(path, {"format": checkpoint_files.FORMAT, "which": "old"})
 die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)

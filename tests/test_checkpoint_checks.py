@@ -1,6 +1,6 @@
 """A checkpoint is checked before it is used (issue 58, item 5): every part a
-run loads against what the run builds (hetseq/state.py's kinds), and the
-archive against what torch.save writes (hetseq/safe_load.py).
+run loads against what the run builds (hetseq/checkpoints/state.py's kinds), and the
+archive against what torch.save writes (hetseq/base/safe_load.py).
 
 The fuzz calls the check in this process on a real checkpoint (a run of
 the toy, built once); two train.py runs show the whole path: one line, exit
@@ -13,11 +13,12 @@ import zipfile
 import pytest
 import torch
 
-from conftest import TOY, run_job, run_train
-from hetseq import safe_load
+from machinery.commands import run_job, run_train
+from machinery.settings import TOY
+from hetseq.base import safe_load
 from hetseq.distributed import collectives
-from hetseq.errors import PeerLost, UserError
-from hetseq.run import checkpoint_files
+from hetseq.base.errors import PeerLost, UserError
+from hetseq.checkpoints import files as checkpoint_files
 
 ADAM = [*TOY, "--optimizer", "adam", "--lr", "0.01", "--max-update", "2",
         "--disable-validation"]
@@ -27,8 +28,8 @@ ADAM = [*TOY, "--optimizer", "adam", "--lr", "0.01", "--max-update", "2",
 def trained(tmp_path_factory):
     """(the Run that saved it, the checkpoint as checkpoint_files.load reads
     it, the file)."""
-    from hetseq import cli
-    from hetseq.distributed.launch import DistContext
+    from hetseq.app import cli
+    from hetseq.distributed.spawn import DistContext
     from hetseq.run.loop import Run
     folder = tmp_path_factory.mktemp("saved")
     args, job, node = cli.parse([*ADAM, "--max-sentences", "10", "--cpu", "--no-progress-bar",
@@ -282,7 +283,7 @@ def test_a_peers_compressed_object_is_refused_naming_the_peer():
 def test_a_declared_kind_is_checked_wherever_a_file_is_read(tmp_path):
     """An elastic node reads the update count of its own file, fine-tuning
     the flags: a file whose count is a string is refused when read."""
-    import hetseq.update.state_keys  # noqa: F401  (declares the count's kind)
+    import hetseq.checkpoints.keys  # noqa: F401  (declares the count's kind)
     path = tmp_path / "checkpoint_last.pt"
     checkpoint_files.save(str(path), {"format": checkpoint_files.FORMAT,
                                       "controller": {"num_updates": "many"}})

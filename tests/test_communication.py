@@ -24,7 +24,7 @@ from machinery.jobs import run_jobs
 from machinery.recording import seen_from_both_ends
 from hetseq.update.stats import RankReport
 
-from conftest import EXACT_SGD
+from machinery.settings import EXACT_SGD
 
 BASE = [*EXACT_SGD, "--max-update", 3, "--no-save"]
 PARAMS = 8 * 16 + 16 + 16 + 1                # the toy model: Linear(8, 16), Linear(16, 1)

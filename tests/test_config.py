@@ -7,12 +7,13 @@ import pickle
 
 import pytest
 
-from hetseq import cli, config, sections
-from hetseq.errors import UserError
+from hetseq.app import cli, config
+from hetseq.base import sections
+from hetseq.base.errors import UserError
 from hetseq.tasks import TASKS
 from hetseq.update.exchange import EXCHANGES
 
-from conftest import ROOT, TOY
+from machinery.settings import ROOT, TOY
 
 MNIST = ["--task", "mnist", "--user-dir", str(ROOT / "examples" / "mnist")]
 
@@ -105,7 +106,7 @@ def test_a_flag_is_declared_once_as_a_field_of_its_section(argv):
     assert {dest: declared[dest] for dest in dests if declared[dest] != 1} == {}
     assert set(declared) == dests         # and no flag field outside the two configurations
     calls = list(_add_argument_calls())
-    assert {where.split(":")[0] for where, dest in calls if dest is None} == {"hetseq/sections.py"}
+    assert {where.split(":")[0] for where, dest in calls if dest is None} == {"hetseq/base/sections.py"}
     assert [(where, dest) for where, dest in calls if dest in dests] == []
 
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from hetseq import cli
-from hetseq.distributed.launch import DistContext
-from hetseq.errors import UserError
+from hetseq.app import cli
+from hetseq.distributed.spawn import DistContext
+from hetseq.base.errors import UserError
 from hetseq.tasks import Task
 from hetseq.update.controller import Controller
 

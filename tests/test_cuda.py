@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import TOY
+from machinery.settings import TOY
 from hetseq.plan.capacity import cuda_memory_cap
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -28,7 +28,7 @@ def test_trains_on_one_gpu():
     import subprocess
     import sys
 
-    from conftest import ROOT, child_env
+    from machinery.settings import ROOT, child_env
     cmd = [sys.executable, str(ROOT / "train.py"), *map(str, TOY), "--max-sentences", "8",
            "--max-update", "3", "--no-save", "--no-progress-bar", "--distributed-world-size", "1"]
     result = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
@@ -41,7 +41,7 @@ def _run(*args, timeout=600):
     import subprocess
     import sys
 
-    from conftest import ROOT, child_env
+    from machinery.settings import ROOT, child_env
     cmd = [sys.executable, str(ROOT / "train.py"), *map(str, args)]
     return subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=timeout)
@@ -75,7 +75,8 @@ def _node(command, gpu, env=None):
     import subprocess
     import sys
 
-    from conftest import QUIET, ROOT, RUN_DIR, child_env
+    from machinery.commands import RUN_DIR
+    from machinery.settings import QUIET, ROOT, child_env
     quiet = [flag for flag in QUIET if flag != "--cpu" or not gpu]
     return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *quiet, *map(str, command)],
                             cwd=RUN_DIR, env=child_env(env), text=True,
@@ -85,7 +86,7 @@ def _node(command, gpu, env=None):
 def _gpu_and_cpu_job(common, gpu_node, cpu_node):
     """A job of a GPU node (rank 0) and a CPU node (rank 1) over gloo:
     [(exit code, output)] per node."""
-    from conftest import finish, node_commands
+    from machinery.commands import finish, node_commands
     procs = [_node(node, gpu=index == 0) for index, node in enumerate(
         node_commands([*common, "--distributed-backend", "gloo"], [gpu_node, cpu_node]))]
     results = finish(procs, timeout=300)
@@ -106,7 +107,9 @@ def test_a_gpu_rank_and_a_cpu_rank_match_one_process(tmp_path, split):
     """The float64 toy with SGD: a GPU rank and a CPU rank, split by hand or
     by measured speed (--capacity auto), make the update of one CPU process
     on the global batch of 32."""
-    from conftest import EXACT, EXACT_SGD, alone, final_params, max_diff
+    from machinery.commands import final_params
+    from machinery.in_process import alone, max_diff
+    from machinery.settings import EXACT, EXACT_SGD
     common = [*EXACT_SGD, "--max-update", 7, "--save-dir", tmp_path]
     if split == "auto":
         _gpu_and_cpu_job([*common, "--capacity", "auto", "--global-batch-size", 32], [], [])
@@ -127,7 +130,10 @@ def test_an_elastic_gpu_node_hands_its_state_to_a_cpu_joiner_exactly(tmp_path):
     import socket
     import time
 
-    from conftest import UPDATE_LINE, EXACT, Watched, final_params, free_port, max_diff
+    from machinery.commands import final_params
+    from machinery.in_process import max_diff
+    from machinery.settings import UPDATE_LINE, EXACT, free_port
+    from machinery.watched import Watched
     from test_elastic import ELASTIC, reference
     from test_parity import COMMON
     port = free_port()
@@ -169,7 +175,8 @@ def test_a_gpu_rank_drawing_in_kernels_and_a_cpu_rank_train_one_bert(tmp_path, m
     (the torch path) of one job, 6+2, make the update of one CPU process of
     8. Both devices draw the same masks; the tolerance is the GPU's float32
     sums in another order (without dropout the run lands 1e-3 away)."""
-    from conftest import final_params, max_diff
+    from machinery.commands import final_params
+    from machinery.in_process import max_diff
     from test_randomness import alone
     _gpu_and_cpu_job([*models["bert"], "--save-dir", tmp_path],
                      ["--max-sentences", 6], ["--max-sentences", 2])

@@ -20,13 +20,15 @@ import time
 import pytest
 import torch
 
-from hetseq import cli
+from hetseq.app import cli
 from hetseq.elastic.generations import (Generation, choose_source, has_quorum, on_line,
                                              ordered)
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 
-from conftest import (UPDATE_LINE, Watched, _cluster, alone, final_params, free_port,
-                      max_diff, start_nodes)
+from machinery.commands import namespace_hosts, final_params, start_nodes
+from machinery.in_process import alone, max_diff
+from machinery.settings import UPDATE_LINE, free_port
+from machinery.watched import Watched
 from test_parity import COMMON, EXACT
 
 SECRET = "5f0c1d2e3b4a69788796a5b4c3d2e1f0"
@@ -444,7 +446,7 @@ def test_a_member_lost_at_the_last_barrier_leaves_the_others_finished(monkeypatc
     of the group and leave the meeting point, and finish (no traceback);
     when it did not (lost while it saved), the failure stands."""
     from types import SimpleNamespace
-    from hetseq.elastic import node as elastic
+    from hetseq.elastic import agent as elastic
     done, error = [], "[gloo/transport/tcp/pair.cc:553] Connection closed by peer"
 
     def barrier():
@@ -609,7 +611,7 @@ def test_a_split_into_halves_trains_on_one_side_only(tmp_path):
     """Four hosts, the network split 2 | 2. The half with the old rank 0 (A)
     has its tie-breaking quorum and finishes exactly; the other half has no
     quorum: it trains nothing, saves and stops (exit 3)."""
-    with _cluster(4) as hosts:
+    with namespace_hosts(4) as hosts:
         url = f"tcp://{hosts.addresses[0]}:29523"
         nodes = [node(hosts, i, url, tmp_path / f"host{i}", "--max-update", SHORT)
                  for i in range(4)]

@@ -258,10 +258,12 @@ def test_sixteen_nodes_lose_a_killed_and_a_frozen_host_and_a_waiting_node_takes_
     generations, no more (a survivor taken for lost, or a waiting node
     calling meetings, would add some), and the weights of one process
     training with the whole batch."""
-    from conftest import UPDATE_LINE, _cluster, final_params, max_diff
+    from machinery.commands import namespace_hosts, final_params
+    from machinery.in_process import max_diff
+    from machinery.settings import UPDATE_LINE
     from test_elastic import changed, finish_ok, node, reference
     from test_parity import EXACT
-    with _cluster(16) as cluster:
+    with namespace_hosts(16) as cluster:
         url = f"tcp://{cluster.addresses[0]}:29531"
         nodes = [node(cluster, h, url, tmp_path / f"host{h}", "--max-nodes", 15,
                       "--max-update", UPDATES_16)

@@ -12,9 +12,11 @@ import re
 
 import pytest
 
-from hetseq import cli
+from hetseq.app import cli
 
-from conftest import UPDATE_LINE, alone, final_params, free_port, max_diff
+from machinery.commands import final_params
+from machinery.in_process import alone, max_diff
+from machinery.settings import UPDATE_LINE, free_port
 from test_elastic import finish_ok, new_rank_0, node
 from test_parity import COMMON, EXACT
 

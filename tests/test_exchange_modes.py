@@ -5,11 +5,12 @@ registered twice, or an unknown --exchange, is a clear error."""
 
 import pytest
 
-from hetseq import cli
-from hetseq.errors import UserError
+from hetseq.app import cli
+from hetseq.base.errors import UserError
 from machinery.jobs import run_jobs
 
-from conftest import EXACT, ROOT, TOY, max_diff
+from machinery.in_process import max_diff
+from machinery.settings import EXACT, ROOT, TOY
 
 from test_parity import COMMON, params, reference
 

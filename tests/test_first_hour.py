@@ -7,7 +7,8 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT, TOY, child_env, node_commands, run_nodes, run_train
+from machinery.commands import node_commands, run_nodes, run_train
+from machinery.settings import ROOT, TOY, child_env
 
 COMMON = [*TOY, "--optimizer", "sgd", "--lr", "0.1", "--max-update", 6, "--log-interval", 2,
           "--disable-validation"]

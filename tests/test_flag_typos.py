@@ -1,4 +1,4 @@
-"""Every command answers a misspelt flag alike (hetseq/flags.py): one line
+"""Every command answers a misspelt flag alike (hetseq/base/flags.py): one line
 that names the typo and the nearest flag, exit 2, no usage and no
 traceback; a hostfile's keys too."""
 
@@ -7,10 +7,11 @@ import sys
 
 import pytest
 
-from conftest import ROOT
-from hetseq import cli, flags
-from hetseq.errors import UserError
-from hetseq.launch import hostfile, main as launch
+from machinery.settings import ROOT
+from hetseq.app import cli
+from hetseq.base import flags
+from hetseq.base.errors import UserError
+from hetseq.launch import hostfile, launcher as launch
 from hetseq.reporting import plot, status
 from hetseq.store import secret
 

@@ -14,9 +14,11 @@ import types
 import pytest
 import torch
 
-from conftest import TOY, Watched, require_module, start_nodes
-from hetseq.distributed.launch import DistContext
-from hetseq.errors import UserError
+from machinery.commands import start_nodes
+from machinery.settings import TOY, require_module
+from machinery.watched import Watched
+from hetseq.distributed.spawn import DistContext
+from hetseq.base.errors import UserError
 from hetseq.reporting import plot
 from hetseq.reporting.balance import BalanceLog, ValidLog
 from hetseq.reporting.tensorboard import TensorBoard

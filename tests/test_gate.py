@@ -22,11 +22,12 @@ from machinery.relay import relay
 import torch
 
 from hetseq.distributed import collectives, meeting_point
-from hetseq.errors import PeerLost, UserError
+from hetseq.base.errors import PeerLost, UserError
 from hetseq.store import channel, gate, job_secret
 
-from conftest import (RUN_DIR, UPDATE_LINE, Watched, child_env, free_port, node_commands,
-                      require, train_cmd)
+from machinery.commands import RUN_DIR, node_commands, train_cmd
+from machinery.settings import UPDATE_LINE, child_env, free_port, require
+from machinery.watched import Watched
 from test_parity import COMMON
 
 SECRET = "c41e9a07d3b25f68e1a4c7093bd2f5e6"
@@ -572,7 +573,7 @@ def test_refused_handshakes_are_one_line_per_source_and_interval(caplog):
 
 
 def test_a_tally_logs_a_source_once_then_its_count_per_interval():
-    from hetseq.logs import Tally
+    from hetseq.base.logs import Tally
     tally = Tally(seconds=0.2, sources=2)
     assert tally.add("a", "bad magic") == (True, [])
     assert [tally.add("a", f"bad {i}") for i in range(3)] == [(False, [])] * 3

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hetseq.data import GlobalBatches, GlobalBatchIterator, split_sizes
-from hetseq.randomness import sample_keys
+from hetseq.keyed.randomness import sample_keys
 
 
 class Indices(torch.utils.data.Dataset):
@@ -145,7 +145,7 @@ def test_position_is_kept_in_samples_and_old_checkpoints_still_load():
 @pytest.mark.parametrize("shares,cap", [([32], 0), ([24, 8], 5), ([20, 8, 4], 3)])
 def test_each_micro_batch_carries_the_keys_of_its_own_samples(shares, cap):
     """A sample's key is made from (seed, epoch, its index) alone: whichever
-    rank and micro-batch holds it (hetseq/randomness.py draws from it)."""
+    rank and micro-batch holds it (hetseq/keyed/randomness.py draws from it)."""
     batches = GlobalBatches(70, 32, seed=5)
     keys = {}
     for rank in range(len(shares)):

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_ok, require_module, run_job, run_train
+from machinery.commands import assert_ok, run_job, run_train
+from machinery.settings import require_module
 from hetseq.bert import BertConfig, BertForPreTraining, BertForSequenceClassification, export_hf
 from hetseq.bert.glue_data import (SPECS, GlueDataset, plain_spec, read_examples, spec_for,
                                    split_file)
 from hetseq.bert.pretrained import StartingPoint
 from hetseq.bert.tokenizer import WordPiece
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 from hetseq.update.precision import cpu_has_bf16
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -249,7 +250,7 @@ def test_metrics_of_two_uneven_ranks_equal_one_process(tmp_path, tiny_hf, task, 
 
 
 def test_metric_sums_of_parts_equal_the_whole():
-    from hetseq import metrics
+    from hetseq.tasks import metrics
     rng = np.random.default_rng(3)
     predicted, labels = rng.integers(0, 2, 101), rng.integers(0, 2, 101)
     scores = np.round(rng.normal(size=101), 1)   # ties, as real predictions have
@@ -377,7 +378,7 @@ def test_without_minilm_the_pretraining_checkpoint_is_the_start(tmp_path, tiny_h
         pretrained.default_starting_point(str(tmp_path))
     config = BertConfig.from_json(tiny_hf + "/config.json")
     source = BertForPreTraining(config)
-    from hetseq.run.checkpoint_files import FORMAT
+    from hetseq.checkpoints.files import FORMAT
     torch.save({"format": FORMAT, "controller": {"model": source.state_dict()}},
                tmp_path / "checkpoint_last.pt")
     start = pretrained.default_starting_point(str(tmp_path))

@@ -4,10 +4,12 @@ claims a rank, with the flags named; the job that was there first goes on."""
 import os
 import time
 
-from hetseq import cli, config, digests
+import hetseq
+from hetseq.app import cli, digests
 from hetseq.distributed import identity
 
-from conftest import TOY, finish, node_commands, start_nodes
+from machinery.commands import finish, node_commands, start_nodes
+from machinery.settings import ROOT, TOY
 
 RUN = [*TOY, "--max-update", 3, "--max-sentences", 8, "--disable-validation", "--no-save"]
 
@@ -54,7 +56,7 @@ def test_a_user_dirs_code_is_part_of_the_job_wherever_it_lies(tmp_path):
     """A task or exchange mode in --user-dir decides the update: nodes whose
     copies differ are told so; the same files in another folder agree."""
     import shutil
-    tasks = os.path.join(os.path.dirname(__file__), "tasks")
+    tasks = str(ROOT / "tests" / "tasks")
     copies = [shutil.copytree(tasks, tmp_path / name) for name in ("a", "b")]
     base = toy_identity()                       # TOY's --user-dir is tests/tasks
     assert [digests.source_digest(copy, every_file=True) for copy in copies] == \
@@ -116,13 +118,13 @@ def test_the_code_digest_counts_what_decides_the_update_only(tmp_path):
     node whose update code differs does not (issue 49)."""
     import shutil
     copy = tmp_path / "hetseq"
-    shutil.copytree(os.path.dirname(config.__file__), copy,
+    shutil.copytree(os.path.dirname(hetseq.__file__), copy,
                     ignore=shutil.ignore_patterns("__pycache__"))
     before = digests.source_digest(str(copy))
     import machinery         # the test helpers: not under hetseq/, so never hashed
-    library = os.path.dirname(os.path.realpath(config.__file__))
+    library = os.path.dirname(os.path.realpath(hetseq.__file__))
     assert not os.path.realpath(machinery.__file__).startswith(library + os.sep)
-    for helper in ("reporting/plot.py", "reporting/status.py", "flagdoc.py"):
+    for helper in ("reporting/plot.py", "reporting/status.py", "app/flagdoc.py"):
         with open(copy / helper, "a") as f:
             f.write("\n# another node's copy\n")
     assert digests.source_digest(str(copy)) == before

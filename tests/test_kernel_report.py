@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, child_env, require_module
+from machinery.settings import ROOT, child_env, require_module
 
 sys.path.insert(0, str(ROOT / "bench"))
 import kernel_report  # noqa: E402

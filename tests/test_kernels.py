@@ -1,4 +1,4 @@
-"""The kernels that draw keyed masks inside (hetseq/kernels/): the Triton
+"""The kernels that draw keyed masks inside (hetseq/keyed/kernels/): the Triton
 path gives the torch path's masks bit for bit, and its outputs and
 gradients. On a GPU they run compiled; without one (CI) in Triton's
 interpreter on CPU tensors (conftest sets TRITON_INTERPRET=1)."""
@@ -6,9 +6,9 @@ interpreter on CPU tensors (conftest sets TRITON_INTERPRET=1)."""
 import pytest
 import torch
 
-from conftest import require_module
-from hetseq import kernels, randomness
-from hetseq.kernels import philox
+from machinery.settings import require_module
+from hetseq.keyed import kernels, randomness
+from hetseq.keyed.kernels import philox
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 IEEE = 1e-6       # float32 with IEEE products: only the order of sums differs
@@ -114,7 +114,7 @@ def test_the_attention_kernel_drops_the_masks_of_randomness_bit_for_bit(monkeypa
     this device's tiles and (in bf16) with each card's, whose tiles of 32
     columns read half words. With v the identity (d = L) the output is the
     dropped probabilities and dV, for dO the identity, their transpose."""
-    from hetseq.kernels import flash
+    from hetseq.keyed.kernels import flash
     dtype = torch.float32
     if card is not None:
         monkeypatch.setattr(flash, "_capability", lambda x: card)
@@ -288,11 +288,11 @@ class Draws(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        from hetseq.nn import Dropout
+        from hetseq.keyed.nn import Dropout
         self.hidden, self.probs, self.pooled = Dropout(0.3), Dropout(0.2), Dropout(0.5)
 
     def forward(self, q, k):
-        from hetseq.nn import attention
+        from hetseq.keyed.nn import attention
         L = k.shape[2]
         identity = torch.eye(L, device=q.device).expand(q.shape[0], q.shape[1], L, L)
         return (self.hidden(torch.ones(q.shape[0], L, 8, device=q.device)) != 0,
@@ -324,7 +324,7 @@ def test_the_gpu_step_table_runs(tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT, child_env
+    from machinery.settings import ROOT, child_env
     only = ["hetseq", "hetseq_unkeyed", "bare", "transformers"]
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "step_table.py"), "--device", DEVICE.type,
@@ -346,7 +346,7 @@ def test_the_kernel_benchmark_runs(tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT, child_env
+    from machinery.settings import ROOT, child_env
     out = tmp_path / "kernels.json"
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "attention_kernels.py"), "--device", DEVICE.type,
@@ -363,7 +363,8 @@ def test_the_kernel_benchmark_runs(tmp_path):
 
 
 def test_a_misspelt_kernel_path_is_named_before_training():
-    from conftest import TOY, run_train
+    from machinery.commands import run_train
+    from machinery.settings import TOY
     result = run_train(*TOY, "--max-sentences", 8, "--max-update", 1, "--no-save",
                        env={"HETSEQ_KERNELS": "trition"})
     assert result.returncode == 2, result.stderr[-2000:]

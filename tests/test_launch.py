@@ -20,12 +20,14 @@ import time
 import pytest
 from types import SimpleNamespace
 
-from conftest import (EXACT, EXACT_SGD, ROOT, TOY, Watched, _cluster, alone, child_env,
-                      final_params, free_port, max_diff, require)
-from hetseq.errors import UserError
-from hetseq.launch import hostfile, plan as planning
+from machinery.commands import namespace_hosts, final_params
+from machinery.in_process import alone, max_diff
+from machinery.settings import EXACT, EXACT_SGD, ROOT, TOY, child_env, free_port, require
+from machinery.watched import Watched
+from hetseq.base.errors import UserError
+from hetseq.launch import hostfile, commands as planning
 from hetseq.launch.node import STOP_S
-from hetseq.launch.main import forwarded_env
+from hetseq.launch.launcher import forwarded_env
 from hetseq.reporting import status
 
 LAUNCH = [sys.executable, "-m", "hetseq.launch"]
@@ -116,7 +118,7 @@ def test_dry_run_prints_every_nodes_command_and_no_secret(tmp_path):
 
 
 def test_pdsh_is_refused_with_the_reason(tmp_path, capsys):
-    from hetseq.launch.main import main
+    from hetseq.launch.launcher import main
     hosts = tmp_path / "hosts"
     hosts.write_text("a slots=1\n")
     with pytest.raises(SystemExit) as stop:
@@ -207,7 +209,7 @@ def sleeper(marker):
 def test_a_stop_while_nodes_start_stops_the_started_and_starts_no_more(tmp_path):
     """Ctrl-C between two nodes' starts: the first is stopped, the second
     never started, and the summary says so."""
-    from hetseq.launch.main import Launch
+    from hetseq.launch.launcher import Launch
     marker = str(tmp_path)
     job = make_plan("a slots=1\nb slots=1\n")
 
@@ -335,7 +337,7 @@ def ssh_hosts(tmp_path_factory):
     from machinery import sshd
     ok, why = sshd.available()
     require(ok, f"SSH servers: {why}")
-    with _cluster(4) as cluster, \
+    with namespace_hosts(4) as cluster, \
             sshd.SshServers(cluster, tmp_path_factory.mktemp("ssh"), [0, 1, 2]) as servers:
         yield cluster, servers
 
@@ -473,7 +475,7 @@ def test_an_unreachable_host_is_named_and_the_others_are_stopped(ssh_hosts, tmp_
 def test_forwarded_values_every_node_can_take(tmp_path):
     """What .hetseq_env (or --env) forwards must reach every node's command:
     no NUL byte, no variable over exec's bound, a line the node reads."""
-    from hetseq.launch import main as launch_main
+    from hetseq.launch import launcher as launch_main
     env_file = tmp_path / ".hetseq_env"
     env_file.write_text("TOKEN=a\0b\n")
     env_file.chmod(0o600)
@@ -509,7 +511,7 @@ def test_a_signal_before_the_first_node_starts_stops_with_its_reason():
     """Ctrl-\\ while the launcher prepares: no node starts, the summary says
     why, and the exit code is the signal's (128 + N), as after a start."""
     from types import SimpleNamespace
-    from hetseq.launch.main import Launch
+    from hetseq.launch.launcher import Launch
     plan = SimpleNamespace(label="nodeA", host="nodeA", argv=["train.py"],
                            ranks=lambda: "rank 0")
     transport = SimpleNamespace(command=lambda *args: (["true"], None))

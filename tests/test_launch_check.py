@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, TOY, child_env, free_port
-from hetseq.launch import check, hostfile, plan as planning
+from machinery.settings import ROOT, TOY, child_env, free_port
+from hetseq.launch import check, hostfile, commands as planning
 
 LAUNCH = [sys.executable, "-m", "hetseq.launch"]
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}      # this machine without GPUs, even where it has some
@@ -87,7 +87,7 @@ def test_check_on_two_local_nodes_prints_one_table_and_exits_0(tmp_path):
                     lines[1]), lines
     import torch
     import hetseq
-    from hetseq.digests import code_digest
+    from hetseq.app.digests import code_digest
     for row, label, asks in ((lines[2], "localhost", "1 CPU"), (lines[3], "localhost#2", "2 CPU")):
         assert re.match(rf"{label}\s+{asks}\s+CPU only\s+[\d.]+ GB\s+lo 127\.0\.0\.1\s+"
                         rf"{re.escape(hetseq.__version__)} \({code_digest()[:8]}\)\s+"

@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from conftest import (ROOT, alone, assert_ok, child_env, final_params, finish, free_port,
-                      max_diff, require, run_train)
+from machinery.commands import assert_ok, final_params, finish, run_train
+from machinery.in_process import alone, max_diff
+from machinery.settings import ROOT, child_env, free_port, require
 
 from test_parity import COMMON, EXACT, reference
 

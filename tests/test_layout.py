@@ -1,6 +1,8 @@
-"""The layout keeps its seams: no import cycle among HetSeq's modules, the
-update imports nothing of the run, start-up nothing of reporting, and no
-library module grows past 400 lines (docs/design.md).
+"""The layout keeps its seams (docs/design.md, "Layout"): the packages of
+hetseq/ in one declared order, none importing a package above it; no import
+cycle among modules; at most three loose modules; no two modules of one
+name; no module over 800 lines, and those over 600 or under 60 with one
+user said why.
 
 Imports are read from the source, not from a running interpreter, so the
 lazy ones count too: an ``import`` inside a function, ``import_module``
@@ -10,14 +12,23 @@ the module passes to it). Importing ``a.b.c`` runs ``a/__init__`` and
 own packages (Python has finished or is running them already)."""
 
 import ast
-from pathlib import Path
+import re
 
 import pytest
 
-from conftest import ROOT
+from machinery.settings import ROOT
 
 LIBRARY = ROOT / "hetseq"
-MAX_LINES = 400
+MAX_LINES = 800             # a hard cap: past it a module holds more than one concept
+LONG_LINES = 600            # past it, a module says why here
+SMALL_LINES = 60            # under it, with one importer, a module belongs inside it
+# Modules over LONG_LINES, and why they are one module.
+LONG = {}
+# Modules under SMALL_LINES with one importer, and why they stand alone.
+SMALL = {
+    "hetseq.distributed.quick_exit": "the fork server preloads it by name: it must import nothing",
+    "hetseq.keyed.nn": "a public API (hetseq.keyed.nn.Dropout, docs/tasks.md): user tasks import it",
+}
 
 
 def modules(root):
@@ -122,20 +133,130 @@ def test_no_import_cycle_among_hetseqs_modules():
     assert cycles(import_graph(LIBRARY)) == []
 
 
-@pytest.mark.parametrize("lower, upper", [("hetseq.update", "hetseq.run"),
-                                          ("hetseq.distributed", "hetseq.reporting")])
-def test_a_lower_floor_imports_nothing_from_an_upper_one(lower, upper):
+def layers():
+    """{package: layer} from docs/design.md's map: a package's line there
+    says 'layer N' (the declared order, bottom first)."""
+    block = (ROOT / "docs" / "design.md").read_text().split("## Layout", 1)[1].split("```", 2)[1]
+    found = re.findall(r"^  (\w+)/ +layer (\d+),", block, re.M)
+    return {f"hetseq.{name}": int(number) for name, number in found}
+
+
+def package_of(module):
+    """hetseq.<package> of ``module`` (of a loose module: itself, in no layer)."""
+    return ".".join(module.split(".")[:2])
+
+
+PACKAGES = {f"hetseq.{p.parent.name}" for p in LIBRARY.glob("*/__init__.py")}
+
+
+def upward(graph, order):
+    """'a imports b' for each import of a package at or above the importer's layer."""
+    wrong = []
+    for module, targets in graph.items():
+        own = package_of(module)
+        for target in targets:
+            other = package_of(target)
+            if own in order and other in order and other != own and order[other] >= order[own]:
+                wrong.append(f"{module} (layer {order[own]}) imports {target} "
+                             f"(layer {order[other]})")
+    return sorted(wrong)
+
+
+def is_shim(path):
+    """A deprecated name kept for old imports: it only imports the module it
+    names, warns, and puts that module in its place (sys.modules)."""
+    tree = ast.parse(path.read_text())
+    seen = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue            # the docstring
+        if isinstance(node, ast.Expr) and "DeprecationWarning" in ast.unparse(node):
+            seen.add("warns")
+            continue
+        if isinstance(node, ast.Assign) and ast.unparse(node) == "sys.modules[__name__] = _module":
+            seen.add("replaced")
+            continue
+        return False
+    return seen == {"warns", "replaced"}
+
+
+def test_every_package_has_one_layer():
+    order = layers()
+    assert sorted(order) == sorted(PACKAGES), "docs/design.md's map must give each package a layer"
+    assert len(set(order.values())) == len(order), "two packages share a layer"
+
+
+def test_no_package_imports_one_above_it():
+    assert upward(import_graph(LIBRARY), layers()) == []
+
+
+def test_only_shims_import_the_deprecated_names():
+    shims = {name for name, path in modules(LIBRARY).items() if is_shim(path)}
     graph = import_graph(LIBRARY)
-    wrong = sorted(f"{m} imports {t}" for m, targets in graph.items()
-                   if m == lower or m.startswith(lower + ".")
-                   for t in targets if t == upper or t.startswith(upper + "."))
-    assert wrong == []
+    assert sorted(f"{m} imports {t}" for m, targets in graph.items() if m not in shims
+                  for t in targets if t in shims) == []
 
 
-def test_every_library_module_is_within_its_limit():
-    long = {str(p.relative_to(ROOT)): n for p in LIBRARY.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert long == {}
+def test_at_most_three_loose_modules():
+    loose = [p.name for p in LIBRARY.glob("*.py")
+             if p.name not in ("__init__.py", "__main__.py") and not is_shim(p)]
+    assert len(loose) <= 3, f"loose modules in hetseq/: {loose} (give them a package)"
+
+
+def test_no_two_modules_share_a_name_and_none_repeats_its_package():
+    names, repeats = {}, []
+    for name, path in modules(LIBRARY).items():
+        if path.name in ("__init__.py", "__main__.py") or is_shim(path):
+            continue
+        base, package = name.rpartition(".")[2], name.split(".")[-2]
+        names.setdefault(base, []).append(name)
+        if package in (base, base + "s"):
+            repeats.append(name)
+    assert {b: n for b, n in names.items() if len(n) > 1} == {}
+    assert repeats == []
+
+
+def _lines():
+    return {name: len(path.read_text().splitlines()) for name, path in modules(LIBRARY).items()}
+
+
+def test_every_library_module_is_within_its_limit_and_a_long_one_says_why():
+    lines = _lines()
+    assert {m: n for m, n in lines.items() if n > MAX_LINES} == {}
+    assert sorted(m for m, n in lines.items() if n > LONG_LINES) == sorted(LONG)
+
+
+def test_a_small_module_with_one_user_is_part_of_that_user():
+    """The 400-line cap of old split modules by size; a fragment with one
+    importer belongs inside it, unless SMALL says why it stands alone."""
+    graph, paths, lines = import_graph(LIBRARY), modules(LIBRARY), _lines()
+    users = {}
+    for module, targets in graph.items():
+        for target in targets if not is_shim(paths[module]) else ():
+            users.setdefault(target, set()).add(module)
+    small = sorted(m for m, n in lines.items() if n < SMALL_LINES and len(users.get(m, ())) == 1
+                   and paths[m].name not in ("__init__.py", "__main__.py")
+                   and not is_shim(paths[m]))
+    assert small == sorted(SMALL)
+
+
+def test_an_upward_import_is_seen_lazy_or_not(tmp_path):
+    """The layer check finds an import of a higher package inside a function."""
+    pkg = tmp_path / "hetseq"
+    for folder in ("low", "high"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "high" / "a.py").write_text("from hetseq.low import b\n")
+    (pkg / "low" / "b.py").write_text("def f():\n    import hetseq.high.a\n")
+    order = {"hetseq.low": 1, "hetseq.high": 2}
+    assert upward(import_graph(pkg), order) == [
+        "hetseq.low.b (layer 1) imports hetseq.high (layer 2)",
+        "hetseq.low.b (layer 1) imports hetseq.high.a (layer 2)"]
+    (pkg / "low" / "b.py").write_text("")
+    assert upward(import_graph(pkg), order) == []
 
 
 def test_the_graph_sees_lazy_imports_packages_and_cycles(tmp_path):

@@ -11,12 +11,13 @@ import re
 import pytest
 import torch
 
-from hetseq import cli
-from hetseq.errors import UserError
+from hetseq.app import cli
+from hetseq.base.errors import UserError
 from machinery.jobs import run_jobs
 
-from conftest import (EXACT, GROUP_TIMEOUT, TOY, alone, assert_ok, final_params, max_diff, run_job,
-                      start_ranks)
+from machinery.commands import assert_ok, final_params, run_job
+from machinery.in_process import alone, max_diff, start_ranks
+from machinery.settings import EXACT, GROUP_TIMEOUT, TOY
 
 from test_parity import COMMON, reference
 # H = 1 with the default outer step, theta_0 - 1 * D (the weighted average of
@@ -254,7 +255,7 @@ def test_flags_that_make_no_sense_together_are_refused(flags, message):
 
 
 def test_a_bad_combination_exits_2_with_one_line(tmp_path):
-    from conftest import run_train
+    from machinery.commands import run_train
     result = run_train(*TOY, "--local-steps", 8, "--zero", 3, "--save-dir", tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--local-steps 8: --zero 3" in result.stderr
@@ -267,9 +268,9 @@ def test_an_elastic_snapshot_inside_a_round_goes_back_to_its_start():
     update count of the round's start, and the outer step's state of the
     round before; one taken at a round's end holds that round."""
     import copy
-    from hetseq.distributed.launch import DistContext
+    from hetseq.distributed.spawn import DistContext
     from hetseq.update.modes.local_steps import OPTIMIZERS, ROUNDS
-    from conftest import build_controller, keyed
+    from machinery.in_process import build_controller, keyed
     flags = [*COMMON, "--local-steps", 3, "--momentum", 0.9, "--elastic",
              "--global-batch-size", 8, "--distributed-init-method", "tcp://127.0.0.1:1"]
     controller, task = build_controller(flags, DistContext(0, 1, 0, torch.device("cpu")))
@@ -297,9 +298,9 @@ def test_an_overlapped_snapshot_goes_back_to_the_last_round_whose_exchange_arriv
     update count of R+1's start); when R's exchange failed, the state of a
     run that settled at the end of R-1 (two rounds of history)."""
     from concurrent.futures import Future
-    from hetseq.distributed.launch import DistContext
+    from hetseq.distributed.spawn import DistContext
     from hetseq.update.modes.local_steps import ROUNDS
-    from conftest import build_controller, keyed
+    from machinery.in_process import build_controller, keyed
     flags = [*COMMON, "--local-steps", 2, "--outer-overlap", "--outer-momentum", 0.5,
              "--momentum", 0.9, "--elastic", "--global-batch-size", 8,
              "--distributed-init-method", "tcp://127.0.0.1:1"]
@@ -342,9 +343,9 @@ def test_a_rank_stopping_on_its_own_error_lets_the_round_it_sent_complete(caplog
     import threading
     import types
     from concurrent.futures import Future
-    from hetseq.distributed.launch import DistContext
+    from hetseq.distributed.spawn import DistContext
     from hetseq.run.loop import Run
-    from conftest import build_controller
+    from machinery.in_process import build_controller
     flags = [*COMMON, "--local-steps", 2, "--outer-overlap", "--elastic",
              "--global-batch-size", 8, "--distributed-init-method", "tcp://127.0.0.1:1"]
     controller, _ = build_controller(flags, DistContext(0, 1, 0, torch.device("cpu")))
@@ -374,7 +375,7 @@ def test_a_snapshot_takes_the_data_position_of_the_update_it_went_back_to():
     may go back two rounds); an update this rank completed and the others
     did not: the position after the batch it drew."""
     import types
-    from hetseq.elastic.seam import Elastic
+    from hetseq.elastic.hooks import Elastic
     seam = Elastic(types.SimpleNamespace(join_waiting=lambda: False), held=None)
     controller = types.SimpleNamespace(num_updates=2, members=types.SimpleNamespace(sitting=False))
     controller.state_dict = lambda local: {"num_updates": controller.num_updates}

@@ -3,11 +3,11 @@ import math
 import pytest
 import torch
 
-from hetseq import cli
-from hetseq.errors import UserError
+from hetseq.app import cli
+from hetseq.base.errors import UserError
 from hetseq.optim import build_lr_scheduler
 
-from conftest import TOY
+from machinery.settings import TOY
 
 
 def scheduler(*flags):

@@ -7,7 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import MNIST, ROOT, assert_ok, require, run_job, run_train
+from machinery.commands import assert_ok, run_job, run_train
+from machinery.settings import MNIST, ROOT, require
 
 sys.path.insert(0, str(ROOT / "examples" / "mnist"))
 import make_demo_data  # noqa: E402

@@ -5,8 +5,10 @@ switch. No interface flag or variable is given unless a test says so."""
 import re
 import time
 
-from conftest import (TOY, UPDATE_LINE, Watched, assert_ok, final_params, finish, max_diff,
-                      node_commands, start_nodes)
+from machinery.commands import assert_ok, final_params, finish, node_commands, start_nodes
+from machinery.in_process import max_diff
+from machinery.settings import TOY, UPDATE_LINE
+from machinery.watched import Watched
 from test_parity import COMMON, EXACT, reference
 
 _ports = iter(range(29500, 29600))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from machinery.settings import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
 import mutations  # noqa: E402

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from hetseq.distributed import interfaces, network
 from hetseq.distributed.rendezvous import wait_for_ranks
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 
 
 def test_interface_list_has_loopback():

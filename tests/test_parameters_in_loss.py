@@ -13,8 +13,8 @@ and the context's weights are those of one process training on all 12."""
 import pytest
 import torch
 
-from conftest import (EXACT, EXACT_SGD, GROUP_TIMEOUT, build_controller, keyed,
-                      leave_process_group, start_ranks)
+from machinery.in_process import build_controller, keyed, leave_process_group, start_ranks
+from machinery.settings import EXACT, EXACT_SGD, GROUP_TIMEOUT
 
 ARGV = [*EXACT_SGD, "--toy-blocks", 2]
 SHARES = [0.25, 0.75]
@@ -90,9 +90,9 @@ def _every_mode(rank, world, folder):
     parent reads after the ranks end)."""
     import torch.distributed as dist
 
-    from hetseq import cli
-    from hetseq.distributed.launch import DistContext
-    from hetseq.errors import UserError
+    from hetseq.app import cli
+    from hetseq.distributed.spawn import DistContext
+    from hetseq.base.errors import UserError
     from hetseq.tasks import TASKS
     from hetseq.update.controller import Controller
     torch.set_num_threads(1)
@@ -131,8 +131,8 @@ def _regulariser_by_memory(ctx, rank):
     """What a loss adding ``sum(p.pow(2).sum())`` over ``model.parameters()``
     after the forward gets under --zero 3 by memory (last: the update dies
     on every rank): the UserError's text, another error's, or None."""
-    from hetseq import cli
-    from hetseq.errors import UserError
+    from hetseq.app import cli
+    from hetseq.base.errors import UserError
     from hetseq.tasks import TASKS
     from hetseq.update.controller import Controller
     args, job, _ = cli.parse([str(a) for a in [*ARGV, "--zero", 3]])
@@ -158,7 +158,7 @@ def _regulariser_by_memory(ctx, rank):
 @pytest.fixture(scope="module")
 def one_process():
     """What one process training on all 12 samples per update reads and holds."""
-    from hetseq.distributed.launch import DistContext
+    from hetseq.distributed.spawn import DistContext
     controller, task = build_controller(ARGV, DistContext(0, 1, 0, torch.device("cpu")))
     data = task.load_dataset("train")
     everything = sorted(row for rows in ROWS for row in rows)

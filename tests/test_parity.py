@@ -14,9 +14,10 @@ import torch
 
 from machinery.jobs import run_jobs
 
-from conftest import (EXACT, EXACT_SGD, GROUP_TIMEOUT, alone, assert_ok, build_controller,
-                      final_params, leave_process_group, max_diff, rank_queue, run_job,
-                      start_ranks)
+from machinery.commands import assert_ok, final_params, run_job
+from machinery.in_process import (alone, build_controller, leave_process_group, max_diff,
+                                  rank_queue, start_ranks)
+from machinery.settings import EXACT, EXACT_SGD, GROUP_TIMEOUT
 
 COMMON = [*EXACT_SGD, "--max-update", "7"]
 # Adam with a clip that binds (the state --zero 1 shards; the norm of the
@@ -231,7 +232,7 @@ def test_compiled_model_on_two_uneven_ranks_matches_one_process(two_ranks, mode)
 def test_compile_traces_the_forward_and_keeps_the_parameter_names():
     """The parity above would also pass if --compile compiled nothing."""
     from torch._dynamo.utils import counters
-    from hetseq.distributed.launch import DistContext
+    from hetseq.distributed.spawn import DistContext
     counters.clear()
     controller, task = build_controller([*COMMON, "--compile"],
                                         DistContext(0, 1, 0, torch.device("cpu"), "gloo"))
@@ -283,7 +284,7 @@ def test_nodes_with_different_process_counts_match(tmp_path):
 def _count_collectives(rank, world, init, plain, out):
     """One rank: three updates of a 3 + 1 split, counting Python-level collectives."""
     import torch.distributed as dist
-    from hetseq.distributed.launch import DistContext
+    from hetseq.distributed.spawn import DistContext
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=GROUP_TIMEOUT)

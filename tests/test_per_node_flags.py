@@ -16,11 +16,13 @@ import dataclasses
 import pytest
 import torch
 
-from hetseq import cli, config
+from hetseq.app import cli, config
 from machinery.jobs import run_jobs
 from machinery.recording import seen_from_both_ends
 
-from conftest import TOY, alone, assert_ok, final_params, max_diff, run_job
+from machinery.commands import assert_ok, final_params, run_job
+from machinery.in_process import alone, max_diff
+from machinery.settings import TOY
 
 # Rank 0's and rank 1's value of each per-node flag the Run sees (None: not
 # given; True/False: a switch). The launch flags decide which process is

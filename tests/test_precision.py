@@ -8,7 +8,9 @@ import torch
 
 from machinery.jobs import run_jobs
 
-from conftest import EXACT_SGD, MNIST, TOY, assert_ok, max_diff, run_job, run_train
+from machinery.commands import assert_ok, run_job, run_train
+from machinery.in_process import max_diff
+from machinery.settings import EXACT_SGD, MNIST, TOY
 
 FP16_ON_CPU = {"HETSEQ_TEST_FP16_ON_CPU": "1"}
 TOY_RUN = [*TOY, "--optimizer", "adamw", "--lr", "0.05", "--lr-scheduler", "fixed",
@@ -116,7 +118,7 @@ def test_bf16_on_a_cpu_that_emulates_it_is_named(monkeypatch, caplog, native):
     """An AVX2 CPU emulates bfloat16, 12x slower than fp32 (the GLUE demo):
     a node whose CPU lacks it says so when --bf16 is given; one that has it
     says nothing."""
-    from hetseq import cli
+    from hetseq.app import cli
     from hetseq.update import precision
     monkeypatch.setattr(precision, "cpu_has_bf16", lambda: native)
     caplog.set_level("WARNING", logger="hetseq")

@@ -1,4 +1,4 @@
-"""Randomness keyed by the sample (hetseq/randomness.py): the draws a sample
+"""Randomness keyed by the sample (hetseq/keyed/randomness.py): the draws a sample
 gets depend on (seed, epoch, its index, the call site) and nothing else."""
 
 import itertools
@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import require_module
-from hetseq import randomness
-from hetseq.kernels import philox, words
-from hetseq.nn import Dropout
+from machinery.settings import require_module
+from hetseq.keyed import randomness
+from hetseq.keyed.kernels import philox, words
+from hetseq.keyed.nn import Dropout
 
 
 def reference_byte(key, site, call, coordinates):

@@ -1,11 +1,12 @@
 import pytest
 
-from hetseq import cli
-from hetseq.errors import UserError
-from hetseq.registry import Registry
+from hetseq.app import cli
+from hetseq.base.errors import UserError
+from hetseq.base.registry import Registry
 from hetseq.tasks import TASKS, Task, import_user_dir, register_task
 
-from conftest import ROOT, TOY, run_train
+from machinery.commands import run_train
+from machinery.settings import ROOT, TOY
 
 
 def test_duplicate_name_is_rejected():

@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 from torch import nn
 
-from conftest import ROOT
+from machinery.settings import ROOT
 
 spec = importlib.util.spec_from_file_location("scaling", ROOT / "bench" / "scaling.py")
 scaling = importlib.util.module_from_spec(spec)

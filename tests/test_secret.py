@@ -20,10 +20,11 @@ import pytest
 from machinery.relay import relay
 from test_parity import COMMON, EXACT, reference
 
-from conftest import (assert_ok, final_params, finish, free_port, max_diff, node_commands,
-                      start_nodes)
+from machinery.commands import assert_ok, final_params, finish, node_commands, start_nodes
+from machinery.in_process import max_diff
+from machinery.settings import free_port
 from hetseq.distributed import meeting_point
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 from hetseq.store import channel, job_secret, secret
 
 SECRET = "a8f3e1c97b2d4065a1e0c3b5d7f9e2a4"
@@ -163,8 +164,8 @@ def test_the_launcher_hands_every_node_and_the_viewer_one_minted_job_id():
     with them, elastic or not, so that each job has a salt of its own; the
     URL it prints for hetseq-status is the same, and the meeting point
     itself (its summary, --check) stays tcp://HOST:PORT."""
-    from conftest import TOY
-    from hetseq.launch import hostfile, plan
+    from machinery.settings import TOY
+    from hetseq.launch import hostfile, commands as plan
     ids = {plan.new_job_id() for _ in range(64)}
     assert len(ids) == 64 and all(len(i) == 32 and job_secret.JOB_ID.fullmatch(i) for i in ids)
     for more in ([], ["--elastic", "--global-batch-size", "48"]):

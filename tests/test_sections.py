@@ -1,4 +1,4 @@
-"""A section's fields are its flags (hetseq/sections.py): one declaration
+"""A section's fields are its flags (hetseq/base/sections.py): one declaration
 gives the parser's flag, its default and help, and the section's field."""
 
 import argparse
@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from hetseq.sections import Section, flag, given_flags, section
+from hetseq.base.sections import Section, flag, given_flags, section
 
 
 @section

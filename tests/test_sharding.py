@@ -11,9 +11,10 @@ from machinery.jobs import run_jobs
 
 from test_parity import EXACT
 
-from conftest import (EXACT_SGD, GROUP_TIMEOUT, TOY, assert_ok, build_controller, keyed,
-                      leave_process_group, max_diff, portable, rank_queue, run_job, run_nodes,
-                      run_train, start_ranks, unpack)
+from machinery.commands import assert_ok, run_job, run_nodes, run_train
+from machinery.in_process import (build_controller, keyed, leave_process_group, max_diff, portable,
+                                  rank_queue, start_ranks, unpack)
+from machinery.settings import EXACT_SGD, GROUP_TIMEOUT, TOY
 
 BASE = [*TOY, "--optimizer", "adamw", "--lr", "0.05", "--weight-decay", "0.01",
         "--lr-scheduler", "fixed", "--clip-norm", "0.5", "--disable-validation",
@@ -100,7 +101,7 @@ def _load_fresh_state(rank, world, init, zero, state, out):
     """Rank ``rank``: load ``state`` (an optimizer that never stepped) under
     --zero ``zero``, then three updates of a 3 + 1 split."""
     import torch.distributed as dist
-    from hetseq.distributed.launch import DistContext
+    from hetseq.distributed.spawn import DistContext
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=GROUP_TIMEOUT)
@@ -127,7 +128,7 @@ ADADELTA = [*TOY, "--optimizer", "adadelta", "--lr", "1.0", "--lr-scheduler", "f
 def test_an_optimizer_saved_before_its_first_step_resumes_in_every_mode(tmp_path, zero):
     """Adadelta holds no state until it steps: a checkpoint made then loads
     under --zero 1/2/3 on 2 ranks and trains as one process would."""
-    from hetseq.distributed.launch import DistContext
+    from hetseq.distributed.spawn import DistContext
     alone, task = build_controller(ADADELTA, DistContext(0, 1, 0, torch.device("cpu")))
     state = unpack(portable(alone.state_dict()))     # a copy, as a checkpoint file holds
     assert state["optimizer"]["state"] == {}
@@ -188,7 +189,7 @@ def _full_state_both_ways(rank, world, init, out):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict)
-    from hetseq.distributed.launch import DistContext
+    from hetseq.distributed.spawn import DistContext
     from hetseq.update.full_state import full_options as _full, gather as _full_state
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
@@ -262,7 +263,7 @@ def test_checkpoint_of_another_shape_is_named_under_zero3(tmp_path):
               "--max-sentences", 8]
     results = run_job(common, [[], []])
     assert results[0][0] == 2, results[0][1][-2000:]
-    # Counted as in every mode, before FSDP's own check (hetseq/state.py's ModelState).
+    # Counted as in every mode, before FSDP's own check (hetseq/checkpoints/state.py's ModelState).
     assert "1 tensor(s) of another shape, e.g. 0.weight: [4, 8] saved, [16, 8] here" \
         in results[0][1]
 
@@ -276,7 +277,7 @@ def _state_bytes(rank, world, init, out):
     """Rank ``rank``: the state its Controller holds under each mode, estimated
     before the first step (no optimizer state yet) and counted after it."""
     import torch.distributed as dist
-    from hetseq.distributed.launch import DistContext
+    from hetseq.distributed.spawn import DistContext
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=GROUP_TIMEOUT)

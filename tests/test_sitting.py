@@ -11,7 +11,9 @@ from hetseq.plan.links import Links, best_plan, who_pays, why_sitting
 from hetseq.plan.rebalance import Rebalancer
 from machinery.jobs import run_jobs
 
-from conftest import EXACT, TOY, assert_ok, final_params, max_diff, run_job
+from machinery.commands import assert_ok, final_params, run_job
+from machinery.in_process import max_diff
+from machinery.settings import EXACT, TOY
 from test_parity import COMMON, params, reference
 
 MS, GBIT, MBIT10 = 1e-3, 8 / 1e9, 8 / 1e7      # a millisecond; seconds per byte at 1 Gbit/s, 10 Mbit/s
@@ -183,7 +185,7 @@ def test_a_slow_rank_sits_out_then_comes_back_and_the_job_matches_one_process(tm
 
 
 def reference_of(*argv):
-    from conftest import alone
+    from machinery.in_process import alone
     flat = [a for part in argv for a in (part if isinstance(part, list) else [part])]
     return alone(*flat)["model"]
 
@@ -199,7 +201,8 @@ def test_a_node_that_sits_out_stays_a_member_of_an_elastic_job(tmp_path):
     """--elastic: the node whose rank sits out keeps its heartbeats and its
     place: one generation from start to end, and the update is one
     process's. (Both nodes slow whichever of them is rank 1.)"""
-    from conftest import alone, free_port
+    from machinery.in_process import alone
+    from machinery.settings import free_port
     from test_elastic import finish_ok, node
     url = f"tcp://127.0.0.1:{free_port()}"
     # The slow rank's speed probe takes about 10 s: longer than the 10 s
@@ -244,7 +247,7 @@ def test_a_saved_plan_sits_ranks_out_only_where_this_run_can():
 def test_an_outcome_from_rank_0_is_checked_before_it_is_used(monkeypatch, message):
     import types
     import torch
-    from hetseq.errors import PeerLost
+    from hetseq.base.errors import PeerLost
     from hetseq.update import members
     ctx = types.SimpleNamespace(world_size=2, rank=1, backend="gloo", device=torch.device("cpu"))
     monkeypatch.setattr(members.dist, "recv", lambda tensor, src: tensor.copy_(

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (ROOT, TOY, UPDATE_LINE, Watched, assert_ok, child_env, children_of,
-                      free_port, node_commands, ranks_of, run_nodes, run_train, start_nodes,
-                      train_cmd)
+from machinery.commands import (assert_ok, children_of, node_commands, ranks_of, run_nodes,
+                                run_train, start_nodes, train_cmd)
+from machinery.settings import ROOT, TOY, UPDATE_LINE, child_env, free_port
+from machinery.watched import Watched
 
 # A short run of the toy task; each command is one "node" with one process.
 RUN = [*TOY, "--max-update", 3, "--max-sentences", 8, "--disable-validation", "--no-save"]
@@ -46,7 +47,7 @@ def test_cpu_ranks_fork_from_the_command_or_a_preloaded_server_and_cuda_ranks_ar
     could not use the GPU (launch.start_method)."""
     probe = ("import sys, threading\n"
              "from multiprocessing import forkserver\n"
-             "from hetseq.distributed.launch import start_method\n"
+             "from hetseq.distributed.spawn import start_method\n"
              "print(start_method('cpu', 'hetseq.run.loop'), 'hetseq.run.loop' in sys.modules)\n"
              "threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
              "print(start_method('cpu', 'hetseq.run.loop'))\n"
@@ -72,7 +73,7 @@ def test_forked_ranks_never_walk_what_their_parent_imported(tmp_path):
         "    with open(os.path.join(folder, str(index)), 'w') as f:\n"
         "        f.write(str(gc.get_freeze_count()))\n")
     probe = ("import gc, sys, threading\n"
-             "from hetseq.distributed import launch\n"
+             "from hetseq.distributed import spawn as launch\n"
              "import frozen_probe\n"
              "folder = sys.argv[1]\n"
              "print(gc.get_freeze_count(), launch.start_method('cpu'))\n"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 from hetseq.plan import capacity, startup, state_shares
 from hetseq.plan.capacity import Plan, ShareConfig
 from hetseq.plan.state_shares import GB, StateShares, StateSize, agree, choose, state_size

@@ -17,11 +17,12 @@ import time
 import pytest
 import torch.distributed as dist
 
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 from hetseq.reporting import status
-from hetseq.store import job_secret, store as job_store
+from hetseq.store import job_secret, server as job_store
 
-from conftest import child_env, run_python
+from machinery.commands import run_python
+from machinery.settings import child_env
 
 VIEWER = [sys.executable, "-m", "hetseq.reporting.status"]
 

@@ -1,4 +1,4 @@
-"""The store of jobs with a secret (hetseq/store/store.py): served only
+"""The store of jobs with a secret (hetseq/store/server.py): served only
 through the channel's handshake, never on an unauthenticated listener."""
 
 import datetime
@@ -14,17 +14,17 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from hetseq.store import channel, cipher, gate, job_secret, store, store_table
+from hetseq.store import channel, cipher, gate, job_secret
+from hetseq.store import server as store
+from hetseq.store import server as store_table
 from hetseq.store.secret import make as make_secret
 
-from conftest import require
+from machinery.settings import ROOT, require
 
-ROOT = Path(__file__).resolve().parents[1]
 SECRET = make_secret()
 OTHER = make_secret()
 
@@ -183,7 +183,8 @@ def test_gloo_job_of_three_processes():
 RANK = r"""
 import datetime, json, os, socket, sys, time
 import torch, torch.distributed as dist
-from hetseq.store import channel, gate, job_secret, store, store_table
+from hetseq.store import channel, gate, job_secret
+from hetseq.store import server as store, server as store_table
 rank, port, fd = map(int, sys.argv[1:4])
 secret = job_secret.read_secret(None, os.environ)
 timeout = datetime.timedelta(seconds=20)
@@ -358,7 +359,7 @@ def test_malformed_requests_close_only_their_connection(served, case, caplog):
     other.set("kept", b"yes")
     sock, send_key, receive_key, _ = channel.connect_as_client(served.address, KEY)
     try:
-        with caplog.at_level(logging.WARNING, logger="hetseq.store.store"):
+        with caplog.at_level(logging.WARNING, logger="hetseq.store.server"):
             channel.send_frame(sock, send_key, 0, MALFORMED[case])
             sock.settimeout(5)
             try:
@@ -469,7 +470,8 @@ def test_another_uid_cannot_reach_the_store_without_the_handshake():
 
 SERVE = r"""
 import os, socket, sys, time
-from hetseq.store import channel, gate, job_secret, store, store_table
+from hetseq.store import channel, gate, job_secret
+from hetseq.store import server as store, server as store_table
 s = store.serve(socket.socket(fileno=int(sys.argv[1])), job_secret.read_secret(None, os.environ), 10)
 s.set("hetseq/claim/0", sys.argv[2])
 print("READY", flush=True)

@@ -3,14 +3,14 @@ fails; elsewhere it skips and says why."""
 
 import pytest
 
-from conftest import ROOT
+from machinery.settings import ROOT
 
 pytest_plugins = ["pytester"]
 
 NEEDY = f"""
 import sys
 sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
-from conftest import require, require_module
+from machinery.settings import require, require_module
 
 def test_needs_a_tool():
     require(False, "needs a tool this machine lacks")

@@ -6,7 +6,8 @@ ends; each node's lines carry its own ranks from the first line on."""
 import re
 import types
 
-from conftest import TOY, node_commands, run_nodes, run_train
+from machinery.commands import node_commands, run_nodes, run_train
+from machinery.settings import TOY
 
 from hetseq.reporting import progress, status
 from hetseq.run.events import Events

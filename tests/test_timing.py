@@ -5,8 +5,8 @@ not count the wait as its own work."""
 import pytest
 import torch
 
-from conftest import (GROUP_TIMEOUT, TOY, build_controller, leave_process_group, rank_queue,
-                      start_ranks)
+from machinery.in_process import build_controller, leave_process_group, rank_queue, start_ranks
+from machinery.settings import GROUP_TIMEOUT, TOY
 from hetseq.update import timing
 
 SLEEP_MS = 100     # rank 1 sleeps this per sample before its forward: 0.3 s an update
@@ -32,7 +32,7 @@ def test_the_clock_stops_at_the_end_of_backward():
 def _times(rank, world, init, zero, out):
     import torch.distributed as dist
 
-    from hetseq.distributed.launch import DistContext
+    from hetseq.distributed.spawn import DistContext
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=GROUP_TIMEOUT)

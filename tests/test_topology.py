@@ -2,11 +2,11 @@
 
 import pytest
 
-from hetseq import cli
+from hetseq.app import cli
 from hetseq.distributed.topology import resolve_topology
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 
-from conftest import TOY
+from machinery.settings import TOY
 
 
 def topo(*flags, env=None, cuda=0):

@@ -19,11 +19,11 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, child_env
+from machinery.settings import ROOT, child_env
 from hetseq.distributed import identity
-from hetseq.errors import UserError
-from hetseq.launch import check, hostfile, plan as planning, transport as transports
-from hetseq.owned_file import compile_cache, others_can_change, refuse_unless_owned
+from hetseq.base.errors import UserError
+from hetseq.launch import check, hostfile, commands as planning, transport as transports
+from hetseq.base.owned_file import compile_cache, others_can_change, refuse_unless_owned
 from hetseq.tasks import import_user_dir
 
 # As a user runs it: the console script, whose own folder (not the working
@@ -353,7 +353,7 @@ def test_adam_betas_must_be_numbers_below_one():
 
 @pytest.mark.parametrize("flag", ["--max-memory-gb", "--lr", "--clip-norm"])
 def test_a_number_flag_that_is_not_finite_is_refused(flag):
-    from hetseq import cli
+    from hetseq.app import cli
     for value in ("nan", "inf", "-inf"):
         with pytest.raises(SystemExit) as err:
             cli.parse(["--task", "bert", flag, value])

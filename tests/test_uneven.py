@@ -9,9 +9,10 @@ import re
 import pytest
 import torch
 
-from conftest import (EXACT, EXACT_SGD, GROUP_TIMEOUT, alone, assert_ok, build_controller,
-                      final_params, keyed, leave_process_group, max_diff, portable, rank_queue,
-                      run_job, run_nodes, start_ranks, unpack)
+from machinery.commands import assert_ok, final_params, run_job, run_nodes
+from machinery.in_process import (alone, build_controller, keyed, leave_process_group, max_diff,
+                                  portable, rank_queue, start_ranks, unpack)
+from machinery.settings import EXACT, EXACT_SGD, GROUP_TIMEOUT
 
 BLOCKS = [*EXACT_SGD, "--toy-blocks", 3]
 
@@ -20,8 +21,8 @@ def _gathered_while_training(rank, world, init, zero, out):
     """Rank ``rank`` of a 1:3 split: how many units were gathered during
     each block's forward and backward, and what is left gathered after."""
     import torch.distributed as dist
-    from hetseq import cli
-    from hetseq.distributed.launch import DistContext
+    from hetseq.app import cli
+    from hetseq.distributed.spawn import DistContext
     from hetseq.tasks import TASKS
     from hetseq.update.controller import Controller
     torch.set_num_threads(1)
@@ -218,7 +219,7 @@ def test_what_keeps_even_shares_is_named_under_state_shares_memory(flags, words)
 
 def test_a_lone_process_trains_as_zero_0_whatever_its_shares():
     """One process: the whole state is its own; the flag changes nothing."""
-    from hetseq.distributed.launch import DistContext
+    from hetseq.distributed.spawn import DistContext
     controller, _ = build_controller([*BLOCKS, "--zero", 3, "--state-shares", "memory"],
                                      DistContext(0, 1, 0, torch.device("cpu"), "gloo"))
     assert controller.state_shares() == [None]

@@ -1,7 +1,7 @@
 """Bytes from a file or a peer are data, never code: a checkpoint or a
 collective's payload that carries a pickled call is refused (exit 2 for a
 checkpoint), and the call never runs. Both are read with
-``torch.load(weights_only=True)`` (hetseq/run/checkpoint_files.py,
+``torch.load(weights_only=True)`` (hetseq/checkpoints/files.py,
 hetseq/distributed/collectives.py); these tests keep them so."""
 
 import io
@@ -10,9 +10,10 @@ import os
 import pytest
 import torch
 
-from conftest import TOY, run_train
+from machinery.commands import run_train
+from machinery.settings import TOY
 from hetseq.distributed import collectives
-from hetseq.run import checkpoint_files
+from hetseq.checkpoints import files as checkpoint_files
 
 
 class Planted:

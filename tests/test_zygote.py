@@ -88,10 +88,10 @@ def test_a_child_on_a_namespace_host_sees_what_ip_netns_exec_shows(zygote, tmp_p
     """Its hostname, its network's interfaces in /sys, its /etc/hosts and its
     network namespace: those of a command started through the host's own
     wrapper (``ip netns exec ... unshare --uts``)."""
-    from conftest import _cluster
+    from machinery.commands import namespace_hosts
     (tmp_path / "view.py").write_text(HOST_VIEW)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with _cluster(2) as cluster:
+    with namespace_hosts(2) as cluster:
         forked = run(zygote, [tmp_path / "view.py"], tmp_path, env, 60, cluster.host(0))
         fresh = subprocess.run(cluster.command(0, [sys.executable, tmp_path / "view.py"]),
                                env=env, capture_output=True, text=True, timeout=60)

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from hetseq.errors import UserError
-from hetseq.nn import Dropout
+from hetseq.base.errors import UserError
+from hetseq.keyed.nn import Dropout
 from hetseq.tasks import Task, register_task
 
 from .idx import read_idx
@@ -46,7 +46,7 @@ class IdxImages(Dataset):
 
 class Net(nn.Module):
     """The CNN of PyTorch's MNIST example (HetSeq's MNIST model). Its dropout
-    is ``hetseq.nn.Dropout``: each image's masks come from its own stream
+    is ``hetseq.keyed.nn.Dropout``: each image's masks come from its own stream
     (seed, epoch, its index, the module), so the update does not depend on
     which rank trained the image (docs/tasks.md)."""
 

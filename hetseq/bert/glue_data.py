@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 
 PLAIN_COLUMNS = ("sentence1", "sentence2", "label")
 PLAIN_FORMATS = (".csv", ".jsonl")

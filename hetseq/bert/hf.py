@@ -18,7 +18,7 @@ import re
 import torch
 
 from hetseq.bert.model import BertConfig
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 
 logger = logging.getLogger(__name__)
 

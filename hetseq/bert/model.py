@@ -1,9 +1,9 @@
 """BERT encoder with masked-LM and next-sentence heads (pretraining) or a
 classification head (fine-tuning), from a Google/NVIDIA ``bert_config.json``
-or a Hugging Face ``config.json``. Attention runs through ``hetseq.nn.attention``:
+or a Hugging Face ``config.json``. Attention runs through ``hetseq.keyed.nn.attention``:
 torch's fused attention, except while training with attention dropout under
 HetSeq, where each sample's mask is drawn from its own stream
-(hetseq/randomness.py): inside a flash-style kernel on CUDA, explicitly on CPU.
+(hetseq/keyed/randomness.py): inside a flash-style kernel on CUDA, explicitly on CPU.
 
 Parameter names follow Hugging Face's ``BertForPreTraining`` except that the
 query/key/value projections are fused into one ``qkv`` matrix (one GEMM
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetseq.errors import UserError
-from hetseq.nn import Dropout, attention
+from hetseq.base.errors import UserError
+from hetseq.keyed.nn import Dropout, attention
 
 ACTIVATIONS = {
     "gelu": F.gelu,

@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 
 from hetseq.bert.tokenizer import load_tokenizer
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 # NVIDIA's key names and dtypes.

@@ -14,9 +14,9 @@ from hetseq.bert import demo
 from hetseq.bert.hf import load_hf_weights, read_hf_config
 from hetseq.bert.model import BertConfig
 from hetseq.bert.tokenizer import WordPiece
-from hetseq.errors import UserError
-from hetseq.run import checkpoint_files
-from hetseq.update.controller import CONTROLLER, MODEL
+from hetseq.base.errors import UserError
+from hetseq.checkpoints import files as checkpoint_files
+from hetseq.checkpoints.keys import CONTROLLER, MODEL
 
 logger = logging.getLogger(__name__)
 

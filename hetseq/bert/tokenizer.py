@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 
 SPECIAL = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
            "cls_token": "[CLS]", "mask_token": "[MASK]"}

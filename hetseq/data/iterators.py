@@ -4,15 +4,15 @@ An epoch's global batches depend only on (seed, epoch, the dataset's size and
 shard sizes, B), never on the world size or on how B is split, so a run's
 mathematics does not depend on the machines that took part. Rank i takes a
 contiguous slice of each, proportional to its share, with its samples' keys
-(hetseq/randomness.py). docs/design.md, 'The route of one update', step 2.
+(hetseq/keyed/randomness.py). docs/design.md, 'The route of one update', step 2.
 """
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from hetseq.randomness import KeyedBatch, sample_keys
-from hetseq.state import ANYTHING, Count, Fields
+from hetseq.keyed.randomness import KeyedBatch, sample_keys
+from hetseq.checkpoints.state import ANYTHING, Count, Fields
 
 
 def split_sizes(total, weights):
@@ -223,7 +223,7 @@ class GlobalBatchIterator:
                 "global_batch_size": self.batches.global_batch_size}
 
     def state_kind(self):
-        """What a checkpoint's data position must be here (hetseq/state.py):
+        """What a checkpoint's data position must be here (hetseq/checkpoints/state.py):
         an epoch from 1, and the samples of it done, at most this dataset's
         (before HetSeq 0.2: global batches done)."""
         return Fields({"epoch": Count(1)},

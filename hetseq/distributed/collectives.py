@@ -15,8 +15,8 @@ import io
 import torch
 import torch.distributed as dist
 
-from hetseq import safe_load
-from hetseq.errors import PeerLost, UserError
+from hetseq.base import safe_load
+from hetseq.base.errors import PeerLost, UserError
 
 # The largest object a peer may announce: room for a whole checkpoint of the
 # BERT models (broadcast_from carries an elastic member's state to the

@@ -11,7 +11,7 @@ import time
 
 import torch.distributed as dist
 
-from hetseq.errors import PeerLost
+from hetseq.base.errors import PeerLost
 
 INTERVAL_S = 1.0
 

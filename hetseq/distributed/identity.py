@@ -11,8 +11,8 @@ named. ``NodeConfig`` (config.py) is not part of it. docs/checkpoints.md,
 import json
 import time
 
-from hetseq.errors import UserError
-from hetseq.logs import printable
+from hetseq.base.errors import UserError
+from hetseq.base.logs import printable
 
 MAX_SHOWN = 256          # characters of a peer's words in a refusal
 

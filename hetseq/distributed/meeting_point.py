@@ -21,8 +21,8 @@ import urllib.parse
 import torch.distributed as dist
 
 from hetseq.distributed import interfaces, network
-from hetseq.errors import UserError
-from hetseq.store import channel, store
+from hetseq.base.errors import UserError
+from hetseq.store import channel, server as store
 from hetseq.store.job_secret import JobSecret, job_id
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 class Access:
     """Who may reach the store this node serves or joins. ``secret``: the job
     secret (None: no secret), salted with the job id of the URL this node
-    was given (rendezvous.py; elastic/node.py); ``interface``: --distributed-interface;
+    was given (rendezvous.py; elastic/agent.py); ``interface``: --distributed-interface;
     ``spans_hosts``: ranks of this job run on other hosts."""
     secret: JobSecret | None = None
     interface: str | None = None
@@ -68,7 +68,7 @@ def _client_address(host, access):
 
 def _client(url, host, port, world_size, timeout, secret):
     """A store client of HOST:PORT (reachable): with a secret, the job's own
-    store through the gate (hetseq/store/store.py: a handshake, then authenticated
+    store through the gate (hetseq/store/server.py: a handshake, then authenticated
     requests); without, c10d's TCPStore."""
     if secret is None and channel.asks_for_secret((host, port)):
         raise UserError(f"the job at {url} has a job secret and this node none: set "
@@ -172,7 +172,7 @@ def _bracketed(host):
 def _serve(url, host, port, world_size, timeout, access):
     """Rank 0's store, listening only on the job's address (TCPStore alone
     would listen on every address of the host). With a secret it is the
-    job's own store behind the gate (hetseq/store/store.py), and nothing listens on
+    job's own store behind the gate (hetseq/store/server.py), and nothing listens on
     loopback for another user of this host to reach."""
     listener = _listen(url, _listen_address(url, host, access), port)
     if access.secret is None:

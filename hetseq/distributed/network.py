@@ -20,8 +20,8 @@ import threading
 import time
 
 from hetseq.distributed import interfaces
-from hetseq.errors import UserError
-from hetseq.logs import NODE, Every
+from hetseq.base.errors import UserError
+from hetseq.base.logs import NODE, Every
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from hetseq.distributed import health, identity, network
 from hetseq.distributed.meeting_point import Access, file_path, master_host, open_store
 from hetseq.distributed.topology import ready_backend
-from hetseq.errors import UserError
-from hetseq.logs import NODE, Every, rank_ranges
+from hetseq.base.errors import UserError
+from hetseq.base.logs import NODE, Every, rank_ranges
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import subprocess
 import torch
 import torch.distributed as dist
 
-from hetseq.errors import UserError
-from hetseq.sections import Section, flag, section
+from hetseq.base.errors import UserError
+from hetseq.base.sections import Section, flag, section
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,8 @@ from hetseq.elastic import rounds
 from hetseq.elastic.generations import Generation
 from hetseq.elastic.rounds import (POLL_S, SETTLE_S, FollowRound, LeadRound, Moved, NoRound,
                                    describe)
-from hetseq.errors import UserError
-from hetseq.logs import NODE
+from hetseq.base.errors import UserError
+from hetseq.base.logs import NODE
 from hetseq.store import channel
 
 logger = logging.getLogger(__name__)
@@ -357,6 +357,6 @@ class Membership:
         """Ranks of this generation that the heartbeats found lost: their
         members (a node's ranks are lost together). Never this node: one of
         its processes may find another one silent (starved of CPU), but a
-        process of its own that ended is known for sure (elastic/node.py)."""
+        process of its own that ended is known for sure (elastic/agent.py)."""
         gen = self.generation
         self.lost = {gen.members[gen.member_of(r)]["id"] for r in ranks} - {self.id}

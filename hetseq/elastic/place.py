@@ -14,7 +14,7 @@ from hetseq.elastic.watchdog import Watchdog
 class Place:
     """One process's place in a generation: rank ``first_rank() + local``,
     ``local`` being its index among its node's processes. The node's process
-    0 (elastic/node.py) meets for the node and reaches the
+    0 (elastic/agent.py) meets for the node and reaches the
     leader's store through its Membership; the node's other processes
     connect to that store themselves (``Place.joining``)."""
 

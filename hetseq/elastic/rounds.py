@@ -12,7 +12,7 @@ import re
 import time
 
 from hetseq.elastic import generations
-from hetseq.logs import NODE
+from hetseq.base.logs import NODE
 from hetseq.store.channel import GREETING_S
 
 logger = logging.getLogger("hetseq.elastic.membership")

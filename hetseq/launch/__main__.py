@@ -1,3 +1,3 @@
-from hetseq.launch.main import main
+from hetseq.launch.launcher import main
 
 main()

@@ -16,11 +16,11 @@ import subprocess
 import threading
 import time
 
-from hetseq import cli
-from hetseq.errors import UserError
-from hetseq.logs import printable
+from hetseq.app import cli
+from hetseq.base.errors import UserError
+from hetseq.base.logs import printable
 from hetseq.launch.node import STARTED
-from hetseq.launch.plan import meeting_host
+from hetseq.launch.commands import meeting_host
 from hetseq.launch.probe import PREFIX
 from hetseq.launch.transport import module_argv
 

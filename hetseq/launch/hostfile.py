@@ -9,9 +9,9 @@ import dataclasses
 import re
 import shlex
 
-from hetseq.errors import UserError
-from hetseq.flags import nearest
-from hetseq.owned_file import read_owned, refuse_unless_owned
+from hetseq.base.errors import UserError
+from hetseq.base.flags import nearest
+from hetseq.base.owned_file import read_owned, refuse_unless_owned
 
 # A host as ssh takes it: [user@]name, an IPv4 address or a bracketless IPv6 one.
 HOST = re.compile(r"^(?!-)([A-Za-z0-9._-]+@)?[A-Za-z0-9.:_-]+$")

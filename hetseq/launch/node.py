@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 
-from hetseq.owned_file import others_can_change
+from hetseq.base.owned_file import others_can_change
 
 STARTED = "hetseq-launch node started"   # the launcher reads (and hides) this line
 STOP_S = 5.0

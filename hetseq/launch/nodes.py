@@ -18,7 +18,7 @@ import threading
 import time
 
 from hetseq.launch.node import STARTED, exit_code
-from hetseq.logs import printable
+from hetseq.base.logs import printable
 
 LINE_LIMIT = 1 << 16       # a longer line is cut (a node's output is not trusted to be sane)
 CHUNK = 1 << 16

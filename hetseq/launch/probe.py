@@ -50,7 +50,7 @@ def cuda_devices(torch):
 def interface(master, flag, backend):
     """'NAME ADDRESS' a rank would bind to, or the reason it cannot."""
     from hetseq.distributed import network
-    from hetseq.errors import UserError
+    from hetseq.base.errors import UserError
     try:
         binding = network.choose(master, flag, backend or "gloo")
     except (UserError, OSError) as err:
@@ -60,7 +60,7 @@ def interface(master, flag, backend):
 
 def facts(master=None, flag=None, backend=None):
     import hetseq
-    from hetseq.digests import code_digest
+    from hetseq.app.digests import code_digest
     out = {"host": platform.node(), "python": sys.executable, "hetseq": hetseq.__version__,
            "code": code_digest(), "hetseq_at": os.path.dirname(hetseq.__file__),
            "memory": memory_available()}

@@ -10,9 +10,9 @@ import os
 import shlex
 import socket
 
-from hetseq.errors import UserError
-from hetseq.launch.plan import meeting_host
-from hetseq.registry import Registry
+from hetseq.base.errors import UserError
+from hetseq.launch.commands import meeting_host
+from hetseq.base.registry import Registry
 
 TRANSPORTS = Registry("launcher")
 # BatchMode: a host that would ask for a password fails at once instead of

@@ -4,11 +4,11 @@ OptimizerConfig, declared here with every optimizer's flags as its fields
 
 import torch
 
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 from hetseq.optim.lr_scheduler import (SCHEDULERS, LRScheduler, ScheduleConfig,
                                        register_lr_scheduler)
-from hetseq.registry import Registry
-from hetseq.sections import Section, flag, section
+from hetseq.base.registry import Registry
+from hetseq.base.sections import Section, flag, section
 
 
 class OptimizerFactory:

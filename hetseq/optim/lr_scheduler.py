@@ -8,9 +8,9 @@ Every schedule's flags are fields of ScheduleConfig, declared once below.
 
 import math
 
-from hetseq.errors import UserError
-from hetseq.registry import Registry
-from hetseq.sections import Section, flag, float_list, section
+from hetseq.base.errors import UserError
+from hetseq.base.registry import Registry
+from hetseq.base.sections import Section, flag, float_list, section
 
 DEFAULT_TOTAL = 1000000   # decay horizon when nothing tells the run's length
 

@@ -9,10 +9,10 @@ import dataclasses
 import logging
 import math
 
-from hetseq.errors import UserError
-from hetseq.sections import Section, flag, section
-from hetseq.state import Count, Fields, ListOf, Number, StateMismatch
-from hetseq.state import describe as described
+from hetseq.base.errors import UserError
+from hetseq.base.sections import Section, flag, section
+from hetseq.checkpoints.state import Count, Fields, ListOf, Number, StateMismatch
+from hetseq.checkpoints.state import describe as described
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class Plan:
 
     @staticmethod
     def state_kind():
-        """What a saved plan must be (hetseq/state.py): its fields only (they
+        """What a saved plan must be (hetseq/checkpoints/state.py): its fields only (they
         are the constructor's), one entry per rank in each list, a batch of
         at least one sample, sitting ranks among them. Its world may differ
         from this run's (Balance.load_state_dict then starts afresh)."""

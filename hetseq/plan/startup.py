@@ -8,7 +8,7 @@ plans with that arithmetic) and this module (which plans with links) do not
 import each other.
 """
 
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 from hetseq.plan import links as exchange_links
 from hetseq.plan.capacity import (cuda_memory_cap, cuda_peak_bytes, device_name, parse_weights,
                                   proportional, saved_activation_bytes, slope_memory_cap)
@@ -114,7 +114,7 @@ def _check_state(peers):
 def _prober(controller, dataset, collate_fn):
     """``size -> seconds``: a forward and backward of ``size`` samples of the
     real model and task, making no update (``Controller.probe``)."""
-    from hetseq.randomness import KeyedBatch, sample_keys
+    from hetseq.keyed.randomness import KeyedBatch, sample_keys
 
     def run(size):
         indices = [i % len(dataset) for i in range(size)]

@@ -9,7 +9,7 @@ refusal. docs/memory-and-precision.md, "State shares by memory".
 import dataclasses
 import logging
 
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 from hetseq.plan.capacity import available_memory_bytes
 
 logger = logging.getLogger(__name__)

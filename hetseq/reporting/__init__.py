@@ -1,3 +1,3 @@
 """What people see: progress, meters, TensorBoard, balance.jsonl, the plot
 and hetseq-status. The logging basics that start-up needs too are in
-hetseq/logs.py, below every layer."""
+hetseq/base/logs.py, below every layer."""

@@ -10,7 +10,7 @@ import json
 import os
 import time
 
-from hetseq.logs import BestEffort
+from hetseq.base.logs import BestEffort
 
 
 class JsonLines:

@@ -2,7 +2,7 @@
 
 import time
 
-from hetseq.state import ANYTHING, Fields, MapOf, Number, OfType
+from hetseq.checkpoints.state import ANYTHING, Fields, MapOf, Number, OfType
 
 
 class AverageMeter:
@@ -70,7 +70,7 @@ class Meters:
 
     @staticmethod
     def state_kind():
-        """What saved meters must be (hetseq/state.py): named sums, any sign
+        """What saved meters must be (hetseq/checkpoints/state.py): named sums, any sign
         (a loss may be negative, inf or NaN), over a weight that is not negative."""
         return MapOf(OfType(str), Fields({"sum": Number(finite=False),
                                           "count": Number(low=0)}, extra=ANYTHING))

@@ -11,9 +11,9 @@ import logging
 import os
 import sys
 
-from hetseq.errors import UserError
-from hetseq.flags import Parser
-from hetseq.logs import disk_of, why_not_written
+from hetseq.base.errors import UserError
+from hetseq.base.flags import Parser
+from hetseq.base.logs import disk_of, why_not_written
 from hetseq.reporting.balance import BalanceLog, ValidLog
 
 logger = logging.getLogger("hetseq.reporting.plot")

@@ -12,7 +12,7 @@ from hetseq.reporting.balance import BalanceLog, ValidLog
 from hetseq.reporting.meters import Meters, RateMeter
 from hetseq.reporting.progress import Clock, Progress, format_ranks
 from hetseq.reporting.tensorboard import TensorBoard
-from hetseq.sections import Section, flag, section
+from hetseq.base.sections import Section, flag, section
 
 logger = logging.getLogger("hetseq.run")
 

@@ -18,10 +18,10 @@ import time
 
 import torch.distributed as dist
 
-from hetseq.errors import UserError
-from hetseq.flags import Parser
+from hetseq.base.errors import UserError
+from hetseq.base.flags import Parser
 from hetseq.reporting.progress import format_duration
-from hetseq.store import channel, job_secret, store as job_store
+from hetseq.store import channel, job_secret, server as job_store
 
 logger = logging.getLogger(__name__)
 

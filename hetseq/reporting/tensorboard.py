@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 
-from hetseq.logs import BestEffort
+from hetseq.base.logs import BestEffort
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Checkpoints of a run: what they hold (components, their keys declared in
-hetseq/state.py), when rank 0 saves, and how a run resumes. The files
-themselves, written atomically and read safely, are checkpoint_files.py's.
+hetseq/checkpoints/state.py), when rank 0 saves, and how a run resumes. The files
+themselves, written atomically and read safely, are checkpoints/files.py's.
 Sharded state is gathered to rank 0 and saved in the one full format
 (docs/design.md, 'Checkpoints', says why not torch.distributed.checkpoint).
 """
@@ -12,13 +12,13 @@ import zipfile
 
 import torch
 
-from hetseq.errors import UserError
-from hetseq.run import checkpoint_files as files
+from hetseq.base.errors import UserError
+from hetseq.checkpoints import files as files
 from hetseq.run.rng_state import rng_kind, rng_state, set_rng_state
-from hetseq.sections import Section, flag, section
-from hetseq.state import (ANYTHING, Component, Count, Fields, ListOf, Number, OfType, Optional,
-                          StateMismatch, describe)
-from hetseq.update.state_keys import CONTROLLER, UPDATES
+from hetseq.base.sections import Section, flag, section
+from hetseq.checkpoints.state import (ANYTHING, Component, Count, Fields, ListOf, Number, OfType,
+                                      Optional, StateMismatch, describe)
+from hetseq.checkpoints.keys import CONTROLLER, UPDATES
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class Checkpointer:
     flags): a component ("meters") or one part of one ("controller.optimizer").
     ``cfg`` is the job's CheckpointConfig, ``save`` this node's SaveConfig
     (rank 0's decides where checkpoints go), ``flags`` the plain flags kept for
-    people to read, ``entries`` plain entries kept as given (elastic/seam.py).
+    people to read, ``entries`` plain entries kept as given (elastic/hooks.py).
     ``save`` is called on every rank; ``restore`` sends rank 0's copy to all.
     """
 
@@ -158,7 +158,7 @@ class Checkpointer:
         make, check) when ``make()`` on that rank gives the state and
         ``check(state)`` says why every rank refuses it, or None (an elastic
         member's memory, which must be the one the round chose:
-        elastic/seam.py); by default rank 0 reads --restore-file."""
+        elastic/hooks.py); by default rank 0 reads --restore-file."""
         from hetseq.distributed.collectives import broadcast_from
         path = files.restore_path(self.where)
         rank, make, check = source or (
@@ -190,7 +190,7 @@ class Checkpointer:
     def check(self, state, where=None):
         """Refuse ``state`` (a UserError naming the field, the same on every
         rank) unless every part this run loads is what it builds: each
-        component's ``state_kind()`` (a Kind of hetseq/state.py; anything
+        component's ``state_kind()`` (a Kind of hetseq/checkpoints/state.py; anything
         for a component without one), the kinds declared with the keys,
         and the RNG states. Before any part loads: a part of the wrong type,
         sign or shape would fail inside torch, mid-load or mid-step, and

@@ -6,7 +6,7 @@ the job's flags and the run's counts only, so every rank answers alike."""
 
 import dataclasses
 
-from hetseq.sections import Section, flag, int_list, section
+from hetseq.base.sections import Section, flag, int_list, section
 
 MAX_EPOCH_ENDS = 10_000    # epoch ends counted ahead, at most
 

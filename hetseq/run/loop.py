@@ -1,4 +1,4 @@
-"""One rank's training run: the loop over epochs and updates (hetseq/main.py
+"""One rank's training run: the loop over epochs and updates (hetseq/app/main.py
 starts the ranks).
 
 One update, as ``Run.train_epoch`` drives it (docs/design.md follows the
@@ -13,12 +13,11 @@ import itertools
 import logging
 import time
 
-from hetseq import randomness
-from hetseq.data.splits import Splits
+from hetseq.keyed import randomness
 from hetseq.distributed import broadcast_from_main
-from hetseq.elastic.seam import FIXED
-from hetseq.errors import HetSeqError, UserError
-from hetseq.logs import disk_of, why_not_written, write_failed
+from hetseq.run.seam import FIXED
+from hetseq.base.errors import HetSeqError, UserError
+from hetseq.base.logs import disk_of, why_not_written, write_failed
 from hetseq.optim.lr_scheduler import planned_updates
 from hetseq.plan import capacity, rebalance, startup
 from hetseq.plan import links as exchange_links
@@ -31,11 +30,14 @@ from hetseq.run.validation import Validation
 from hetseq.tasks import TASKS, Task, import_builtin_tasks, import_user_dir
 from hetseq.update import precision
 from hetseq.update.agreement import Agreement
-from hetseq.update.controller import CONTROLLER, MODEL, Controller
+from hetseq.checkpoints.keys import CONTROLLER, MODEL
+from hetseq.update.controller import Controller
+from hetseq.data.iterators import GlobalBatches, GlobalBatchIterator
+from hetseq.distributed.collectives import all_gather_object
 
 logger = logging.getLogger("hetseq.run")
 
-# The run's parts of a checkpoint beside the Controller's (controller.CONTROLLER).
+# The run's parts of a checkpoint beside the Controller's (checkpoints/keys.py's CONTROLLER).
 TRAIN_ITERATOR = Component("train_iterator", reset="dataloader")   # the data position
 PLAN = Component("plan")                                             # the split of the batch
 METERS = Component("meters", reset="meters")
@@ -56,8 +58,8 @@ def build_task(args, inputs):
 
 class Run:
     """One rank's training run. ``args``: the flags (for the task); ``job``
-    and ``node``: the JobConfig and NodeConfig (config.py); ``seam``: its
-    one door to membership (elastic/seam.py: an elastic member's, or one
+    and ``node``: the JobConfig and NodeConfig (app/config.py); ``seam``: its
+    one door to membership (run/seam.py: an elastic member's, or one
     that does nothing)."""
 
     def __init__(self, args, job, node, ctx, inputs=None, seam=FIXED):
@@ -321,3 +323,30 @@ def _chunks(iterable, size):
     iterator = iter(iterable)
     while chunk := list(itertools.islice(iterator, size)):
         yield chunk
+
+
+# A task's splits as one rank reads them: loaded, checked, cut into global batches.
+class Splits:
+    """``task``'s datasets for this rank (``ctx``), with the run's ``seed``,
+    this node's ``num_workers`` and its ``--data`` (named in errors)."""
+
+    def __init__(self, task, ctx, seed, num_workers, data=None):
+        self.task, self.ctx, self.seed = task, ctx, seed
+        self.num_workers, self.data = num_workers, data
+
+    def load(self, split):
+        """The task's dataset for ``split``, checked to be the same size on every rank."""
+        dataset = self.task.load_dataset(split)
+        sizes = all_gather_object(len(dataset), self.ctx)
+        if len(set(sizes)) > 1 or not sizes[0]:
+            raise UserError(f"split '{split}' of --data {self.data} is empty or differs "
+                            f"between ranks (sizes {sizes}); every node needs the same data")
+        return dataset
+
+    def iterator(self, dataset, shares, shuffle, micro_cap=0, min_micro_batches=1):
+        """Global batches of ``dataset`` (B = sum of ``shares``), this rank's
+        slice of each in micro-batches of at most ``micro_cap`` samples."""
+        batches = GlobalBatches.for_dataset(dataset, sum(shares), self.seed, shuffle)
+        return GlobalBatchIterator(dataset, self.task.collater(dataset), batches, shares,
+                                   self.ctx.rank, self.num_workers, micro_cap, min_micro_batches,
+                                   pin_memory=self.ctx.device.type == "cuda")

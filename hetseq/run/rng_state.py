@@ -8,8 +8,8 @@ import random
 import numpy as np
 import torch
 
-from hetseq.kinds import (ANYTHING, Choice, Count, Fields, Items, Kind, ListOf, Number, Optional,
-                          Tensor)
+from hetseq.checkpoints.kinds import (ANYTHING, Choice, Count, Fields, Items, Kind, ListOf, Number,
+                                      Optional, Tensor)
 
 
 def rng_state():
@@ -23,7 +23,7 @@ def rng_state():
 
 
 def rng_kind():
-    """What a checkpoint's "rng" must be (hetseq/kinds.py): per rank, the
+    """What a checkpoint's "rng" must be (hetseq/checkpoints/kinds.py): per rank, the
     generators as rng_state() gives them here; random.setstate,
     numpy's set_state and torch.set_rng_state take nothing else."""
     word = Count(0, 2 ** 32 - 1)

@@ -13,7 +13,7 @@ rank's memory, and the shares stay the first ones.
 import dataclasses
 
 from hetseq.distributed import all_gather_object
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 from hetseq.optim import OPTIMIZERS
 from hetseq.plan import startup, state_shares
 from hetseq.update.exchange import EXCHANGES

@@ -16,7 +16,7 @@ import socket
 import struct
 import time
 
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 from hetseq.store import cipher
 from hetseq.store.job_secret import job_words
 

@@ -12,7 +12,7 @@ stops with one line (exit 2); it never falls back to authentication only.
 
 import sys
 
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 
 KEY = 32                  # ChaCha20-Poly1305's key
 TAG = 16                  # its tag, after each frame's ciphertext

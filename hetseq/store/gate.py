@@ -14,7 +14,7 @@ import time
 
 from hetseq.store.channel import (BUSY, HANDSHAKE_S, HANDSHAKES, PAUSES_S, PER_SOURCE,
                                        SERVED, Refused, handshake_as_server)
-from hetseq.logs import Tally
+from hetseq.base.logs import Tally
 
 logger = logging.getLogger(__name__)
 

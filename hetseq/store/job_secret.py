@@ -14,8 +14,8 @@ import os
 import re
 import urllib.parse
 
-from hetseq.errors import UserError
-from hetseq.owned_file import read_owned
+from hetseq.base.errors import UserError
+from hetseq.base.owned_file import read_owned
 from hetseq.store import cipher
 from hetseq.store.secret_rules import RULE, weakness  # (weakness: also read from here)
 

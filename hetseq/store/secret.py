@@ -12,8 +12,8 @@ import os
 import secrets
 import sys
 
-from hetseq.errors import UserError
-from hetseq.flags import Parser
+from hetseq.base.errors import UserError
+from hetseq.base.flags import Parser
 
 BYTES = 32
 

@@ -11,9 +11,9 @@ import importlib
 import os
 import sys
 
-from hetseq.errors import UserError
-from hetseq.owned_file import refuse_unless_owned
-from hetseq.tasks.task import TASKS, Task, register_task
+from hetseq.base.errors import UserError
+from hetseq.base.owned_file import refuse_unless_owned
+from hetseq.tasks.api import TASKS, Task, register_task
 
 __all__ = ["TASKS", "Task", "import_builtin_tasks", "import_user_dir", "register_task"]
 

@@ -16,8 +16,8 @@ from hetseq.bert.hf import export_hf, load_hf_weights
 from hetseq.bert.model import BertConfig, BertForPreTraining
 from hetseq.bert.pretraining_data import BertH5Dataset, find_shards
 from hetseq.bert.tokenizer import WordPiece
-from hetseq.errors import UserError
-from hetseq.tasks.task import Task, register_task
+from hetseq.base.errors import UserError
+from hetseq.tasks.api import Task, register_task
 
 logger = logging.getLogger(__name__)
 

@@ -11,14 +11,14 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from hetseq import metrics
+from hetseq.tasks import metrics
 from hetseq.bert import demo
 from hetseq.bert.glue_data import GlueDataset, GlueSpec, plain_spec, spec_for, split_file
 from hetseq.bert.hf import export_hf
 from hetseq.bert.model import BertForSequenceClassification
 from hetseq.bert.pretrained import StartingPoint, default_starting_point, starting_point
-from hetseq.errors import UserError
-from hetseq.tasks.task import Task, register_task
+from hetseq.base.errors import UserError
+from hetseq.tasks.api import Task, register_task
 from hetseq.update.stats import Gathered
 
 logger = logging.getLogger(__name__)

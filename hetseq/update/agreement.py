@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from hetseq.distributed import all_gather_object
-from hetseq.errors import TrainingFailed
-from hetseq.sections import Section, flag, section
+from hetseq.base.errors import TrainingFailed
+from hetseq.base.sections import Section, flag, section
 
 logger = logging.getLogger(__name__)
 

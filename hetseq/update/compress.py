@@ -8,7 +8,7 @@ flat tensor over the ranks in as many bytes as it says (docs/slow-links.md,
 import torch
 import torch.distributed as dist
 
-from hetseq.registry import Registry
+from hetseq.base.registry import Registry
 
 CODECS = Registry("outer dtype")
 BLOCK = 256     # values per int8 scale

@@ -9,20 +9,19 @@ import logging
 
 import torch
 
-from hetseq import randomness
+from hetseq.keyed import randomness
 from hetseq.data.iterators import move_to
-from hetseq.errors import TrainingFailed, UserError
-from hetseq.owned_file import compile_cache
+from hetseq.base.errors import TrainingFailed, UserError
+from hetseq.base.owned_file import compile_cache
 from hetseq.optim import (OPTIMIZERS, build_lr_scheduler, build_optimizer,
                           check_same_optimizer, keep_own_kernels)
 from hetseq.distributed.collectives import broadcast_from
 from hetseq.update import held, modes, precision, sharding, uneven  # noqa: F401 (registers)
-from hetseq.state import ANYTHING, Count, Fields, Number, like
+from hetseq.checkpoints.state import ANYTHING, Count, Fields, Number, like
 from hetseq.update.exchange import Updates
 from hetseq.update.members import Members
 # Its part of a checkpoint, and the keys of that part (the exchange mode adds its own).
-from hetseq.update.state_keys import CONTROLLER  # noqa: F401  (the run reads it from here)
-from hetseq.update.state_keys import LOSS_SCALER, LR_SCHEDULER, MODEL, OPTIMIZER, UPDATES
+from hetseq.checkpoints.keys import LOSS_SCALER, LR_SCHEDULER, MODEL, OPTIMIZER, UPDATES
 from hetseq.update.stats import Backward
 from hetseq.update.step import Stepper
 from hetseq.update.timing import ComputeClock
@@ -363,7 +362,7 @@ class Controller:
 
     def state_kind(self):
         """What a checkpoint's part of the Controller must be to load here
-        (hetseq/state.py), checked before any of it loads, on every rank
+        (hetseq/checkpoints/state.py), checked before any of it loads, on every rank
         alike: the model this run built, an optimizer state of this kind over
         its parameters, a count of updates, and the exchange mode's entries.
         The format is one whatever --zero mode and shares saved it or load

@@ -10,9 +10,9 @@ import copy
 import dataclasses
 import time
 
-from hetseq.errors import UserError
-from hetseq.registry import Registry
-from hetseq.sections import Section, given_flags, section
+from hetseq.base.errors import UserError
+from hetseq.base.registry import Registry
+from hetseq.base.sections import Section, given_flags, section
 from hetseq.update.stats import RankReport, StatsSum
 
 
@@ -206,14 +206,14 @@ class Exchange:
         members keep it."""
 
     def state_dict(self, optimizer_state, local=False):
-        """Its entries in the Controller's state (state_keys.mode_key);
+        """Its entries in the Controller's state (checkpoints/keys.py's mode_key);
         ``optimizer_state``: the Controller's (this rank's, or rank 0's
         gathered); ``local``: this rank's own view, for a snapshot."""
         return {}
 
     def state_kind(self, optimizer):
         """{entry: its kind} for its entries in the Controller's state
-        (hetseq/state.py), checked before anything loads; ``optimizer``: the
+        (hetseq/checkpoints/state.py), checked before anything loads; ``optimizer``: the
         kind of the Controller's optimizer state (a held.OptimizerState)."""
         return {}
 

@@ -8,8 +8,8 @@ import inspect
 import torch
 from torch import nn
 
-from hetseq.state import (ANYTHING, Count, Either, Fields, Kind, ListOf, ModelState, Number,
-                          OfType, StateMismatch, Tensor, describe, like)
+from hetseq.checkpoints.state import (ANYTHING, Count, Either, Fields, Kind, ListOf, ModelState,
+                                      Number, OfType, StateMismatch, Tensor, describe, like)
 
 
 def _bytes(tensor):

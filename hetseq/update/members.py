@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from hetseq.distributed.collectives import wire_device
-from hetseq.errors import PeerLost
+from hetseq.base.errors import PeerLost
 
 
 class Members:

@@ -12,8 +12,8 @@ import os
 
 import torch
 
-from hetseq.errors import TrainingFailed, UserError
-from hetseq.sections import Section, flag, section
+from hetseq.base.errors import TrainingFailed, UserError
+from hetseq.base.sections import Section, flag, section
 
 logger = logging.getLogger(__name__)
 

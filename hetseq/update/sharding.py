@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hetseq.errors import UserError
-from hetseq.registry import Registry
-from hetseq.sections import Section, flag, section
+from hetseq.base.errors import UserError
+from hetseq.base.registry import Registry
+from hetseq.base.sections import Section, flag, section
 from hetseq.update import flat_units, full_state, timing, whole_weights
 from hetseq.update.held import optimizer_tensors, settings
-from hetseq.update.whole_weights import full_weights, holds, named_weights  # noqa: F401 (also sharding.*)
+from hetseq.update.whole_weights import (full_weights, holds, named_weights)  # noqa: F401 (also sharding.*)
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 from hetseq.update import flat_state, flat_units, sharding
 from hetseq.update.flat_units import FlatUnit
 from hetseq.update.held import rebuilt_optimizer

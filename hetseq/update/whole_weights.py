@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hetseq.errors import UserError
+from hetseq.base.errors import UserError
 
 
 @contextlib.contextmanager

@@ -48,14 +48,14 @@ def _mark_updates(controller):
 
 
 def _build(argv, ctx):
-    from hetseq import cli
+    from hetseq.app import cli
     from hetseq.run.loop import Run
     args, job, node = cli.parse([str(a) for a in argv])
     return Run(args, job, node, ctx)
 
 
 def _worker(rank, world, folder, jobs, timeout):
-    from hetseq.distributed.launch import DistContext
+    from hetseq.distributed.spawn import DistContext
     torch.set_num_threads(1)
     recording.register()
     dist.init_process_group(recording.BACKEND, init_method=f"file://{folder}/meet", rank=rank,
@@ -84,7 +84,7 @@ def _worker(rank, world, folder, jobs, timeout):
 def run_jobs(world, jobs, folder, timeout=60):
     """Run ``jobs`` ([(name, [argv of each rank])]) on ``world`` ranks, one
     after the other; {name: JobResult}. ``folder``: an empty directory."""
-    from hetseq.distributed.launch import start_ranks
+    from hetseq.distributed.spawn import start_ranks
     os.makedirs(folder, exist_ok=True)
     start_ranks(_worker, (world, str(folder), jobs, timeout), world, "cpu", "hetseq.run.loop")
     per_rank = [torch.load(os.path.join(folder, f"results.{rank}"), weights_only=False)
@@ -98,7 +98,7 @@ def run_jobs(world, jobs, folder, timeout=60):
 def run_alone(argv):
     """The Controller state after training with ``argv`` in this process,
     as one process (no process group)."""
-    from hetseq.distributed.launch import DistContext
+    from hetseq.distributed.spawn import DistContext
     run = _build(argv, DistContext(0, 1, 0, torch.device("cpu")))
     run.train()
     return run.controller.state_dict()

@@ -35,8 +35,8 @@ from machinery.namespace_host import enter_host
 # What every train.py imports before its first update, hetseq first as its
 # entry points do (hetseq/__init__.py sets a variable only before torch loads);
 # not quick_exit (its atexit would end every child with code 0).
-PRELOAD = ("hetseq", "torch", "torch._dynamo", "torch.distributed.fsdp", "hetseq.main",
-           "hetseq.run.loop", "hetseq.elastic.node")
+PRELOAD = ("hetseq", "torch", "torch._dynamo", "torch.distributed.fsdp", "hetseq.app.main",
+           "hetseq.run.loop", "hetseq.elastic.agent")
 MESSAGE = 1 << 20          # one request (arguments and environment) at most, in bytes
 
 

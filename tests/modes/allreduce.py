@@ -18,17 +18,17 @@ device's large-batch update. A rank without samples adds zeros.
 import torch
 import torch.distributed as dist
 
-from hetseq.errors import UserError
-from hetseq.sections import Section, flag, section
+from hetseq.base.errors import UserError
+from hetseq.base.sections import Section, flag, section
 from hetseq.update.exchange import Exchange, register_exchange
-from hetseq.update.flat import FlatParams
+from hetseq.update.modes.local_steps import FlatParams
 from hetseq.update.sharding import Sharding
 from hetseq.update.stats import StepResult
 
 
 @section
 class AllReduceConfig(Section):
-    """Its flags, declared once: each field is its flag (hetseq/sections.py)."""
+    """Its flags, declared once: each field is its flag (hetseq/base/sections.py)."""
     allreduce_chunks: int = flag(1, type=int, metavar="K",
                                  help="--exchange allreduce: sum the flat gradients in K "
                                       "all-reduces (default: 1)")

@@ -3,7 +3,7 @@
 Parity tests need a task whose result depends only on which samples form each
 global batch, never on how they were split across ranks. The hidden layer's
 dropout (--toy-dropout, 0.2 by default) draws each sample's mask from its own
-stream (hetseq/randomness.py), so every exactness test is one with dropout.
+stream (hetseq/keyed/randomness.py), so every exactness test is one with dropout.
 """
 
 import os
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from hetseq.errors import UserError
-from hetseq.nn import Dropout
+from hetseq.base.errors import UserError
+from hetseq.keyed.nn import Dropout
 from hetseq.tasks import Task, register_task
 
 

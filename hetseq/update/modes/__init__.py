@@ -11,8 +11,8 @@ import dataclasses
 import importlib
 import pkgutil
 
-from hetseq.errors import UserError
-from hetseq.sections import Section, flag, frozen, section
+from hetseq.base.errors import UserError
+from hetseq.base.sections import Section, flag, frozen, section
 from hetseq.update.exchange import EXCHANGES
 
 for _module in pkgutil.iter_modules(__path__):

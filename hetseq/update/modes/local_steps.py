@@ -11,15 +11,14 @@ import logging
 import torch
 
 from hetseq.distributed.collectives import gather_to_main
-from hetseq.errors import UserError
-from hetseq.sections import Section, flag, given_flags, section
-from hetseq.state import ANYTHING, Count, Fields, ListOf, Optional
+from hetseq.base.errors import UserError
+from hetseq.base.sections import Section, flag, given_flags, section
+from hetseq.checkpoints.state import ANYTHING, Count, Fields, ListOf, Optional
 from hetseq.update import held
 from hetseq.update.compress import CODECS
 from hetseq.update.exchange import Exchange, refuse, register_exchange
-from hetseq.update.flat import FlatParams
 from hetseq.update.outer import DRAIN_S, LocalReplicas, OuterSum, first_line
-from hetseq.update.state_keys import mode_key
+from hetseq.checkpoints.keys import mode_key
 from hetseq.update.stats import StatsSum, StepResult
 
 logger = logging.getLogger(__name__)
@@ -356,3 +355,37 @@ class LocalSteps(Exchange):
             return by_rank[self.ctx.rank]
         return saved
 
+
+# Parameters as one flat copy per dtype and device: what --local-steps
+# reads, averages and writes back in one piece per group, instead of one
+# tensor per parameter.
+class FlatParams:
+    """The parameters as one flat copy per dtype and device."""
+
+    def __init__(self, params):
+        groups = {}
+        for p in params:
+            groups.setdefault((p.dtype, p.device), []).append(p)
+        self.groups = list(groups.values())
+
+    @torch.no_grad()
+    def read(self):
+        return [torch.cat([p.detach().reshape(-1) for p in group]) for group in self.groups]
+
+    @torch.no_grad()
+    def write(self, flats):
+        for group, flat in zip(self.groups, flats):
+            for p, part in zip(group, self._views(group, flat)):
+                p.copy_(part)
+
+    def set_grads(self, flats):
+        for group, flat in zip(self.groups, flats):
+            for p, part in zip(group, self._views(group, flat)):
+                p.grad = part
+
+    @staticmethod
+    def _views(group, flat):
+        offset = 0
+        for p in group:
+            yield flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()

@@ -3,8 +3,8 @@ compressed by PyTorch's PowerSGD, with error feedback (update/compress.py).
 The Controller's math is unchanged: the hook compresses the sum-loss
 gradients, whose average is G/W."""
 
-from hetseq.errors import UserError
-from hetseq.sections import Section, flag, given_flags, section
+from hetseq.base.errors import UserError
+from hetseq.base.sections import Section, flag, given_flags, section
 from hetseq.update.compress import powersgd_hook
 from hetseq.update.exchange import refuse, register_exchange
 from hetseq.update.modes.synchronous import Synchronous

@@ -1,0 +1,3 @@
+"""The application top: hetseq-train's command (main.py), the parser and
+the two configurations built from it, the flags' page, and the digests of
+the job's identity. It may import every package but launch/."""

@@ -1,0 +1,3 @@
+"""A checkpoint's parts, keys and kinds, and its files: below the update,
+the run, the tasks and bert, so that each of them declares or reads its
+keys without importing the others. Imports only hetseq.base."""
