@@ -63,7 +63,7 @@ goals "$OUT/kernels.json"
 #    the kernels under HETSEQ_KERNELS=triton), no compile tests.
 log "3. CUDA tests and the kernels' tests on the GPU (limit 90 s)"
 timeout -s ABRT 90 $PY -m pytest -p no:cacheprovider -o addopts="" -rA -n 4 --dist load \
-  tests/test_cuda.py tests/test_kernels.py -k "not compiled and not step_table" \
+  tests/system/test_cuda.py tests/unit/keyed/test_kernels.py tests/system/test_kernels.py -k "not compiled and not step_table" \
   >"$OUT/pytest.log" 2>&1; echo "rc=$?" >>"$OUT/pytest.log"
 grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3 >>"$OUT/summary.log"
 

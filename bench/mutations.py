@@ -11,10 +11,12 @@ that moves between modules keeps its mutations.
 Prints JSON: for each mutation, the promise, the tests run and whether they
 failed (``caught``). docs/testing.md lists the same promises.
 
-    python bench/mutations.py [--only NAME ...] [--out FILE]
+    python bench/mutations.py [--only NAME ...] [--tier unit] [--jobs N] [--out FILE]
 
 About 15 minutes for all on 2 cores, the control run (the same tests on
-the unchanged tree, which must pass) included.
+the unchanged tree, which must pass) included. ``--tier unit`` runs, for
+each mutation, the fast tier of the package it breaks (tests/unit/<package>/)
+instead of the named tests: how much the loop of changing code catches.
 """
 
 import argparse
@@ -57,6 +59,7 @@ def verdict(junit_xml, tests):
     named = {(t.split("::", 1)[0], t.split("::", 1)[1].split("[", 1)[0])
              for t in tests if "::" in t}
     files = {t for t in tests if "::" not in t}
+    folders = tuple(f.rstrip("/") + "/" for f in files if not f.endswith(".py"))
     why = []
     for case in ET.parse(junit_xml).iter("testcase"):
         failure = case.find("failure")
@@ -67,12 +70,19 @@ def verdict(junit_xml, tests):
         message = failure.get("message", "")
         asserted = message.startswith(("assert", "AssertionError", "Failed", "Failed:")) or \
             "DID NOT RAISE" in message or failure.text and "AssertionError" in failure.text
-        if asserted and ((module, name) in named or module in files):
+        if asserted and ((module, name) in named or module in files or module.startswith(folders)):
             why.append(f"{case.get('name')}: {message.splitlines()[0][:200] if message else ''}")
     return bool(why), why[:2]
 
 
-def run(name, promise, text, replacement, tests):
+def unit_tier(text):
+    """The fast tier of the package whose file holds ``text``: tests/unit/<package>/."""
+    path = locate(text) or ""
+    parts = path.split(os.sep)
+    return [f"tests/unit/{parts[1]}"] if len(parts) > 2 else []
+
+
+def run(name, promise, text, replacement, tests, pytest_args=()):
     """Runs ``tests`` in a copy of HEAD where ``text`` reads ``replacement``
     (``text`` None: the copy unchanged, the control run)."""
     with tempfile.TemporaryDirectory() as copy:
@@ -92,7 +102,7 @@ def run(name, promise, text, replacement, tests):
         start = time.time()
         junit = os.path.join(copy, "junit.xml")
         done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                               f"--junitxml={junit}", *tests], cwd=copy, capture_output=True,
+                               f"--junitxml={junit}", *pytest_args, *tests], cwd=copy, capture_output=True,
                               text=True, env={**os.environ, "PYTHONPATH": copy}, timeout=1800)
         lines = done.stdout.strip().splitlines() or [""]
         caught, why = verdict(junit, tests) if os.path.exists(junit) else (False, [])
@@ -104,16 +114,28 @@ def run(name, promise, text, replacement, tests):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="mutation names (default: all)")
+    parser.add_argument("--tier", choices=["named", "unit"], default="named",
+                        help="named: each mutation's own tests; unit: its package's tests/unit/")
+    parser.add_argument("--jobs", type=int, default=1, help="mutations run at once")
     parser.add_argument("--out")
     opts = parser.parse_args()
     names = opts.only or list(MUTATIONS)
+    chosen = {name: MUTATIONS[name][3] if opts.tier == "named" else unit_tier(MUTATIONS[name][1])
+              for name in names}
+    # One process each for the fast tier: its files take seconds, xdist's start more.
+    args = ("-n", "0") if opts.tier == "unit" else ()
     # The control: the same tests on the unchanged tree must pass, or a failure
     # under a mutation proves nothing.
-    tests = sorted({t for name in names for t in MUTATIONS[name][3]})
-    control = run("control", "the unchanged tree passes the same tests", None, None, tests)
-    results = [run(name, *MUTATIONS[name]) for name in names]
-    emit({"control_passed": control["returncode"] == 0, "control": control, "mutations": results,
-          "caught": sum(bool(r.get("caught")) for r in results), "of": len(results)}, opts.out)
+    tests = sorted({t for name in names for t in chosen[name]})
+    control = run("control", "the unchanged tree passes the same tests", None, None, tests, args)
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(opts.jobs) as pool:
+        results = list(pool.map(lambda name: run(name, *MUTATIONS[name][:3], chosen[name], args)
+                                if chosen[name] else {"name": name, "error": "no unit tier"},
+                                names))
+    emit({"tier": opts.tier, "control_passed": control["returncode"] == 0, "control": control,
+          "mutations": results, "caught": sum(bool(r.get("caught")) for r in results),
+          "of": len(results)}, opts.out)
 
 
 if __name__ == "__main__":

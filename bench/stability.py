@@ -5,7 +5,7 @@ the same, only noisy). Each run: the toy MLP of width 16384 (~30 ms updates),
 --capacity auto, 200 updates; the plan changes logged by rank 0 are counted.
 
 This was a test until the noise of a shared 2-core machine made it fail one
-run in two (the simulated-noise tests in tests/test_capacity.py pin the
+run in two (the simulated-noise tests in tests/system/test_capacity.py pin the
 rebalancer's behaviour deterministically). Prints JSON.
 
     python bench/stability.py [--runs N] [--out FILE]

@@ -2,6 +2,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 # One thread for every BLAS and OpenMP pool of a worker, set before numpy or
 # torch loads one: three workers share two cores, and OpenBLAS's idle
@@ -50,11 +51,13 @@ def pytest_sessionstart(session):
 # a time: docs/testing.md), longest first: pytest-xdist hands files out in
 # the order collected, so these start first and the suite ends on short
 # ones, not on one worker finishing a 3-minute file while a core idles.
-LONGEST_FIRST = ("test_elastic.py", "test_glue.py", "test_kernels.py", "test_checkpoint.py",
-                 "test_bert.py", "test_startup.py", "test_launchers.py", "test_parity.py",
-                 "test_elastic_shares.py", "test_sitting.py", "test_multihost.py",
-                 "test_capacity.py", "test_sharding.py", "test_mnist_example.py",
-                 "test_launch.py", "test_kernel_report.py")
+LONGEST_FIRST = ("system/test_elastic.py", "system/test_glue.py", "system/test_kernels.py",
+                 "system/test_checkpoint.py", "system/test_bert.py", "system/test_startup.py",
+                 "system/test_launchers.py", "system/test_parity.py",
+                 "system/test_elastic_shares.py", "system/test_sitting.py",
+                 "system/test_multihost.py", "system/test_capacity.py", "system/test_sharding.py",
+                 "system/test_mnist_example.py", "system/test_launch.py",
+                 "system/test_kernel_report.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -64,7 +67,10 @@ def pytest_collection_modifyitems(session, config, items):
     if gone:
         raise pytest.UsageError(f"conftest.LONGEST_FIRST names {gone}, not in tests/")
     place = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: place.get(item.path.name, len(place)))
+    def where(item):
+        path = Path(item.path)
+        return path.relative_to(ROOT / "tests").as_posix() if path.is_relative_to(ROOT) else ""
+    items.sort(key=lambda item: place.get(where(item), len(place)))
 
 
 def pytest_sessionfinish(session, exitstatus):

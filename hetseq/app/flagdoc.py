@@ -1,5 +1,5 @@
 """docs/flags.md, written from the parser itself so that it cannot fall
-behind: ``python -m hetseq.app.flagdoc > docs/flags.md`` (tests/test_docs.py
+behind: ``python -m hetseq.app.flagdoc > docs/flags.md`` (tests/unit/project/test_docs.py
 checks that the file is what this prints).
 
 Every flag of ``--help``, group by group, then the flags each built-in task

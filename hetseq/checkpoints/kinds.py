@@ -316,7 +316,7 @@ class ModelState(Kind):
     {name: (shape, dtype), or None for an entry that is not a tensor}.
     Keys missing, keys it does not know and tensors of another shape are
     counted in one line with an example of each, as a checkpoint of another
-    model shows many at once (and tests/test_bad_inputs.py reads them)."""
+    model shows many at once (and tests/system/test_bad_inputs.py reads them)."""
 
     expected = "the model this run builds"
 

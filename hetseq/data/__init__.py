@@ -1,4 +1,6 @@
-"""Data: global batches sharded by capacity, and dataset helpers."""
+"""Data: global batches cut per rank by capacity, micro-batches, keyed samples.
+Layer 7: imports base, keyed, checkpoints, distributed.
+Tests: tests/unit/data/."""
 
 from hetseq.data.iterators import GlobalBatches, GlobalBatchIterator, split_sizes
 

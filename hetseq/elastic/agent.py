@@ -2,9 +2,9 @@
 across them, so the job goes on while members are lost or join. The node's
 first process meets for it (membership.py) and sends its other processes
 their places over a pipe; each generation's Run talks to it through one
-seam (run/seam.py; elastic/hooks.py's Elastic). Each generation starts from the newest state on the job's
-line, so the next update is the one a single process would make next
-(docs/elastic.md says why that is exact)."""
+seam (run/seam.py; elastic/hooks.py's Elastic). Each generation starts
+from the newest state on the job's line, so the next update is the one a
+single process would make next (docs/elastic.md says why that is exact)."""
 
 import dataclasses
 import gc

@@ -1,3 +1,5 @@
 """What people see: progress, meters, TensorBoard, balance.jsonl, the plot
 and hetseq-status. The logging basics that start-up needs too are in
-hetseq/base/logs.py, below every layer."""
+base/logs.py, in the bottom layer.
+Layer 10: imports base, checkpoints, store, distributed.
+Tests: tests/unit/reporting/, tests/system/."""

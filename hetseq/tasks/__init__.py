@@ -1,11 +1,12 @@
-"""Task registry and ``--user-dir`` loading.
+"""Task registry and ``--user-dir`` loading (the Task API: api.py)::
 
     from hetseq.tasks import Task, register_task
 
     @register_task("mytask")
-    class MyTask(Task):
-        ...
-"""
+    class MyTask(Task): ...
+
+Layer 12: imports base, update, bert.
+Tests: tests/unit/tasks/, tests/system/."""
 
 import importlib
 import os

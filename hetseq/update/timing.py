@@ -42,7 +42,7 @@ class ComputeClock:
 # parameters' all-gather and ends (backward) with a reduce-scatter: a rank
 # faster than the others waits there. FSDP2 has no public hook around these
 # waits, so the three methods of its parameter group that contain them are
-# timed (torch 2.6 to 2.13; tests/test_timing.py fails if they move).
+# timed (torch 2.6 to 2.13; tests/unit/update/test_timing.py fails if they move).
 _WAITED = [0.0]
 _DEPTH = [0]     # timed methods under way (one may call another)
 FSDP_TIMED = ("unshard", "wait_for_unshard", "post_backward")

@@ -62,7 +62,7 @@ def philox(counter, key, rounds=ROUNDS):
 def _mulhilo(multiplier, x):
     """(high, low) 32-bit halves of multiplier * x. On int64 tensors the
     product wraps modulo 2**64 past 2**63, as every torch build multiplies
-    int64 (two's complement; tests/test_randomness.py pins it against Python
+    int64 (two's complement; tests/unit/keyed/test_randomness.py pins it against Python
     integers): its 64 bits are the exact product all the same."""
     product = multiplier * x
     if isinstance(product, int):

@@ -1,0 +1,94 @@
+"""Exchange modes are plugins (update/exchange.py, update/modes/): a mode
+defined under tests/ (tests/modes/allreduce.py, ``--user-dir tests/modes``),
+with no edit under hetseq/, trains exactly as one process does; a name
+registered twice, or an unknown --exchange, is a clear error."""
+
+import pytest
+
+from hetseq.app import cli
+from hetseq.base.errors import UserError
+
+from machinery.settings import ROOT, TOY
+
+from machinery.parity import COMMON
+# The last --user-dir wins: tests/modes brings the toy task along.
+MODE = ["--user-dir", str(ROOT / "tests" / "modes"), "--exchange", "allreduce"]
+
+
+def job(layout, *extra):
+    return [[*COMMON, *MODE, *extra, "--max-sentences", batch, "--no-save"] for batch in layout]
+
+
+def test_nothing_under_hetseq_names_the_mode():
+    library = "\n".join(path.read_text() for path in (ROOT / "hetseq").rglob("*.py"))
+    assert "allreduce_chunks" not in library and "tests/modes" not in library
+
+
+def test_the_modes_flags_are_the_jobs_and_refused_without_it():
+    _, job, _ = cli.parse([*TOY, *MODE, "--allreduce-chunks", "3"])
+    assert job.exchange.exchange == "allreduce"
+    assert job.identity()["allreduce_chunks"] == 3 and job.identity()["exchange"] == "allreduce"
+    with pytest.raises(UserError, match="--allreduce-chunks set exchange mode 'allreduce'; "
+                                        "add --exchange allreduce"):
+        cli.parse([*TOY, *MODE[:2], "--allreduce-chunks", "3"])
+
+
+def test_a_name_registered_twice_or_unknown_says_what_exists(monkeypatch):
+    from hetseq.update.exchange import EXCHANGES, Exchange, register_exchange
+    # A copy of the registry for this test: the process's stays as it was.
+    monkeypatch.setattr(EXCHANGES, "_entries", dict(EXCHANGES._entries))
+    monkeypatch.setattr(EXCHANGES, "_aliases", dict(EXCHANGES._aliases))
+    with pytest.raises(ValueError, match=r"exchange mode name 'local-steps' is already "
+                       r"registered by hetseq\.update\.modes\.local_steps\.LocalSteps; pick "
+                       r"another name \(registered exchange modes: .*local-steps, powersgd, "
+                       r"synchronous\)"):
+        register_exchange("local-steps")(type("Again", (Exchange,), {}))
+    with pytest.raises(UserError, match=r"unknown exchange mode 'nope'; registered exchange "
+                       r"modes: .*local-steps, powersgd, synchronous \(a mode of your own"):
+        cli.parse([*TOY, "--exchange", "nope"])
+
+
+def test_the_identity_holds_the_chosen_modes_flags_only():
+    """Flags of a mode the job does not run are at their defaults (refused
+    otherwise): left out of the identity, a node whose --user-dir registers
+    one more mode meets a node without it."""
+    cli.parse([*TOY, *MODE])                           # allreduce is registered now
+    _, job, _ = cli.parse([*TOY, "--user-dir", str(ROOT / "tests" / "modes")])
+    identity = job.identity()
+    assert identity["exchange"] == "synchronous"
+    assert "allreduce_chunks" not in identity and "local_steps" not in identity
+
+
+def test_one_mode_is_one_identity_however_it_is_asked_for():
+    _, asked, _ = cli.parse([*TOY, "--grad-compression", "powersgd"])
+    _, named, _ = cli.parse([*TOY, "--exchange", "powersgd", "--grad-compression", "powersgd"])
+    assert asked.identity() == named.identity()
+    assert named.identity()["grad_compression"] == "powersgd"
+    for contradiction in ([], ["--grad-compression", "none"]):
+        with pytest.raises(UserError, match="--exchange powersgd compresses with "
+                                            "--grad-compression powersgd, not"):
+            cli.parse([*TOY, "--exchange", "powersgd", *contradiction])
+
+
+def test_a_mode_that_ends_an_update_without_its_figures_is_told():
+    """A mode's finish must record this rank's figures (rebalancing reads
+    them); one that forgets is named at its first update, not left blank."""
+    from types import SimpleNamespace
+    from hetseq.update.exchange import Exchange
+    from hetseq.update.stats import StepResult
+
+    class Forgetful(Exchange):
+        registered_name = "forgetful"
+
+        def finish(self, stats, seconds, boundary):
+            return StepResult({}, None, 0.1, True)
+
+    mode = Forgetful(None, None, SimpleNamespace(world_size=1, distributed=False))
+    assert mode.ended(None) is None                  # inside a round: nothing yet
+    with pytest.raises(UserError, match=r"exchange mode 'forgetful' ended an update without "
+                                        r"self.record\(seconds, samples\)"):
+        mode.ended(mode.finish(None, 0.0, True))
+    mode.record(0.5, 8)
+    assert mode.ended(mode.finish(None, 0.0, True)).updated
+    with pytest.raises(UserError):                   # each update records its own
+        mode.ended(mode.finish(None, 0.0, True))
