@@ -1,5 +1,8 @@
 """Ranks stay equal to rank 0 for runs of any length: rounding apart is undone,
-a real divergence stops the run (hetseq/update/agreement.py)."""
+a real divergence stops the run (hetseq/update/agreement.py).
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/update/test_agreement.py."""
 
 import re
 

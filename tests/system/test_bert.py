@@ -1,4 +1,7 @@
-"""BERT: preprocessing round trip, NVIDIA-format reading, model, training."""
+"""BERT: preprocessing round trip, NVIDIA-format reading, model, training.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/bert/test_bert.py."""
 
 import json
 import re

@@ -1,4 +1,7 @@
-"""Capacity planning: the plan math, rebalancing, and parity while the split changes."""
+"""Capacity planning: the plan math, rebalancing, and parity while the split changes.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/plan/test_capacity.py."""
 
 import json
 import re

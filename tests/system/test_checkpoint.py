@@ -1,4 +1,7 @@
-"""Checkpoints: bit-exact resume, safe writes, retention; and failure handling."""
+"""Checkpoints: bit-exact resume, safe writes, retention; and failure handling.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/run/test_checkpoint.py."""
 
 import multiprocessing
 import os

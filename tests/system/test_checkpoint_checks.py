@@ -2,9 +2,8 @@
 run loads against what the run builds (hetseq/checkpoints/state.py's kinds), and the
 archive against what torch.save writes (hetseq/base/safe_load.py).
 
-The fuzz calls the check in this process on a real checkpoint (a run of
-the toy, built once); two train.py runs show the whole path: one line, exit
-2, no traceback."""
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/checkpoints/test_checkpoint_checks.py."""
 
 
 import torch

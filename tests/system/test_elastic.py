@@ -1,14 +1,8 @@
 """Elastic jobs (--elastic): hosts lost, frozen or late, the meeting point
-lost, too few nodes, a host lost while it saves. Each job ends by itself and
-must hold the weights of one process training with the whole global batch:
-the toy is float64 with SGD, so EXACT (1e-10) leaves room for the order of
-summation only (test_parity.py), far inside the issue's 1e-5.
+lost, too few nodes, a host lost while it saves.
 
-The namespace hosts are three Linux network namespaces joined by a 1 Gbit/s
-switch (tests/machinery/cluster.py). A host is "switched off" by cutting its
-link and killing its processes: nothing tells the survivors, who notice when
-their collective passes --distributed-timeout (10 s here).
-"""
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/elastic/test_elastic.py."""
 
 import os
 import re

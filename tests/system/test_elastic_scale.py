@@ -1,10 +1,7 @@
 """Elastic membership as the node count grows (#35 item 4).
 
-Unit tests of the heartbeats' cost and messages (many watchdogs in one
-process, on a HashStore), and a job of 16 namespace hosts: its first
-generation, a host killed and one frozen far from rank 0 in the ring, and a
-joiner. bench/elastic_scale.py measures the same at 8 to 64 nodes.
-"""
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/elastic/test_elastic_scale.py."""
 
 import re
 import signal

@@ -1,7 +1,10 @@
 """Exchange modes are plugins (update/exchange.py, update/modes/): a mode
 defined under tests/ (tests/modes/allreduce.py, ``--user-dir tests/modes``),
 with no edit under hetseq/, trains exactly as one process does; a name
-registered twice, or an unknown --exchange, is a clear error."""
+registered twice, or an unknown --exchange, is a clear error.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/update/test_exchange_modes.py."""
 
 import pytest
 

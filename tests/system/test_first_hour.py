@@ -1,6 +1,9 @@
 """What a new user sees: progress lines they can read, a line per node when it
 joins, waits and ends, the LR horizon actually used, TensorBoard and a
-picture of every run without asking."""
+picture of every run without asking.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/reporting/test_first_hour.py."""
 
 import re
 import subprocess

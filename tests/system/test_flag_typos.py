@@ -1,6 +1,9 @@
 """Every command answers a misspelt flag alike (hetseq/base/flags.py): one line
 that names the typo and the nearest flag, exit 2, no usage and no
-traceback; a hostfile's keys too."""
+traceback; a hostfile's keys too.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/base/test_flag_typos.py."""
 
 import subprocess
 import sys

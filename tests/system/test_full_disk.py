@@ -1,9 +1,10 @@
-"""A disk that fills while a job trains (issue 58, item 4): every file a
-run writes for people (balance.jsonl, valid.jsonl, TensorBoard, hetseq-plot's
+"""A disk that fills while a job trains (issue 58, item 4): every file a run
+writes for people (balance.jsonl, valid.jsonl, TensorBoard, hetseq-plot's
 picture) stops with one line naming the file and the disk, and training goes
-on; a checkpoint the disk refuses ends the run in one line naming the disk
-and the checkpoint that resumes. Each writer is tested in this process on a
-small tmpfs; one tiny job shows the whole of it."""
+on; a checkpoint the disk refuses ends the run in one line naming the
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/base/test_full_disk.py."""
 
 import errno
 import logging

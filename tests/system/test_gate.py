@@ -1,8 +1,10 @@
 """The gate of a job with a secret stays open under a flood (channel.py);
 meeting points refuse a taken port, serve IPv6 and never listen everywhere
 without a secret (meeting_point.py); sizes read from peers are bounded
-(collectives.py). That no other user of a host reaches a store with a
-secret is tests/test_store.py's."""
+(collectives.py).
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/store/test_gate.py."""
 
 import os
 import resource

@@ -1,5 +1,8 @@
 """GLUE fine-tuning: the files as GLUE distributes them, metrics exact across
-ranks, export to Hugging Face and back, bad inputs."""
+ranks, export to Hugging Face and back, bad inputs.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/bert/test_glue.py."""
 
 import json
 import re

@@ -1,5 +1,8 @@
 """Nodes must agree on the job: a node whose flags differ is refused before it
-claims a rank, with the flags named; the job that was there first goes on."""
+claims a rank, with the flags named; the job that was there first goes on.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/distributed/test_job_identity.py."""
 
 import time
 

@@ -1,7 +1,10 @@
 """bench/kernel_report.py: the keyed kernels, compiled on this CPU for an
 sm_80 and an sm_90 card exactly as a BERT-base call specializes them (and
 every other tile the runtime may pick), meet issue 57's goals read from
-their SASS; and the reader finds what it claims to."""
+their SASS; and the reader finds what it claims to.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/keyed/test_kernel_report.py."""
 
 import json
 import os

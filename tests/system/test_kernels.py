@@ -1,7 +1,10 @@
 """The kernels that draw keyed masks inside (hetseq/keyed/kernels/): the Triton
 path gives the torch path's masks bit for bit, and its outputs and
 gradients. On a GPU they run compiled; without one (CI) in Triton's
-interpreter on CPU tensors (conftest sets TRITON_INTERPRET=1)."""
+interpreter on CPU tensors (conftest sets TRITON_INTERPRET=1).
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/keyed/test_kernels.py."""
 
 import pytest
 import torch

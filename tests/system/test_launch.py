@@ -2,11 +2,8 @@
 SSH servers in namespace hosts), stop them together, and keep the job
 secret out of every command line and log; hetseq-status shows the job.
 
-The SSH tests run the launcher on host A, as a user would on the first of
-their machines, against an sshd on each host (tests/machinery/sshd.py: key
-login only, its keys and config in the test's folder). Host D has no sshd:
-the host that cannot be reached.
-"""
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/launch/test_launch.py."""
 
 import json
 import os

@@ -1,8 +1,10 @@
-"""Several nodes tried on one machine and checked before a launch: the
-README's one-machine line runs (hetseq-launch --launcher local), an SSH
-failure on this machine names the local way, ``hetseq-launch --check``
-prints one table and exits 2 with the fix for a host that cannot run its
-part, and a launch refuses a line whose GPUs are not there."""
+"""Several nodes tried on one machine and checked before a launch: the README's
+one-machine line runs (hetseq-launch --launcher local), an SSH failure on
+this machine names the local way, ``hetseq-launch --check`` prints one table
+and exits 2 with the fix for a host that cannot run its part, and a...
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/launch/test_launch_check.py."""
 
 import re
 import shlex

@@ -1,9 +1,8 @@
 """Slow links: --local-steps (DiLoCo rounds), the outer exchange's codecs and
 PowerSGD, against one process where the mathematics says they are exact.
 
-The toy model is float64 and the inner optimizer SGD (linear in the
-gradient, so a wrong weight or scale shows): EXACT as in test_parity.py.
-"""
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/update/test_local_steps.py."""
 
 import json
 import re

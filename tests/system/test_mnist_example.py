@@ -1,4 +1,7 @@
-"""The MNIST example, a task defined outside the package, trains end to end."""
+"""The MNIST example, a task defined outside the package, trains end to end.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/tasks/test_mnist_example.py."""
 
 import os
 import re

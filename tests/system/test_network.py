@@ -1,5 +1,8 @@
 """Interface selection rules, the reachability check and the master wait, in one process.
-(The same code across real namespace hosts: test_multihost.py.)"""
+(The same code across real namespace hosts: test_multihost.py.)
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/distributed/test_network.py."""
 
 
 import pytest

@@ -1,13 +1,7 @@
 """The update must equal large-batch single-process training, whatever the split.
 
-Tolerances. The toy model is float64 and the optimizer SGD, whose update is
-linear in the gradient (Adam's is not: it would hide a wrong scale). Two runs
-on the same samples then differ only in the order in which sums are taken:
-about 1e-16 relative per operation, ~1e-14 on the parameters after 7
-updates. ``EXACT`` (1e-10) leaves room for that and for nothing else: a wrong
-scale (1/W, or W/N rounded in float32: 7.6e-9 after 6 updates, the bug #13
-fixed), a sample counted twice or missed, all lie far above it.
-"""
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/update/test_parity.py."""
 
 import pytest
 import torch

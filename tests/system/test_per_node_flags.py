@@ -1,15 +1,7 @@
 """A node's own flags never change what the ranks do together.
 
-Every per-node flag (NodeConfig, config.py) is set to different values on
-the two ranks of a job, one flag at a time and all at once, under every
---zero mode, with and without clipping. Each rank's collectives are recorded
-(tests/machinery/recording.py): both ranks must issue the same ones, in the
-same order and sizes, update by update, and the weights must equal one
-process training on the same global batch. Were a per-node flag to reach the
-update path, the ranks would pair different collectives: a hang, an error,
-or wrong numbers (as --tensorboard-logdir on one node did under --zero 2/3
-with --clip-norm 0: one rank measured the sharded norm, one more all-reduce).
-"""
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/app/test_per_node_flags.py."""
 
 
 import pytest

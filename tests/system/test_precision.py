@@ -1,5 +1,8 @@
 """--bf16 and --fp16: master weights stay fp32, loss scaling is exact, an
-overflow skips on every rank, and the scaler state is checkpointed."""
+overflow skips on every rank, and the scaler state is checkpointed.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/update/test_precision.py."""
 
 import re
 

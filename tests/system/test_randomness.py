@@ -1,5 +1,8 @@
 """Randomness keyed by the sample (hetseq/keyed/randomness.py): the draws a sample
-gets depend on (seed, epoch, its index, the call site) and nothing else."""
+gets depend on (seed, epoch, its index, the call site) and nothing else.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/keyed/test_randomness.py."""
 
 
 import pytest

@@ -1,5 +1,8 @@
 """Only invited nodes: a job secret guards the meeting point (channel.py), and
-rank 0's store listens only on the job's address."""
+rank 0's store listens only on the job's address.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/store/test_secret.py."""
 
 import os
 import subprocess

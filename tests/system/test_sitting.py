@@ -1,6 +1,9 @@
 """A rank that cannot pay for its place sits out (plan/links.py,
 update/members.py): no samples, no gradient exchange; the update stays one
-process's, and the rank comes back when a re-plan finds it pays."""
+process's, and the rank comes back when a re-plan finds it pays.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/plan/test_sitting.py."""
 
 import re
 

@@ -1,7 +1,10 @@
 """hetseq-status is bounded (issue 48, item 2): a silent service at the URL
 costs --timeout, Ctrl-C ends it at any moment, and whatever value the store
 holds (anyone may write it in a job without a secret) gives a status or one
-line, never a traceback."""
+line, never a traceback.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/reporting/test_status_viewer.py."""
 
 import json
 import signal

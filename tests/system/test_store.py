@@ -1,5 +1,8 @@
 """The store of jobs with a secret (hetseq/store/server.py): served only
-through the channel's handshake, never on an unauthenticated listener."""
+through the channel's handshake, never on an unauthenticated listener.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/store/test_store.py."""
 
 import datetime
 import json

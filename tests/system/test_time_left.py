@@ -1,7 +1,10 @@
 """Honest time left (progress lines and hetseq-status): "measuring" until
 there is a rate, validations and saves counted at what they took, never
 0:00:00 before the end; a line where each validation and save starts and
-ends; each node's lines carry its own ranks from the first line on."""
+ends; each node's lines carry its own ranks from the first line on.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/reporting/test_time_left.py."""
 
 import re
 

@@ -1,6 +1,9 @@
 """Each rank's own compute time (hetseq/update/timing.py): what capacity planning and
 rebalancing read. A rank that waits for a slower one inside a collective must
-not count the wait as its own work."""
+not count the wait as its own work.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/update/test_timing.py."""
 
 import pytest
 import torch

@@ -1,13 +1,10 @@
 """Code that another user can plant never runs (issue 58, item 1), and the
 launcher's own faults end in one line (item 7): a shared launch folder,
---remote-dir, hostfile or --user-dir is refused with its owner and mode;
-no wrapper or probe imports from its working folder; --compile keeps its
-pickled code in a private folder; a probe's answer of any shape is a
-problem line; a paused launcher never stops its nodes; a peer's words
-reach the terminal without escapes; a number flag is finite.
+--remote-dir, hostfile or --user-dir is refused with its owner and mode; no
+wrapper or probe imports from its working folder; --compile keeps its
 
-Everything runs as root here and in CI, so "another user" is uid 65534
-(nobody), given the files, and the modes under test are set by hand."""
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/base/test_trust.py."""
 
 import os
 import signal

@@ -1,8 +1,9 @@
 """State shares by memory (--state-shares memory, hetseq/update/uneven.py):
 units gathered and freed as --zero 2/3 promise, a model whose even share
 does not fit the small rank trains with shares by memory, the refusals.
-Parity with one process in every mode: tests/test_parity.py; checkpoints
-across shares and worlds: tests/test_sharding.py."""
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/update/test_uneven.py."""
 
 import re
 

@@ -1,8 +1,9 @@
 """Bytes from a file or a peer are data, never code: a checkpoint or a
 collective's payload that carries a pickled call is refused (exit 2 for a
-checkpoint), and the call never runs. Both are read with
-``torch.load(weights_only=True)`` (hetseq/checkpoints/files.py,
-hetseq/distributed/collectives.py); these tests keep them so."""
+checkpoint), and the call never runs.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/checkpoints/test_untrusted.py."""
 
 
 import torch

@@ -1,5 +1,8 @@
 """The test zygote (tests/machinery/zygote.py) runs a command as a fresh
-``python`` would: its arguments, folder, environment, streams and exit code."""
+``python`` would: its arguments, folder, environment, streams and exit code.
+
+Here the tests that start processes or take seconds; the fast in-process
+ones are in tests/unit/project/test_zygote.py."""
 
 import os
 import signal
