@@ -86,8 +86,10 @@ def run(name, promise, text, replacement, tests, pytest_args=()):
     """Runs ``tests`` in a copy of HEAD where ``text`` reads ``replacement``
     (``text`` None: the copy unchanged, the control run)."""
     with tempfile.TemporaryDirectory() as copy:
-        archive = subprocess.run(["git", "-C", ROOT, "archive", "HEAD"], capture_output=True,
-                                 check=True).stdout
+        # Folders as a checkout has them (755): git archive's default 775 would
+        # make tests/ writable by the group, and --user-dir tests/tasks refused.
+        archive = subprocess.run(["git", "-C", ROOT, "-c", "tar.umask=0022", "archive", "HEAD"],
+                                 capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", copy], input=archive, check=True)
         path = None
         if text is not None:
