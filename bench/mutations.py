@@ -11,12 +11,15 @@ that moves between modules keeps its mutations.
 Prints JSON: for each mutation, the promise, the tests run and whether they
 failed (``caught``). docs/testing.md lists the same promises.
 
-    python bench/mutations.py [--only NAME ...] [--tier unit] [--jobs N] [--out FILE]
+    python bench/mutations.py [--only NAME ...] [--tier unit [--coverage FILE]] [--jobs N]
+                              [--out FILE]
 
 About 15 minutes for all on 2 cores, the control run (the same tests on
 the unchanged tree, which must pass) included. ``--tier unit`` runs, for
 each mutation, the fast tier of the package it breaks (tests/unit/<package>/)
-instead of the named tests: how much the loop of changing code catches.
+instead of the named tests: how much the loop of changing code catches;
+with ``--coverage`` (``coverage run`` of tests/unit with ``dynamic_context =
+test_function``) also every unit test that ran the mutated lines.
 """
 
 import argparse
@@ -75,11 +78,38 @@ def verdict(junit_xml, tests):
     return bool(why), why[:2]
 
 
-def unit_tier(text):
-    """The fast tier of the package whose file holds ``text``: tests/unit/<package>/."""
+def unit_tier(text, covered=None):
+    """The fast tier of the package whose file holds ``text``
+    (tests/unit/<package>/), and with ``covered`` (a coverage file of
+    tests/unit, contexts by test function) every unit test that ran one of
+    the lines ``text`` spans, wherever it is."""
     path = locate(text) or ""
     parts = path.split(os.sep)
-    return [f"tests/unit/{parts[1]}"] if len(parts) > 2 else []
+    tests = [f"tests/unit/{parts[1]}"] if len(parts) > 2 else []
+    if covered is not None and path:
+        with open(os.path.join(ROOT, path)) as f:
+            source = f.read()
+        first = source[:source.index(text)].count("\n") + 1
+        lines = range(first, first + text.count("\n") + 1)
+        by_line = covered.contexts_by_lineno(covered_name(covered, path))
+        for context in sorted({c for line in lines for c in by_line.get(line, ()) if c}):
+            module, _, function = context.rpartition(".")
+            test = f"tests/{module.replace('.', '/')}.py::{function}"
+            if not test.startswith(tuple(t + "/" for t in tests)):
+                tests.append(test)
+    return tests
+
+
+def covered_name(covered, path):
+    """The coverage file's name for ``path`` (it may have measured another copy)."""
+    return next((f for f in covered.measured_files() if f.endswith(os.sep + path)), path)
+
+
+def read_coverage(path):
+    from coverage import CoverageData          # (pip install coverage: only for --coverage)
+    covered = CoverageData(path)
+    covered.read()
+    return covered
 
 
 def run(name, promise, text, replacement, tests, pytest_args=()):
@@ -118,12 +148,16 @@ def main():
     parser.add_argument("--only", nargs="*", help="mutation names (default: all)")
     parser.add_argument("--tier", choices=["named", "unit"], default="named",
                         help="named: each mutation's own tests; unit: its package's tests/unit/")
+    parser.add_argument("--coverage", help="with --tier unit: a coverage file of tests/unit "
+                        "(dynamic_context = test_function); each mutation also runs the unit "
+                        "tests that ran its lines, in any package")
     parser.add_argument("--jobs", type=int, default=1, help="mutations run at once")
     parser.add_argument("--out")
     opts = parser.parse_args()
     names = opts.only or list(MUTATIONS)
-    chosen = {name: MUTATIONS[name][3] if opts.tier == "named" else unit_tier(MUTATIONS[name][1])
-              for name in names}
+    covered = read_coverage(opts.coverage) if opts.coverage else None
+    chosen = {name: MUTATIONS[name][3] if opts.tier == "named"
+              else unit_tier(MUTATIONS[name][1], covered) for name in names}
     # One process each for the fast tier: its files take seconds, xdist's start more.
     args = ("-n", "0") if opts.tier == "unit" else ()
     # The control: the same tests on the unchanged tree must pass, or a failure

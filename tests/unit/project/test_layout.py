@@ -302,3 +302,14 @@ def test_docstrings_say_what_and_why_in_a_few_lines():
                 if doc and len(doc.strip().splitlines()) > MAX_DOCSTRING_LINES:
                     long.append(f"{name}.{getattr(node, 'name', '')}")
     assert long == [], f"docstrings over {MAX_DOCSTRING_LINES} lines: {long}"
+
+
+def test_the_unit_tier_mirrors_the_packages():
+    """tests/unit/<package>/ for each package of hetseq/ and nothing else
+    (project/: the repository's own checks); test files named alike across
+    folders are told apart by their packages (__init__.py)."""
+    unit = ROOT / "tests" / "unit"
+    folders = {p.name for p in unit.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == {name.split(".")[1] for name in PACKAGES} | {"project"}
+    for folder in [unit, *(unit / name for name in folders), ROOT / "tests" / "system"]:
+        assert (folder / "__init__.py").is_file(), folder
