@@ -2,7 +2,7 @@
 """How one node of 2 CPU ranks (``python train.py``) starts and ends: its
 ranks forked from the command itself (what it does while it has one
 thread), the same without freezing the command's objects before the fork
-(launch._frozen_for), from a fork server that ends at once (hetseq/
+(spawn._frozen_for), from a fork server that ends at once (hetseq/
 distributed/quick_exit.py; what it does with more threads), and from one
 that runs the interpreter's teardown instead.
 
@@ -37,13 +37,13 @@ TOY = ["--task", "toy", "--user-dir", os.path.join(ROOT, "tests", "tasks"), "--c
 # list as it is or without quick_exit.
 TRAIN = ("import sys\n"
          "import contextlib\n"
-         "from hetseq.distributed import spawn as launch\n"
+         "from hetseq.distributed import spawn\n"
          "if sys.argv[1] == 'fork, unfrozen':\n"
-         "    launch._frozen_for = lambda method: contextlib.nullcontext()\n"
+         "    spawn._frozen_for = lambda method: contextlib.nullcontext()\n"
          "elif sys.argv[1] != 'fork':\n"
-         "    launch.threads_here = lambda: 2\n"
+         "    spawn.threads_here = lambda: 2\n"
          "if sys.argv[1] == 'fork server, teardown':\n"
-         "    launch.PRELOAD = tuple(m for m in launch.PRELOAD if not m.endswith('quick_exit'))\n"
+         "    spawn.PRELOAD = tuple(m for m in spawn.PRELOAD if not m.endswith('quick_exit'))\n"
          "from hetseq.app.main import main\n"
          "main(sys.argv[2:])\n")
 WAYS = ("fork", "fork, unfrozen", "fork server, quick exit", "fork server, teardown")

@@ -1,5 +1,6 @@
 """Deprecated name of hetseq.app.main, kept so that old imports (and old
-installs' console scripts) work: this name is that module itself."""
+installs' console scripts, ``python -m``) work: this name is that module
+itself, and run as a program it runs that module's main."""
 
 import sys
 import warnings
@@ -9,4 +10,7 @@ from hetseq.app import main as _module
 warnings.warn(
     "hetseq.main is deprecated: import hetseq.app.main",
     DeprecationWarning, stacklevel=2)
-sys.modules[__name__] = _module
+if __name__ == "__main__":
+    _module.main()
+else:
+    sys.modules[__name__] = _module

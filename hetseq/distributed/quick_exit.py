@@ -1,4 +1,4 @@
-"""Imported by the ranks' fork server only (launch.PRELOAD): it ends with
+"""Imported by the ranks' fork server only (spawn.PRELOAD): it ends with
 os._exit once the command that started it has, not with the interpreter's
 teardown of torch.
 
@@ -15,8 +15,8 @@ import gc
 import os
 
 atexit.register(os._exit, 0)
-# Imported after torch (launch.PRELOAD): what the server imported so far goes
+# Imported after torch (spawn.PRELOAD): what the server imported so far goes
 # to the collector's permanent generation, so that no rank's collection
-# walks it and has the kernel copy every page it sits on (launch._frozen_for).
+# walks it and has the kernel copy every page it sits on (spawn._frozen_for).
 gc.collect()
 gc.freeze()

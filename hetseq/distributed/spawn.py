@@ -221,7 +221,7 @@ def _hosted_store(topology, secret=None):
     With a job secret it is behind the gate, so other users of this host
     cannot reach it either.
     Yields (topology, serve, fds): ``serve()`` starts serving once the ranks
-    started (they fork while this process has one thread: launch.start_method),
+    started (they fork while this process has one thread: spawn.start_method),
     ``fds`` the listener's, which a forked rank closes."""
     if topology.init_method is not None:
         yield topology, None, ()

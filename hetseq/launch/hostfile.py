@@ -1,7 +1,7 @@
 """The hostfile of ``hetseq-launch``: one line per node, DeepSpeed's form
 (``HOST slots=N``) plus that node's own flags (``name=value`` becomes
 ``--name value``, a bare ``name`` ``--name``), words split as a shell would.
-Whether a name is a per-node flag is the plan's question (plan.py asks the
+Whether a name is a per-node flag is the plan's question (commands.py asks the
 parser); here only the form is checked. docs/nodes.md, "One command".
 """
 

@@ -1,7 +1,7 @@
 """``hetseq-launch --hostfile FILE [options] train.py FLAGS...``: every node
 of a hostfile started from one command (docs/nodes.md).
 
-The launcher plans each node's command (plan.py: ranks, world, the meeting
+The launcher plans each node's command (commands.py: ranks, world, the meeting
 point at the first host), hands each node the job secret and the forwarded
 variables on standard input (node.py), relays every node's lines with its
 host in front, and stops them together: on Ctrl-C, Ctrl-\\, SIGTERM or

@@ -1,6 +1,6 @@
 """The sealed channel to the job's store, for jobs with a secret: c10d's
 TCPStore lets anyone who reaches its port read and write every key, so with
-a secret each rank reaches the job's own store (store.py) only through a
+a secret each rank reaches the job's own store (server.py) only through a
 mutual HMAC handshake (the secret never travels) and frames encrypted and
 authenticated with keys of that connection (cipher.py). Each end stretches
 the secret with the salt of its own job id, never with one the other end

@@ -91,7 +91,7 @@ _GATES: list["Gate"] = []
 class Gate:
     """A listener on the job's address that authenticates each connection and
     then calls ``serve(sock, send_key, receive_key, where)`` in that
-    connection's thread (store.serve_connection: the job's store). At most
+    connection's thread (server.serve_connection: the job's store). At most
     ``handshakes`` handshakes run at once (``per_source`` from one address),
     each for at most HANDSHAKE_S; a connection beyond them is answered BUSY
     and closed at once, so that connections from anyone (no secret needed)

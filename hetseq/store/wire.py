@@ -1,4 +1,4 @@
-"""The wire protocol of the job's store (store.py), inside channel.py's sealed
+"""The wire protocol of the job's store (server.py), inside channel.py's sealed
 frames: length-prefixed messages of fixed fields, every length bounded
 (MAX_KEY, MAX_VALUE, MAX_KEYS, MAX_MESSAGE) before anything is gathered or
 sliced, nothing unpickled or evaluated. docs/security.md, "The handshake and

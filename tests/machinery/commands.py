@@ -124,7 +124,7 @@ def children_of(pid):
 def ranks_of(pid):
     """The rank processes a train.py process ``pid`` started: CPU ranks are
     forked from it (they have its command line) or from its fork server
-    (launch.start_method)."""
+    (spawn.start_method)."""
     def command_line(process):
         return Path(f"/proc/{process}/cmdline").read_bytes()
     own, ranks = command_line(pid), []

@@ -11,7 +11,7 @@ import torch
 
 def start_ranks(worker, nprocs, *args):
     """Run ``worker(rank, *args)`` in ``nprocs`` processes and wait for them,
-    started as launch.start_method says (from a fork server that imported
+    started as spawn.start_method says (from a fork server that imported
     torch once: a test worker has threads)."""
     from hetseq.distributed.spawn import start_ranks as start
     start(worker, args, nprocs, "cpu", "hetseq.run.loop")
@@ -25,7 +25,7 @@ def rank_queue():
 
 
 def leave_process_group():
-    """End a test worker's process group the way a run ends (launch.py):
+    """End a test worker's process group the way a run ends (distributed/spawn.py):
     collect first, since objects holding the group (DDP, FSDP's mesh) kept
     alive by reference cycles to interpreter exit make gloo abort there."""
     import gc

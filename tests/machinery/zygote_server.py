@@ -13,7 +13,7 @@ tests see:
   server share theirs already); ``random`` reseeds itself after a fork and
   torch's generators start from their fixed seed in any fresh process;
 - the zygote never runs an OpenMP region, so a fork is safe (the fork
-  server's rule, launch.start_method).
+  server's rule, spawn.start_method).
 On a namespace host the child enters the host itself (namespace_host.py).
 """
 
@@ -97,7 +97,7 @@ def serve(path):
     preloaded = Preloaded()
     # What the imports made goes to the collector's permanent generation: a
     # child's collections never walk it, so the kernel never copies the pages
-    # it sits on into the child (as launch._frozen_for does for ranks).
+    # it sits on into the child (as spawn._frozen_for does for ranks).
     gc.collect()
     gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -71,7 +71,7 @@ def test_zero3_cpu_offload_on_one_gpu(tmp_path):
 
 
 def _node(command, gpu, env=None):
-    """A started train.py node (conftest's train_cmd would add --cpu)."""
+    """A started train.py node (machinery.commands.train_cmd would add --cpu)."""
     import subprocess
     import sys
 

@@ -175,7 +175,7 @@ def test_micro_batch_caps_differing_between_ranks_are_padded_under_zero3(tmp_pat
 
 def test_checkpoint_of_a_sharded_run_holds_the_full_weights(tmp_path):
     """checkpoint_last.pt of a --zero 3 run holds full tensors (the export
-    under --zero 3: tests/test_bert.py)."""
+    under --zero 3: tests/system/test_bert.py)."""
     state = train(tmp_path / "run", 2, [16, 8], "--zero", 3)
     for name, shape in (("0.weight", (16, 8)), ("0.bias", (16,)), ("2.weight", (1, 16))):
         assert tuple(state["controller"]["model"][name].shape) == shape

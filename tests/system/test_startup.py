@@ -44,7 +44,7 @@ def test_cpu_ranks_fork_from_the_command_or_a_preloaded_server_and_cuda_ranks_ar
     imported what each rank would; with a second thread (one that could
     hold a lock the copy inherits) from a server that imported torch once.
     CUDA ranks are spawned, since a fork after an import touched the driver
-    could not use the GPU (launch.start_method)."""
+    could not use the GPU (spawn.start_method)."""
     probe = ("import sys, threading\n"
              "from multiprocessing import forkserver\n"
              "from hetseq.distributed.spawn import start_method\n"
@@ -73,14 +73,14 @@ def test_forked_ranks_never_walk_what_their_parent_imported(tmp_path):
         "    with open(os.path.join(folder, str(index)), 'w') as f:\n"
         "        f.write(str(gc.get_freeze_count()))\n")
     probe = ("import gc, sys, threading\n"
-             "from hetseq.distributed import spawn as launch\n"
+             "from hetseq.distributed import spawn\n"
              "import frozen_probe\n"
              "folder = sys.argv[1]\n"
-             "print(gc.get_freeze_count(), launch.start_method('cpu'))\n"
-             "launch.start_ranks(frozen_probe.rank, (folder + '/a',), 2)\n"
+             "print(gc.get_freeze_count(), spawn.start_method('cpu'))\n"
+             "spawn.start_ranks(frozen_probe.rank, (folder + '/a',), 2)\n"
              "threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
-             "print(launch.start_method('cpu'))\n"
-             "launch.start_ranks(frozen_probe.rank, (folder + '/b',), 2)\n")
+             "print(spawn.start_method('cpu'))\n"
+             "spawn.start_ranks(frozen_probe.rank, (folder + '/b',), 2)\n")
     for way in "ab":
         (tmp_path / way).mkdir()
     done = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], cwd=tmp_path,

@@ -115,7 +115,7 @@ def test_the_identity_is_the_job_config_and_leaves_the_node_out():
     identity = job.identity()
     assert identity["seed"] == 3 and "max_sentences" not in identity
     # Every flag of the job, but those of the exchange modes it does not run
-    # (at their defaults: tests/test_exchange_modes.py).
+    # (at their defaults: tests/system/test_exchange_modes.py).
     assert set(identity) - {"hetseq_version", "hetseq_code", "user_code"} == \
         set(job.flags()) - set(job.exchange.unused())
     assert "local_steps" in job.flags() and "local_steps" not in identity

@@ -3,7 +3,7 @@ by memory: update/uneven.py). A rank holds only its shard, so a member's
 snapshot cannot be made without a collective and a lost member takes its
 shard along: each node's first process keeps the newest full state (the one
 its generation started from, the one every rank took together before a join
-or at a save: elastic/seam.py) and a generation after a loss goes back to
+or at a save: elastic/hooks.py) and a generation after a loss goes back to
 it. Each job ends by itself at the weights of one
 process training with the whole global batch (EXACT on the float64 toy with
 SGD), on loopback."""

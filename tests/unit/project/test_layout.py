@@ -177,6 +177,11 @@ def is_shim(path):
         if isinstance(node, ast.Assign) and ast.unparse(node) == "sys.modules[__name__] = _module":
             seen.add("replaced")
             continue
+        if isinstance(node, ast.If) and ast.unparse(node) == (
+                "if __name__ == '__main__':\n    _module.main()\n"
+                "else:\n    sys.modules[__name__] = _module"):
+            seen.add("replaced")         # a command's old name: run as a program, it runs it
+            continue
         return False
     return seen == {"warns", "replaced"}
 

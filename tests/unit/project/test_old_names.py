@@ -70,3 +70,12 @@ def test_what_remote_hosts_run_is_where_they_run_it(module):
     assert spec is not None and spec.origin.endswith(module.replace(".", "/") + ".py")
     source = open(spec.origin).read()
     assert 'if __name__ == "__main__":' in source
+
+
+@pytest.mark.parametrize("old", ["hetseq.main", "hetseq.launch.main"])
+def test_an_old_command_name_still_runs_as_a_program(old):
+    """``python -m hetseq.main --help`` is hetseq-train's help, as it was."""
+    import subprocess
+    done = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-m", old,
+                           "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]

@@ -2,7 +2,7 @@
 meeting points refuse a taken port, serve IPv6 and never listen everywhere
 without a secret (meeting_point.py); sizes read from peers are bounded
 (collectives.py). That no other user of a host reaches a store with a
-secret is tests/test_store.py's."""
+secret is tests/system/test_store.py's."""
 
 import errno
 import logging

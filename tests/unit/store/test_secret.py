@@ -147,11 +147,11 @@ def test_the_launcher_hands_every_node_and_the_viewer_one_minted_job_id():
     URL it prints for hetseq-status is the same, and the meeting point
     itself (its summary, --check) stays tcp://HOST:PORT."""
     from machinery.settings import TOY
-    from hetseq.launch import hostfile, commands as plan
+    from hetseq.launch import hostfile, commands
     ids = {plan.new_job_id() for _ in range(64)}
     assert len(ids) == 64 and all(len(i) == 32 and job_secret.JOB_ID.fullmatch(i) for i in ids)
     for more in ([], ["--elastic", "--global-batch-size", "48"]):
-        job = plan.make(hostfile.parse("nodeA slots=2\nnodeB slots=1\n"), "train.py",
+        job = commands.make(hostfile.parse("nodeA slots=2\nnodeB slots=1\n"), "train.py",
                         [*TOY, *more], 29500, job_id="5be0c2d94e1f")
         assert job.url == "tcp://nodeA:29500"
         assert job.node_url == "tcp://nodeA:29500/5be0c2d94e1f"

@@ -151,7 +151,7 @@ def test_a_rank_stopping_on_its_own_error_lets_the_round_it_sent_complete(caplog
 
 
 def test_a_snapshot_takes_the_data_position_of_the_update_it_went_back_to():
-    """Elastic.snapshot (elastic/seam.py): the position at the update the
+    """Elastic.snapshot (elastic/hooks.py): the position at the update the
     controller went back to, one of the last two completed (--outer-overlap
     may go back two rounds); an update this rank completed and the others
     did not: the position after the batch it drew."""

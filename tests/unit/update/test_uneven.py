@@ -1,8 +1,8 @@
 """State shares by memory (--state-shares memory, hetseq/update/uneven.py):
 units gathered and freed as --zero 2/3 promise, a model whose even share
 does not fit the small rank trains with shares by memory, the refusals.
-Parity with one process in every mode: tests/test_parity.py; checkpoints
-across shares and worlds: tests/test_sharding.py."""
+Parity with one process in every mode: tests/system/test_parity.py; checkpoints
+across shares and worlds: tests/system/test_sharding.py."""
 
 
 import torch
