@@ -148,7 +148,7 @@ def test_the_launcher_hands_every_node_and_the_viewer_one_minted_job_id():
     itself (its summary, --check) stays tcp://HOST:PORT."""
     from machinery.settings import TOY
     from hetseq.launch import hostfile, commands
-    ids = {plan.new_job_id() for _ in range(64)}
+    ids = {commands.new_job_id() for _ in range(64)}
     assert len(ids) == 64 and all(len(i) == 32 and job_secret.JOB_ID.fullmatch(i) for i in ids)
     for more in ([], ["--elastic", "--global-batch-size", "48"]):
         job = commands.make(hostfile.parse("nodeA slots=2\nnodeB slots=1\n"), "train.py",
