@@ -29,10 +29,8 @@ MUTATIONS = {
          "test_a_rank_without_samples_computes_nothing_and_the_update_stays_exact"]),
     "sitting-rank-computes": (
         "a rank that sits out runs no forward and joins no gradient exchange",
-        "        if self.members.sitting:\n            stats.add_zeros",
-        "        if self.members.sitting:\n"
-        "            self.task.train_step(self.model, self._keyed(dummy)[0])\n"
-        "            stats.add_zeros",
+        "        if self.members.sitting:      # no forward",
+        "        if False:      # no forward",
         ["tests/system/test_sitting.py::test_a_rank_with_weight_zero_sits_out_and_the_update_stays_exact"]),
     "members-divisor-stays-the-world": (
         "without the ranks that sit out, W is the members' count",
@@ -74,7 +72,7 @@ MUTATIONS = {
          "tests/system/test_communication.py"]),
     "stats-after-backward": (
         "the stats all-reduce starts before the last backward and runs during it",
-        "            if self.announced:\n                self.stats.start()\n",
+        "            if micro.announced:\n                micro.stats.start()\n",
         "",
         ["tests/system/test_parity.py::test_stats_travel_in_one_all_reduce_started_before_backward"]),
     "norm-only-when-shown": (
@@ -226,8 +224,10 @@ MUTATIONS = {
         ["tests/unit/data/test_global_batches.py::test_every_index_once_per_epoch_with_uneven_splits"]),
     "non-finite-applied": (
         "a NaN/inf loss or gradient skips the update on every rank",
-        "        if not finite:\n            if self.scaler is None:",
-        "        if False:\n            if self.scaler is None:",
+        "            self.members.tell(finite, self.num_updates + finite)\n"
+        "        return finite, norm\n",
+        "            self.members.tell(finite, self.num_updates + finite)\n"
+        "        return True, norm\n",
         ["tests/system/test_checkpoint.py::test_non_finite_gradient_on_one_rank_skips_on_all"]),
     "identity-not-compared": (
         "a node whose job flags differ is refused before it claims a rank",
@@ -816,11 +816,12 @@ MUTATIONS = {
         "            pass\n",
         ['tests/unit/distributed/test_job_identity.py::test_a_user_dirs_code_is_part_of_the_job_wherever_it_lies']),
     "mode-update-without-figures": (
-        "an exchange mode that ends an update without recording this rank's figures is told",
-        "        if result is not None and not self._recorded:",
-        "        if False:",
+        "an exchange mode cannot end an update without this rank's figures: finish is a "
+        "template that records them, which no mode may override",
+        "            if template in vars(cls):",
+        "            if False:",
         ['tests/unit/update/test_exchange_modes.py::'
-         'test_a_mode_that_ends_an_update_without_its_figures_is_told']),
+         'test_a_mode_cannot_forget_its_figures_finish_is_a_template_that_records_them']),
     "epoch-end-events-ignore-their-interval": (
         "--validate-interval and --save-interval count epochs, in the one schedule",
         "                     (stopping or due(training.validate_interval, epoch)),",

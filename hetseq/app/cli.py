@@ -19,7 +19,8 @@ from hetseq.optim import OPTIMIZERS, SCHEDULERS
 from hetseq.plan import capacity
 from hetseq.base.sections import given_flags
 from hetseq.tasks import TASKS, import_builtin_tasks, import_user_dir
-from hetseq.update import modes, precision, sharding
+from hetseq.update import modes, precision
+from hetseq.update.zero import sharding
 
 LEGACY = "accepted for HetSeq compatibility; no effect: "
 

@@ -22,8 +22,8 @@ from hetseq.base.sections import Section, flag, frozen, not_a_flag, section
 from hetseq.update.agreement import AgreementConfig
 from hetseq.update.modes import ExchangeConfig
 from hetseq.update.precision import PrecisionConfig
-from hetseq.update.sharding import ShardingConfig
-from hetseq.update.step import UpdateConfig
+from hetseq.update.zero.sharding import ShardingConfig
+from hetseq.update.controller import UpdateConfig
 
 # Flags of the original HetSeq that change nothing (accepted, see cli.LEGACY),
 # and flags that only exist to be refused with a message (cli.check_args).

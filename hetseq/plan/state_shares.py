@@ -55,7 +55,7 @@ def state_size(zero, cpu_offload, device_type, model, slots):
     """The StateSize of ``model`` (before it is wrapped) under ``--zero zero``
     with an optimizer keeping ``slots`` tensors per parameter (Adam: 2). A
     single process trains --zero N as --zero 0 (sharding.build): pass 0."""
-    from hetseq.update.flat_units import unit_bytes
+    from hetseq.update.zero.flat_units import unit_bytes
     units = unit_bytes(model)
     params, largest = sum(units), max(units, default=0)
     if zero == 0:

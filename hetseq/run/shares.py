@@ -2,7 +2,7 @@
 all ranks before the model is wrapped, from each rank's memory less what
 every rank holds whole, then once more after the capacity plan, less each
 rank's activations at its planned micro-batch, which only the wrapped
-model can measure. The second choice moves the state (update/uneven.py)
+model can measure. The second choice moves the state (update/zero/uneven.py)
 only where it changes a share by more than ``MOVE``, before the first update.
 
 Under --capacity auto the micro-batches are themselves sized from what the

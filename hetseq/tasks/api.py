@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import default_collate
 
 from hetseq.base.registry import Registry
-from hetseq.update import sharding
+from hetseq.update.zero import sharding
 
 
 class Task:

@@ -1,11 +1,13 @@
 """The Controller: the model as trained, the optimizer, the LR schedule and
-the gradient math that makes each update the large-batch single-device one
-(written beside ``apply_update``; docs/design.md, "The gradient math").
-The --clip-norm norm is the whole gradient's, summed over shards with an
-overflow flag every update, so every rank skips the same updates."""
+one update, step by step in ``train_step`` (docs/design.md, "One update"),
+with the gradient math that makes it the large-batch single-device update
+beside ``apply_update`` and the step it ends with (``Stepper``: scale, clip,
+check, step). The --clip-norm norm is the whole gradient's, summed over
+shards with an overflow flag every update, so every rank skips the same ones."""
 
 import gc
 import logging
+import math
 
 import torch
 
@@ -13,20 +15,52 @@ from hetseq.keyed import randomness
 from hetseq.data.iterators import move_to
 from hetseq.base.errors import TrainingFailed, UserError
 from hetseq.base.owned_file import compile_cache
+from hetseq.base.sections import Section, flag, section
 from hetseq.optim import (OPTIMIZERS, build_lr_scheduler, build_optimizer,
                           check_same_optimizer, keep_own_kernels)
 from hetseq.distributed.collectives import broadcast_from
-from hetseq.update import held, modes, precision, sharding, uneven  # noqa: F401 (registers)
+from hetseq.update import modes, precision
+from hetseq.update.zero import held, sharding, uneven  # noqa: F401 (registers)
 from hetseq.checkpoints.state import ANYTHING, Count, Fields, Number, like
 from hetseq.update.exchange import Updates
 from hetseq.update.members import Members
 # Its part of a checkpoint, and the keys of that part (the exchange mode adds its own).
 from hetseq.checkpoints.keys import LOSS_SCALER, LR_SCHEDULER, MODEL, OPTIMIZER, UPDATES
-from hetseq.update.stats import Backward
-from hetseq.update.step import Stepper
-from hetseq.update.timing import ComputeClock
+from hetseq.update.stats import ComputeClock
 
 logger = logging.getLogger(__name__)
+
+
+@section
+class UpdateConfig(Section):
+    """What the Controller does with a summed gradient: the clip here, the
+    count of non-finite updates it tolerates."""
+    clip_norm: float = flag(25.0, type=float, metavar="NORM",
+                            help="clip the gradient norm to this (0: off; the norm is then "
+                                 "measured after the update, for updates that are logged or "
+                                 "go to TensorBoard; default: %(default)s)")
+    max_nan_updates: int = flag(10, type=int, metavar="N",
+                                help="stop after N updates in a row with a non-finite loss or "
+                                     "gradient (each is skipped; default: 10)")
+
+
+class Backward:
+    """The ``backward`` a task's ``train_step`` receives for one micro-batch:
+    ``backward(loss, sample_size, logs)`` (or ``backward(loss)``: the
+    Controller then adds the stats train_step returns) runs the Controller's
+    ``_backward``. ``weight`` 0: a padding batch, run so that collectives
+    match, that adds nothing; ``loss_scale``: fp16's (the stats keep the true
+    loss); ``clock``: the update's, on its last micro-batch only."""
+
+    def __init__(self, run, stats, weight, loss_scale=1.0, clock=None):
+        self._run, self.stats, self.weight = run, stats, weight
+        self.loss_scale, self.clock, self.last = loss_scale, clock, clock is not None
+        self.announced = False    # the stats came with the call (they travel before backward)
+        self.called = False
+
+    def __call__(self, loss, sample_size=None, logs=None):
+        self.called = True
+        self._run(self, loss, sample_size, logs)
 
 
 class Controller:
@@ -37,9 +71,12 @@ class Controller:
     def __init__(self, job, task, model, ctx, state_shares=None):
         self.task, self.ctx, self.cfg = task, ctx, job.update
         self._zero = job.sharding.zero
+        # The exchange mode (modes/) and the sharding the ranks train under:
+        # the --zero mode, built with the mode's DDP hook, as the mode keeps it.
         self.exchange = modes.build(job.exchange, job.precision, ctx, job.elastic.elastic)
-        self.sharding = self.exchange.hold(
-            lambda hook: sharding.build(job.sharding, job.precision, ctx, hook, state_shares))
+        zero = sharding.build(job.sharding, job.precision, ctx, self.exchange.comm_hook(),
+                              state_shares)
+        self.sharding = self.exchange.train_under(zero)
         # FSDP moves each shard to the device itself: the whole model never
         # has to fit there (with --cpu-offload the shards stay on the host).
         self.model = model if self.sharding.shards_grads else model.to(ctx.device)
@@ -173,47 +210,85 @@ class Controller:
 
     def train_step(self, samples, dummy, checksum=0.0, signal=0.0, boundary=True):
         """One update from this rank's micro-batches ``samples`` (None: no data
-        this step). A rank with none does no forward or backward when its
-        mode lets it take part in the exchange without (``_idle``); else
-        ``dummy`` is run with zero weight so collectives still match.
-        ``checksum``: this rank's for the agreement check (0: none this update);
-        ``signal``: 1.0 when the members change after this update (--elastic).
-        Returns the exchange mode's StepResult, or None when it has none yet
-        (inside a round of --local-steps); ``boundary``: the run needs one
-        model after this update (a round must end)."""
+        this step; ``dummy`` runs with zero weight where collectives must
+        still match). ``checksum``: this rank's for the agreement check (0:
+        none this update); ``signal``: 1.0 when the members change after it
+        (--elastic); ``boundary``: the run needs one model after it (a round
+        of --local-steps must end). Returns the StepResult the run sees, or
+        None inside a round. The steps below are the whole update; the mode
+        (``self.exchange``) supplies what it changes as hooks."""
         self._steps += 1
         clock = ComputeClock(self.sharding.waited)
         self._mode(True)
-        stats = self.exchange.begin(checksum, signal)
         self.optimizer.zero_grad(set_to_none=True)
-        if self.members.sitting:
-            stats.add_zeros(self._layout[0])
-            return self.exchange.ended(self.exchange.sit(stats))
+        # 1. The statistics begun, carrying this rank's report (its speed, its
+        #    agreement checksum, the members' signal): the mode's StatsSum.
+        stats = self.exchange.begin(checksum, signal)
+        if self.members.sitting:      # no forward, no exchange: rank 0's outcome (members.py)
+            return self._sit_out(stats, boundary)
+        # 2. Forward and backward, micro-batch by micro-batch; DDP sums the
+        #    gradients inside the last backward, the stats' sum starts before it.
+        seconds = self._forward_backward(samples, dummy, stats, clock)
+        # 3. The exchange: the stats summed (N, every rank's report), and the
+        #    gradients where the mode sums them itself.
+        totals, _ = stats.result()
+        self.exchange.sum_gradients()
+        # 4. Scale by W/(N S), clip, step (the math is beside apply_update).
+        made, norm = self.apply_update(totals["sample_size"])
+        # 5. Count the update, or the skip.
+        self._count(made, totals["sample_size"])
+        # 6. The mode's end of the update (a round's exchange); this rank's
+        #    figures are recorded with it (Exchange.finish).
+        return self.exchange.finish(stats, made, norm, seconds, boundary)
+
+    def _forward_backward(self, samples, dummy, stats, clock):
+        """Step 2: the task's loss and backward on each micro-batch; returns
+        this rank's compute seconds. A rank without samples runs none where
+        its mode can take part in the exchange without (``_idle``), else
+        ``dummy`` with zero weight."""
         if not self.lockstep:   # a padding batch matters only where every forward communicates
             samples = [sample for sample in samples if sample is not None] or [None]
         if samples == [None] and self._wrapper_ran and self.sharding.can_idle():
             self._idle(stats)
             clock.stamp()
-            return self.exchange.ended(self.exchange.finish(stats, clock.seconds(), boundary))
+            return clock.seconds()
         loss_scale = self.scaler.scale if self.scaler else 1.0
         for i, sample in enumerate(samples):
-            last = i == len(samples) - 1
-            backward = Backward(stats, weight=0.0 if sample is None else 1.0, last=last,
-                                loss_scale=loss_scale, clock=clock if last else None)
+            micro = Backward(self._backward, stats, weight=0.0 if sample is None else 1.0,
+                             loss_scale=loss_scale, clock=clock if i == len(samples) - 1 else None)
             sample, keys = self._keyed(dummy if sample is None else sample)
-            with self.sharding.sync(self.wrapped, last), self.autocast, randomness.using(keys):
-                loss, n, logs = self.task.train_step(self.wrapped, sample, backward=backward)
-            if not backward.called:
+            with self.sharding.sync(self.wrapped, micro.last), self.autocast, \
+                    randomness.using(keys):
+                loss, n, logs = self.task.train_step(self.wrapped, sample, backward=micro)
+            if not micro.called:
                 raise UserError(f"train_step of task '{type(self.task).__name__}' did not call "
                                 "the backward it was given; call backward(loss, sample_size, "
                                 "logs) instead of loss.backward()")
-            if not backward.announced:
-                stats.add(loss, n, logs, backward.weight)
+            if not micro.announced:
+                stats.add(loss, n, logs, micro.weight)
         # What an idle update must send: the stats' keys, and whether they
         # travel before the gradients (announced) or after.
-        self._layout = (stats.layout(), backward.announced)
+        self._layout = (stats.layout(), micro.announced)
         self._wrapper_ran = True
-        return self.exchange.ended(self.exchange.finish(stats, clock.seconds(), boundary))
+        return clock.seconds()
+
+    @staticmethod
+    def _backward(micro, loss, sample_size, logs):
+        """What the task's ``backward(loss, sample_size, logs)`` does: the
+        micro-batch's stats added; on the last micro-batch their all-reduce
+        started (it overlaps this backward) and the clock stamped where this
+        rank's own backward work ends (stats.py); then backward, inside
+        which DDP all-reduces (FSDP reduce-scatters) the gradients."""
+        if sample_size is not None:
+            micro.stats.add(loss.detach(), sample_size, logs or {}, micro.weight)
+            micro.announced = True
+        factor = micro.weight * micro.loss_scale
+        total = loss if factor == 1.0 else loss * factor
+        if micro.last:
+            if micro.announced:
+                micro.stats.start()
+            micro.clock.stamp_at_end_of_backward(total)
+        total.backward()
 
     def _idle(self, stats):
         """An update without samples on this rank, after one with (DDP has
@@ -224,6 +299,19 @@ class Controller:
         stats.add_zeros(keys)
         self.sharding.idle(self.wrapped, stats.start if announced else lambda: None)
 
+    def _sit_out(self, stats, boundary):
+        """The update of a rank that sits out: zeros in the stats (the layout
+        of its last update), no forward, the step as rank 0 made it."""
+        stats.add_zeros(self._layout[0])
+        totals, _ = stats.result()
+        made, updates = self._as_rank_0(totals["sample_size"])
+        self._count(made, totals["sample_size"])
+        if updates is not None and updates != self.num_updates:
+            raise TrainingFailed(f"rank {self.ctx.rank} counts {self.num_updates} updates, rank 0 "
+                                 f"{updates}: a rank sitting out lost track of the job; "
+                                 "restart it from the last checkpoint")
+        return self.exchange.finish(stats, made, None, 0.0, boundary)
+
     def _keyed(self, batch):
         """(the sample on this rank's device, its samples' keys there, or None
         for a batch that comes without them: a caller of train_step's own)."""
@@ -232,12 +320,13 @@ class Controller:
         return move_to(batch, self.ctx.device), None
 
     def apply_update(self, sample_size):
-        """Scale the gradients to the mean-loss gradient (math below), clip,
-        step: the exchange calls it once the gradients are complete. Returns
-        (whether the update was made, its gradient norm or a function
-        measuring it). Only job-wide flags decide what runs here."""
+        """Step 4: scale the gradients to the mean-loss gradient (math below),
+        clip, step. Returns (whether a step was made, its gradient norm or a
+        function measuring it). Only job-wide flags decide what runs here."""
         if sample_size <= 0:
-            logger.warning("update %d had no samples on any rank; skipped", self.num_updates + 1)
+            if not self.exchange.inner_steps:   # an inner step without samples is common
+                logger.warning("update %d had no samples on any rank; skipped",
+                               self.num_updates + 1)
             return False, None
         grads = self.sharding.local_grads(self.params)
         # Rank r's task returns the SUM of its n_r samples' losses, so it holds
@@ -248,7 +337,7 @@ class Controller:
         # the global batch's mean-loss gradient, whatever the split (plain DDP
         # averages per-rank means: G/N only when every n_r is the same). fp16
         # scaled the loss by S: W/(N S). W is the mode's divisor (1 under
-        # --local-steps); a rank without samples adds g_r = 0, n_r = 0.
+        # --local-steps, N this rank's own); a rank without samples adds g_r = 0, n_r = 0.
         scale = self.exchange.divisor / (sample_size * (self.scaler.scale if self.scaler else 1.0))
         finite, norm = self.stepper(grads, scale, self.cfg.clip_norm, self._steps)
         try:
@@ -257,38 +346,34 @@ class Controller:
         except TrainingFailed:
             self.members.tell(False, self.num_updates, stops=True)
             raise
-        self.members.tell(finite, self.num_updates + finite)   # before a skip may stop the run
-        if not finite:
-            if self.scaler is None:
-                self._skip_update()
-            return False, norm
-        self.failed_updates = 0
-        self.count_update()
-        return True, norm
+        if self.members.someone_sits:     # rank 0 tells them, before a skip may stop the run
+            self.members.tell(finite, self.num_updates + finite)
+        return finite, norm
 
-    def update_as_rank_0(self, sample_size):
-        """A rank that sits out: the update as rank 0 made it (apply_update's
-        decisions, from its message): the count, the LR, skips in a row."""
+    def _count(self, made, sample_size):
+        """Step 5: one more update when a step was made (and every inner step
+        of --local-steps); a non-finite one skipped (with fp16 the loss scale
+        decides instead)."""
+        if made:
+            self.failed_updates = 0
+        elif sample_size > 0 and self.scaler is None:
+            self._skip_update()
+        if made or self.exchange.inner_steps:
+            self.count_update()
+
+    def _as_rank_0(self, sample_size):
+        """A rank that sits out: (made, the count rank 0 reached) of the
+        update as rank 0 made it, from its message; (False, None) without samples."""
         if sample_size <= 0:
-            return False
+            return False, None
         made, updates, stops = self.members.receive_outcome()
         if stops:
             raise TrainingFailed(f"rank 0 stopped the run at update {self.num_updates + 1} "
                                  "(its log says why); this rank sat out of the exchange")
-        if made:
-            self.failed_updates = 0
-            self.count_update()
-        elif self.scaler is None:
-            self._skip_update()
-        if updates != self.num_updates:
-            raise TrainingFailed(f"rank {self.ctx.rank} counts {self.num_updates} updates, rank 0 "
-                                 f"{updates}: a rank sitting out lost track of the job; "
-                                 "restart it from the last checkpoint")
-        return made
+        return made, updates
 
     def count_update(self):
-        """One more update done (also one that made no step but counts: an
-        inner step of --local-steps without samples); the next one's rate."""
+        """One more update done; the next one's rate."""
         self.num_updates += 1
         self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
 
@@ -351,7 +436,10 @@ class Controller:
         collective: the state of the last update every rank completed (under
         --local-steps the last outer step: a round cut short by a lost member
         is trained again), this rank's own optimizer state only."""
-        self.exchange.settle(local)   # a round in flight lands (local: one cut short goes back)
+        # A round in flight lands (local: one cut short goes back to its mark).
+        mark = self.exchange.settle(local)
+        if mark is not None:
+            self._back_to(mark)
         state = {MODEL: self.full_model_state(),
                  OPTIMIZER: self.sharding.optimizer_state(self.model, self.optimizer),
                  LR_SCHEDULER: self.lr_scheduler.state_dict(), UPDATES: self.num_updates}
@@ -359,6 +447,12 @@ class Controller:
         if self.scaler is not None:
             state[LOSS_SCALER] = self.scaler.state_dict()
         return state
+
+    def _back_to(self, mark):
+        """Back to an ``Updates.mark()``: its optimizer state, its count and that count's rate."""
+        optimizer_state, self.num_updates = mark
+        self.optimizer.load_state_dict(optimizer_state)
+        self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
 
     def state_kind(self):
         """What a checkpoint's part of the Controller must be to load here
@@ -397,3 +491,127 @@ class Controller:
             self.lr_scheduler.load_state_dict(state[LR_SCHEDULER])
         self.num_updates = state[UPDATES]
         self.lr = self.lr_scheduler.step_update(self.num_updates + 1)
+
+
+# Step 4 of an update, after the Controller computed the factor (the math
+# beside apply_update): the summed gradient scaled, clipped, checked for
+# non-finite values and handed to the optimizer; for a whole gradient on its
+# device, or one whose shards are spread over the ranks (--zero 2/3).
+class Stepper:
+    """``fused``: the optimizer skips a non-finite step on the device itself;
+    ``state_slots``: tensors of state it keeps per parameter; ``steps()``:
+    the Controller's train_step count (a norm measured later must be of the
+    gradient it was made for)."""
+
+    def __init__(self, ctx, sharding, params, optimizer, fused, state_slots, steps):
+        self.ctx, self.sharding, self.params, self.optimizer = ctx, sharding, params, optimizer
+        self._fused, self._state_slots, self._steps = fused, state_slots, steps
+
+    def __call__(self, grads, scale, clip, step):
+        """(finite, the norm or a function measuring it) of the update made
+        from ``grads`` times ``scale``, clipped to ``clip`` (0: not)."""
+        if self.sharding.shards_grads:
+            return self._sharded_step(grads, scale, clip)
+        return self._step(grads, scale, clip, step)
+
+    def _step(self, grads, scale, clip, step):
+        """Scale (and clip) a whole gradient on its device and step unless it
+        is non-finite: (finite, its norm or a function measuring it). The
+        host reads one flag per update, after the step is queued when the
+        optimizer is fused (it skips on the device, as under GradScaler),
+        before it otherwise."""
+        if clip > 0:
+            # ||scale * g|| = scale * ||g||; the factor in float64, as the host would.
+            norm = torch.nn.utils.get_total_norm(grads).double() * scale if grads else \
+                torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+            found = norm.isfinite().logical_not().float().reshape(1)
+            multiply(grads, (clip / (norm + 1e-6)).clamp(max=1.0) * scale)
+            shown = read_later(norm)
+        else:
+            found = scale_and_check(grads, scale, self.ctx.device)
+            shown = self._local_norm(step)
+        # Once every parameter has its state (or the optimizer keeps none): a
+        # fused SGD skipping its first step keeps an uninitialised momentum buffer.
+        stateful = self._state_slots and len(self.optimizer.state) < len(self.params)
+        if self._fused and not stateful:
+            self.optimizer.found_inf = found.reshape(())
+            self.optimizer.step()
+            return not found.item(), shown
+        if found.item():
+            return False, shown
+        self.optimizer.step()
+        return True, shown
+
+    def _sharded_step(self, grads, scale, clip):
+        """_step for a gradient whose shards are spread over the ranks (the
+        norm and flag come from one all-reduce, read before the step)."""
+        norm, finite = self._sharded_norm_and_scale(grads, scale, clip)
+        if clip > 0 and finite:   # the scaling and the clipping factor in one pass
+            torch._foreach_mul_(grads, scale * min(1.0, clip / (norm + 1e-6)))
+        if finite:
+            self.optimizer.step()
+        return finite, norm
+
+    def _sharded_norm_and_scale(self, grads, scale, clip):
+        """(norm, finite) of a gradient whose shards are spread over the ranks:
+        one all-reduce of [sum of squares, overflow flag], whatever --clip-norm.
+        Without clipping the gradients are scaled (and checked) first."""
+        sum_sq = squares(grads, self.ctx.device)
+        found = torch.zeros(1, device=self.ctx.device) if clip > 0 else \
+            scale_and_check(grads, scale, self.ctx.device)
+        summed = self.sharding.reduce(torch.cat([sum_sq, found.to(sum_sq)])).tolist()
+        norm = math.sqrt(summed[0]) * scale
+        return norm, math.isfinite(norm) and not summed[1]
+
+    def _local_norm(self, step):
+        """The norm of this rank's full (scaled) gradient, measured when asked."""
+        def measure():
+            if step != self._steps():
+                return None
+            grads = self.sharding.local_grads(self.params)
+            return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        return measure
+
+
+# Passes over a rank's gradients (the math is controller.py's): scaling, the
+# non-finite check, norms; all on the gradients' device, read by the host
+# only when asked.
+def scale_and_check(grads, scale, device):
+    """Multiply every gradient by ``scale``; returns a 1-element tensor, nonzero
+    if any was NaN or inf. One fused pass: the kernel GradScaler unscales with.
+    It takes the factor as a float32 tensor, which is exact for gradients of
+    float32 and narrower (their products are float32 roundings anyway); a
+    float64 gradient would be scaled 6e-8 off whenever W/N is no binary
+    fraction (3/36), so those are scaled in float64 first and only checked."""
+    found = torch.zeros(1, device=grads[0].device if grads else device)
+    wide = [g for g in grads if g.dtype == torch.float64]
+    narrow = [g for g in grads if g.dtype != torch.float64]
+    if wide:
+        torch._foreach_mul_(wide, scale)
+    for group, factor in ((narrow, scale), (wide, 1.0)):
+        if group:
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                group, found, torch.full((1,), factor, device=found.device))
+    return found
+
+
+def multiply(grads, factor):
+    """``grads`` times a device scalar, in each gradient's dtype (the fast
+    foreach kernel needs the scalar's dtype to match; rounded to it, the
+    factor multiplies as a host float of float32 opmath would)."""
+    for dtype in {g.dtype for g in grads}:
+        group = [g for g in grads if g.dtype == dtype]
+        torch._foreach_mul_(group, factor.to(dtype))
+
+
+def read_later(value):
+    """A device value the host reads only when asked (a log line's norm)."""
+    return lambda: float(value)
+
+
+def squares(grads, device):
+    """Sum of the squares of ``grads`` (a float64 tensor of one element)."""
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    if grads:
+        total += torch.stack(torch._foreach_norm(grads)).double().square().sum().to(total)
+    return total

@@ -1,9 +1,9 @@
 """What an exchange mode is: how the ranks' gradients become the job's update.
 
 A mode is a class registered in ``EXCHANGES`` (``@register_exchange("name")``),
-one per job (``--exchange``): it owns its flags (``Config``) and reaches the
-update only through ``Updates``. ``Exchange`` below is what the Controller
-calls (docs/design.md, 'Exchange modes and slow links', gives the order).
+one per job (``--exchange``): it owns its flags (``Config``), supplies the
+hooks of ``Exchange`` below for what it changes, and reads the update only
+through ``Updates`` (docs/design.md, 'Exchange modes and slow links').
 """
 
 import copy
@@ -13,12 +13,14 @@ import time
 from hetseq.base.errors import UserError
 from hetseq.base.registry import Registry
 from hetseq.base.sections import Section, given_flags, section
-from hetseq.update.stats import RankReport, StatsSum
+from hetseq.update.stats import RankReport, StatsSum, StepResult
 
 
 class Updates:
-    """The job's updates as an exchange mode may touch them (the Controller
-    behind a narrow door): the parameters, a step, the count and the rate."""
+    """What an exchange mode may read of the job's updates (the Controller
+    behind a narrow door, read-only): the parameters, the model, the rate,
+    a copy of where the updates stand, the replicated state. The Controller
+    steps, counts and goes back; a mode only says when and to which mark."""
 
     def __init__(self, controller):
         self._controller = controller
@@ -33,41 +35,16 @@ class Updates:
         """The model as built (unwrapped): what its sharded state is read from."""
         return self._controller.model
 
-    def step(self, sample_size):
-        """Scale the summed gradient by divisor/N, clip, check, step
-        (controller.py's math); (whether a step was made, its norm)."""
-        return self._controller.apply_update(sample_size)
-
-    def update_as_rank_0(self, sample_size):
-        """A rank that sits out: the update as rank 0 made it; whether made."""
-        return self._controller.update_as_rank_0(sample_size)
-
-    def count(self):
-        """One more update that made no step but counts (the LR schedule moves)."""
-        self._controller.count_update()
-
-    @property
-    def done(self):
-        """Updates so far."""
-        return self._controller.num_updates
-
     @property
     def lr(self):
         """The learning rate of the next update."""
         return self._controller.lr
 
     def mark(self):
-        """Where the updates stand: the optimizer's state (a copy) and the count."""
+        """Where the updates stand, to go back to (``Exchange.settle`` returns
+        it): a copy of the optimizer's state and the count."""
         controller = self._controller
         return copy.deepcopy(controller.optimizer.state_dict()), controller.num_updates
-
-    def back_to(self, mark):
-        """Back to a ``mark``: its optimizer state, its count and that count's rate."""
-        optimizer_state, updates = mark
-        controller = self._controller
-        controller.optimizer.load_state_dict(optimizer_state)
-        controller.num_updates = updates
-        controller.lr = controller.lr_scheduler.step_update(updates + 1)
 
     def replicated(self):
         """The tensors the --zero mode keeps a copy of on every rank."""
@@ -81,14 +58,28 @@ class NoFlags(Section):
 
 
 class Exchange:
-    """The base of every mode: the protocol the Controller calls, and what
-    every mode does alike (this rank's report in each update's stats)."""
+    """The base of every mode. The Controller's ``train_step`` runs the
+    update (docs/design.md, "One update"); a mode supplies hooks for what it
+    changes: how the gradients and the stats travel, what ends an update (a
+    round's exchange). ``begin`` and ``finish`` are templates a mode does
+    not override: they put this rank's figures in the stats and record them."""
     Config: type[Section] = NoFlags        # its section of the job's ExchangeConfig (its flags)
     sits_out = False        # True: a rank may leave its exchange (update/members.py)
     updates_per_exchange = 1
     # True: the --zero mode it holds may split the state by memory
-    # (--state-shares memory, update/uneven.py): it wraps the model as built.
+    # (--state-shares memory, update/zero/uneven.py): it wraps the model as built.
     shares_by_memory = True
+    # True: each update is this rank's own inner step (its stats stay here,
+    # it counts whether or not it stepped); ``end`` makes the exchange.
+    inner_steps = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for template in ("begin", "finish"):
+            if template in vars(cls):
+                raise TypeError(f"exchange mode {cls.__name__} overrides {template}, a "
+                                "template that records this rank's figures: supply the hooks "
+                                "(stats, sum_gradients, end) instead")
 
     # ---- its flags (classmethods: the parser's, before any run) ----
 
@@ -126,67 +117,69 @@ class Exchange:
         self.divisor = ctx.world_size if ctx.distributed else 1
         self.updates = None            # Updates, from attach
         self._last = (0.0, 0.0, 0.0)   # this rank's compute seconds, samples, wall, last update
+        self._since = [0.0, 0.0]       # compute seconds and samples since then (a round's)
         self._ended = None             # when this rank's last update ended
         self._report = RankReport()    # what this rank sends with the update under way
-        self._recorded = False         # record() called since the last update ended
 
     def comm_hook(self):
-        """(state, hook) for DDP's gradient all-reduce, or None for its own."""
+        """Hook: (state, hook) for DDP's gradient all-reduce, or None for its own."""
         return None
 
-    def hold(self, build):
-        """The sharding mode to train under; ``build(comm_hook)`` builds the
-        job's --zero mode with that DDP hook."""
-        self.sharding = build(self.comm_hook())
-        return self.sharding
+    def train_under(self, zero):
+        """Hook: the sharding the ranks train under, given the job's --zero
+        mode (``zero``, built with ``comm_hook()``)."""
+        return zero
 
     def attach(self, updates):
         """``updates``: Updates, once the model is wrapped and the optimizer built."""
         self.updates = updates
 
-    # ---- one update ----
+    # ---- one update: templates (the Controller calls them) ----
 
     def begin(self, checksum, signal):
-        """Before an update's first forward: the StatsSum its
-        micro-batches add to, carrying this rank's report."""
-        return StatsSum(self.ctx, self._reporting(checksum, signal))
+        """Before an update's first forward: its StatsSum, carrying this
+        rank's report (the figures of the last update that ended)."""
+        self._report = RankReport(*self._last, checksum, signal)
+        return self.stats(self._report)
 
-    def finish(self, stats, seconds, boundary):
-        """The update, once backward ran on every micro-batch: a StepResult,
-        or None when the mode has none yet. ``seconds``: this rank's compute
-        time; ``boundary``: the run needs one model after it (validates,
-        saves or stops)."""
-        raise NotImplementedError(f"exchange mode {type(self).__name__} has no finish")
-
-    def sit(self, stats):
-        """The update of a rank that sits out (only where ``sits_out``)."""
-        raise NotImplementedError(f"exchange mode {type(self).__name__} cannot sit out")
-
-    def record(self, seconds, samples):
-        """This rank's figures of the update (or round) that just ended, sent
-        with the next one: compute seconds, samples, wall seconds."""
-        self._last = (seconds, samples, self._wall())
-        self._recorded = True
-
-    def ended(self, result):
-        """``result`` (of ``finish`` or ``sit``), checked: an update that ended
-        carries this rank's figures (``record``), which rebalancing reads."""
-        if result is not None and not self._recorded:
-            raise UserError(f"exchange mode '{self.registered_name}' ended an update without "
-                            "self.record(seconds, samples): call it in finish (and sit) "
-                            "before returning the StepResult, or the plan sees no speeds")
-        self._recorded = self._recorded and result is None
+    def finish(self, stats, made, norm, seconds, boundary):
+        """After the step (``made``, ``norm``): the mode's ``end``, and this
+        rank's figures recorded whenever an update (a round) ended, since
+        rebalancing reads them. ``seconds``: this rank's compute time."""
+        self._since[0] += seconds
+        self._since[1] += stats.own_samples()
+        result = self.end(stats, made, norm, boundary)
+        if result is not None:
+            self._last = (*self._since, self._wall())
+            self._since = [0.0, 0.0]
         return result
 
-    def _reporting(self, checksum, signal):
-        """This rank's RankReport for what it sends next (kept for a round's end)."""
-        self._report = RankReport(*self._last, checksum, signal)
-        return self._report
+    def forget_round(self):
+        """A round cut short (``settle(local=True)``): its figures go with it."""
+        self._since = [0.0, 0.0]
 
     def _wall(self):
         """Wall seconds since this rank's last update (round) ended (0: the first)."""
         now, ended, self._ended = time.perf_counter(), self._ended, time.perf_counter()
         return now - ended if ended is not None else 0.0
+
+    # ---- one update: hooks (the default: every update summed over the ranks) ----
+
+    def stats(self, report):
+        """Hook: the update's StatsSum; by default summed over the ranks with
+        ``report`` (this rank's RankReport) in one all-reduce."""
+        return StatsSum(self.ctx, report)
+
+    def sum_gradients(self):
+        """Hook, after the last backward: sum the gradients the --zero mode did
+        not (by default it did, inside backward)."""
+
+    def end(self, stats, made, norm, boundary):
+        """Hook, after the step: the StepResult the run sees, or None when
+        the mode has none yet (inside a round). ``boundary``: the run needs
+        one model after this update (it validates, saves or stops)."""
+        totals, ranks = stats.result()
+        return StepResult(totals, ranks, self.updates.lr, made, norm)
 
     # ---- agreement and checkpoints ----
 
@@ -198,7 +191,9 @@ class Exchange:
         """Before the state is read: the model of the last complete exchange.
         By default what is in flight lands (perhaps a collective); ``local``
         (an elastic snapshot, the group perhaps broken): no collective, an
-        update begun and not completed on every rank is undone."""
+        update begun and not completed on every rank is undone. Returns the
+        ``Updates.mark()`` the Controller goes back to, or None."""
+        return None
 
     def drain(self):
         """This rank stops on an error of its own (its data, its disk): what

@@ -19,14 +19,11 @@ class Members:
     def __init__(self, ctx):
         self.ctx = ctx
         self.active = tuple(range(ctx.world_size))
+        self.sitting = False         # this rank sits out
+        self.someone_sits = False    # some rank does (rank 0 tells them each outcome)
         self.group = None
         self._groups = {}
         self._sent = []          # rank 0's messages still on their way
-
-    @property
-    def sitting(self):
-        """Whether this rank sits out."""
-        return self.ctx.rank not in self.active
 
     def change(self, active):
         """Make ``active`` the members (every rank calls it at the same
@@ -38,6 +35,8 @@ class Members:
             return None
         returning = [rank for rank in active if rank not in self.active]
         self.active = active
+        self.sitting = self.ctx.rank not in active
+        self.someone_sits = len(active) < self.ctx.world_size
         self.group = None if len(active) == self.ctx.world_size else self.group_of(active)
         return returning
 
@@ -52,7 +51,7 @@ class Members:
         """Rank 0, after an update: whether it was made, the count reached and
         whether the run stops there, to every rank that sits out (nothing on
         a member other than rank 0)."""
-        if not self.ctx.is_main or len(self.active) == self.ctx.world_size:
+        if not self.ctx.is_main or not self.someone_sits:
             return
         for work in self._sent:      # the last update's, long received
             work.wait()

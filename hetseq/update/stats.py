@@ -3,10 +3,15 @@ all-reduce of its own: the counts the gradient math needs, the task's logs,
 and one slot per rank for each field of ``RankReport`` (speed, samples,
 checksum, membership signal), so every rank knows every rank's figures.
 It starts before the last backward where the task hands its stats to
-``backward``. ``Gathered`` values are collected, not summed
-(docs/design.md, "Stats and time")."""
+``backward`` (the Controller's ``_backward``). ``Gathered`` values are
+collected, not summed. The compute seconds a rank reports are its own (``ComputeClock``, below):
+not its wall time, since a fast rank waits for slow ones inside
+collectives, so the waits inside FSDP's forward and backward are
+subtracted (docs/design.md, "Stats and time")."""
 
 import dataclasses
+import functools
+import time
 
 import torch
 import torch.distributed as dist
@@ -93,6 +98,7 @@ class StatsSum:
         self._keys = None
         self._vec = None
         self._work = None           # the all-reduce under way, once started
+        self._result = None         # (totals, ranks), once summed
 
     def add(self, loss, sample_size, logs, weight=1.0):
         totals = self.totals
@@ -165,7 +171,10 @@ class StatsSum:
             self._work = dist.all_reduce(self._vec, async_op=True)
 
     def result(self):
-        """(summed totals, every rank's RankReport: a RankReport of lists)."""
+        """(summed totals, every rank's RankReport: a RankReport of lists); the
+        sum is made once, later calls return it."""
+        if self._result is not None:
+            return self._result
         if self._vec is None:
             self.start()
         if self._work is not None:
@@ -176,7 +185,8 @@ class StatsSum:
         ranks = RankReport(*(values[k + i * W:k + (i + 1) * W]
                              for i in range(len(dataclasses.fields(RankReport)))))
         totals = dict(zip(self._keys, values[:k]))
-        return ({**totals, **self._gather()} if not self.local else totals), ranks
+        self._result = ({**totals, **self._gather()} if not self.local else totals), ranks
+        return self._result
 
     def _gather(self):
         if not self.gathered:
@@ -188,36 +198,77 @@ class StatsSum:
                 for key in sorted(local)}
 
 
-class Backward:
-    """The ``backward`` callable a task's ``train_step`` receives.
+# This rank's own compute time: what capacity planning and rebalancing
+# measure a rank's speed by.
+_ENGINE = torch.autograd.Variable._execution_engine
 
-    ``backward(loss, sample_size, logs)`` adds the micro-batch's stats before
-    running backward (and, on the last micro-batch, starts their all-reduce).
-    ``backward(loss)`` alone also works; the Controller then adds the stats
-    that ``train_step`` returns. ``weight`` 0 marks a padding batch: it runs
-    forward/backward so the collectives match, but contributes nothing.
-    ``loss_scale`` multiplies the loss for fp16 loss scaling (the stats keep
-    the true loss). On the last micro-batch ``clock`` is stamped when this
-    rank's own backward work ends (see ComputeClock).
-    """
 
-    def __init__(self, stats, weight, last, loss_scale=1.0, clock=None):
-        self.stats, self.weight, self.last = stats, weight, last
-        self.loss_scale = loss_scale
-        self.clock = clock
-        self.announced = False
-        self.called = False
+class ComputeClock:
+    """Seconds of this rank's own work from its creation to the end of its
+    backward: wall time minus what ``waited()`` (seconds spent so far in
+    collectives inside forward/backward) grew by meanwhile."""
 
-    def __call__(self, loss, sample_size=None, logs=None):
-        self.called = True
-        if sample_size is not None:
-            self.stats.add(loss.detach(), sample_size, logs or {}, self.weight)
-            self.announced = True
-        factor = self.weight * self.loss_scale
-        total = loss if factor == 1.0 else loss * factor
-        if self.last:
-            if self.announced:
-                self.stats.start()
-            if self.clock is not None:
-                self.clock.stamp_at_end_of_backward(total)
-        total.backward()
+    def __init__(self, waited=lambda: 0.0):
+        self.waited = waited
+        self.start = (time.perf_counter(), waited())
+        self.end = None
+
+    def stamp_at_end_of_backward(self, root):
+        """Stamp when the backward from ``root`` has done this rank's work:
+        a hook on the root runs first in backward and queues a callback ahead
+        of DDP's, which waits for the gradient all-reduce (and so for slower
+        ranks). FSDP's waits are read then too: its root reduce-scatter comes
+        after."""
+        root.register_hook(lambda grad: _ENGINE.queue_callback(self.stamp))
+
+    def stamp(self):
+        self.end = (time.perf_counter(), self.waited())
+
+    def seconds(self):
+        end = self.end or (time.perf_counter(), self.waited())
+        return (end[0] - self.start[0]) - (end[1] - self.start[1])
+
+
+# Under FSDP every unit's forward and backward starts by waiting for its
+# parameters' all-gather and ends (backward) with a reduce-scatter: a rank
+# faster than the others waits there. FSDP2 has no public hook around these
+# waits, so the three methods of its parameter group that contain them are
+# timed (torch 2.6 to 2.13; tests/unit/update/test_timing.py fails if they move).
+_WAITED = [0.0]
+_DEPTH = [0]     # timed methods under way (one may call another)
+FSDP_TIMED = ("unshard", "wait_for_unshard", "post_backward")
+
+
+def fsdp_waited():
+    """Seconds this process has spent so far inside FSDP's collectives."""
+    return _WAITED[0]
+
+
+def time_fsdp_waits():
+    """Time FSDP2's waits from now on (idempotent). Returns the names timed."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+    cls, timed = group.FSDPParamGroup, []
+    for name in FSDP_TIMED:
+        method = getattr(cls, name, None)
+        if method is None:
+            continue
+        if not getattr(method, "_hetseq_timed", False):
+            setattr(cls, name, _timed(method))
+        timed.append(name)
+    return timed
+
+
+def _timed(method):
+    @functools.wraps(method)
+    def timed(*args, **kwargs):
+        if _DEPTH[0]:            # called from another timed method: counted there
+            return method(*args, **kwargs)
+        _DEPTH[0] += 1
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _WAITED[0] += time.perf_counter() - start
+            _DEPTH[0] -= 1
+    timed._hetseq_timed = True
+    return timed

@@ -2,7 +2,7 @@
 by the mode itself, one explicit all-reduce of the flat gradients (in
 --allreduce-chunks pieces), instead of DDP's inside backward. A test-only
 mode: it proves a mode is added from outside hetseq/, through the public
-seams only (exchange.Exchange, Updates, register_exchange).
+seams only (exchange.Exchange's hooks, Updates, register_exchange).
 
 Rank r holds g_r, the gradient of the SUM of its n_r sample losses (the
 task returns sums), i.e. n_r times the gradient of its mean loss: summed,
@@ -10,7 +10,7 @@ task returns sums), i.e. n_r times the gradient of its mean loss: summed,
     G = sum_r g_r = sum_r n_r grad(mean loss of rank r),
 
 the ranks' mean gradients weighted by their sample counts. G arrives as a
-sum, so the divisor is 1 and ``Updates.step`` scales by 1/N: G/N is the
+sum, so the divisor is 1 and the Controller's step scales by 1/N: G/N is the
 gradient of the mean loss over the global batch (controller.py), one
 device's large-batch update. A rank without samples adds zeros.
 """
@@ -22,8 +22,7 @@ from hetseq.base.errors import UserError
 from hetseq.base.sections import Section, flag, section
 from hetseq.update.exchange import Exchange, register_exchange
 from hetseq.update.modes.local_steps import FlatParams
-from hetseq.update.sharding import Sharding
-from hetseq.update.stats import StepResult
+from hetseq.update.zero.sharding import Sharding
 
 
 @section
@@ -58,25 +57,18 @@ class AllReduce(Exchange):
         super().__init__(cfg, precision_cfg, ctx, rewindable)
         self.divisor = 1               # G arrives summed, not averaged
 
-    def hold(self, build):
-        job = build(None)              # the job's --zero 0, for its settings only
-        self.sharding = OwnReplicas(job.cfg, job.precision, job.ctx)
-        return self.sharding
+    def train_under(self, zero):
+        """The job's --zero 0 gives its settings only: nothing is summed in backward."""
+        return OwnReplicas(zero.cfg, zero.precision, zero.ctx)
 
     def attach(self, updates):
         super().attach(updates)
         self.flat = FlatParams(updates.params)
 
-    def finish(self, stats, seconds, boundary):
-        totals, ranks = stats.result()
-        if self.ctx.distributed:
-            self._sum_gradients()
-        made, norm = self.updates.step(totals["sample_size"])
-        self.record(seconds, stats.own_samples())
-        return StepResult(totals, ranks, self.updates.lr, made, norm)
-
     @torch.no_grad()
-    def _sum_gradients(self):
+    def sum_gradients(self):
+        if not self.ctx.distributed:
+            return
         flats = [torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                             for p in group]) for group in self.flat.groups]
         for flat in flats:

@@ -1,5 +1,5 @@
 """Elastic jobs whose state is split between ranks (--zero 1/2/3, even or by
-memory: update/uneven.py).
+memory: update/zero/uneven.py).
 
 Here the tests that start processes or take seconds; the fast in-process
 ones are in tests/unit/elastic/test_elastic_shares.py."""

@@ -113,7 +113,7 @@ def test_compressed_exchanges_stay_near_the_exact_one(two):
 
 def _codec_worker(rank, world, folder, name, out):
     import torch.distributed as dist
-    from hetseq.update.compress import CODECS
+    from hetseq.update.modes.compress import CODECS
     dist.init_process_group("gloo", init_method=f"file://{folder}/meet", rank=rank,
                             world_size=world, timeout=GROUP_TIMEOUT)
     torch.manual_seed(rank)

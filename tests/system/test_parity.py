@@ -62,7 +62,7 @@ THREE = {f"{mode} {opt} 20+8+4": job([20, 8, 4], "--update-freq", 2, *MODES[mode
                                      *OPTIMIZERS[opt]) for mode in MODES for opt in OPTIMIZERS}
 
 
-# State shares by memory (--state-shares memory, update/uneven.py): each rank
+# State shares by memory (--state-shares memory, update/zero/uneven.py): each rank
 # holds the fraction of the split state its --max-memory-gb gives it (1:3,
 # 1:1:6). --toy-blocks 2: units of their own, gathered and freed one by one
 # under --zero 2/3; SGD with momentum, so --zero 1 splits a state too (the

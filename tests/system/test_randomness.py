@@ -64,7 +64,7 @@ def split_runs(models, tmp_path_factory):
     jobs = [(f"{task} {a}+{b}", [[*models[task], "--max-sentences", a],
                                  [*models[task], "--max-sentences", b]])
             for task, a, b in (("bert", 6, 2), ("bert", 4, 4), ("glue", 6, 2))]
-    # The state split 1:3 by memory (update/uneven.py): BERT's layers are
+    # The state split 1:3 by memory (update/zero/uneven.py): BERT's layers are
     # units of their own, gathered and freed one at a time under --zero 3.
     jobs += [(f"bert 6+2 zero{zero} by memory", [
         [*models["bert"], "--zero", zero, "--max-sentences", batch, "--max-memory-gb", memory]

@@ -46,7 +46,7 @@ RESUMES = {
     "zero3 on 2 ranks, then 1 plain process": ([24, 8], ["--zero", 3], [32], []),
     "1 plain process, then zero3 on 2 ranks": ([32], [], [20, 12], ["--zero", 3]),
     "zero1 on 2 ranks, then zero2 on 3 ranks": ([16, 16], ["--zero", 1], [8, 16, 8], ["--zero", 2]),
-    # State shares by memory (update/uneven.py) write the one format too.
+    # State shares by memory (update/zero/uneven.py) write the one format too.
     "zero3 by memory 1:3, then zero3 even on 3 ranks":
         ([(24, 0.001), (8, 0.003)], ["--zero", 3], [8, 16, 8], ["--zero", 3]),
     "zero2 even on 2 ranks, then zero1 by memory 1:1:6":
@@ -189,7 +189,7 @@ def _full_state_both_ways(rank, world, init, out):
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict)
     from hetseq.distributed.spawn import DistContext
-    from hetseq.update.full_state import full_options as _full, gather as _full_state
+    from hetseq.update.zero.full_state import full_options as _full, gather as _full_state
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=GROUP_TIMEOUT)

@@ -1,4 +1,4 @@
-"""Each rank's own compute time (hetseq/update/timing.py): what capacity planning and
+"""Each rank's own compute time (hetseq/update/stats.py): what capacity planning and
 rebalancing read. A rank that waits for a slower one inside a collective must
 not count the wait as its own work.
 

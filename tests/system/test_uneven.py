@@ -1,4 +1,4 @@
-"""State shares by memory (--state-shares memory, hetseq/update/uneven.py):
+"""State shares by memory (--state-shares memory, hetseq/update/zero/uneven.py):
 units gathered and freed as --zero 2/3 promise, a model whose even share
 does not fit the small rank trains with shares by memory, the refusals.
 

@@ -1,10 +1,11 @@
 """The exchange modes (update/exchange.py), and which one a job runs.
 
-Every module of this package registers one mode; a ``--user-dir`` module may
+Each mode is a module of this package that registers it (outer.py and
+compress.py serve local steps and PowerSGD); a ``--user-dir`` module may
 register more. A job runs ``--exchange NAME``; without it, the mode whose own
 flags ask for it, else synchronous. The job's ExchangeConfig (below) holds the
-name and every registered mode's flags (docs/design.md, 'Exchange modes and
-slow links').
+name and every registered mode's flags. Modes import update's core and zero/,
+never the Controller. Tests: tests/unit/update/, tests/system/test_exchange_modes.py.
 """
 
 import dataclasses

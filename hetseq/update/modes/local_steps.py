@@ -14,10 +14,10 @@ from hetseq.distributed.collectives import gather_to_main
 from hetseq.base.errors import UserError
 from hetseq.base.sections import Section, flag, given_flags, section
 from hetseq.checkpoints.state import ANYTHING, Count, Fields, ListOf, Optional
-from hetseq.update import held
-from hetseq.update.compress import CODECS
+from hetseq.update.zero import held
+from hetseq.update.modes.compress import CODECS
 from hetseq.update.exchange import Exchange, refuse, register_exchange
-from hetseq.update.outer import DRAIN_S, LocalReplicas, OuterSum, first_line
+from hetseq.update.modes.outer import DRAIN_S, LocalReplicas, OuterSum, first_line
 from hetseq.checkpoints.keys import mode_key
 from hetseq.update.stats import StatsSum, StepResult
 
@@ -60,6 +60,7 @@ class LocalSteps(Exchange):
     sits_out = False     # the outer exchange spans the world (a rank without
                          # samples still sends its zero change: controller._idle)
     shares_by_memory = False   # its outer step keeps the --zero mode's even shares
+    inner_steps = True         # an update is a rank's own step; a round's end, the exchange
 
     def __init__(self, cfg, precision_cfg, ctx, rewindable=False):
         super().__init__(cfg, precision_cfg, ctx, rewindable)
@@ -69,7 +70,6 @@ class LocalSteps(Exchange):
         self.updates_per_exchange = cfg.local_steps
         self.steps = 0                 # inner steps of the round so far
         self.round = StatsSum(ctx, local=True)   # the round's stats so far
-        self.seconds = 0.0             # the round's compute seconds so far
         self.anchor = None             # theta_0; with --outer-overlap: global
         # --outer-overlap: this rank's parameters at the round's start
         self.start = None
@@ -118,9 +118,9 @@ class LocalSteps(Exchange):
 
     # ---- building ----
 
-    def hold(self, build):
-        self.outer_mode = build(None)      # no gradient all-reduce to hook
-        return LocalReplicas(self.outer_mode, self.cfg)
+    def train_under(self, zero):
+        self.outer_mode = zero             # built without a hook: no gradient all-reduce
+        return LocalReplicas(zero, self.cfg)
 
     def attach(self, updates):
         super().attach(updates)
@@ -132,10 +132,10 @@ class LocalSteps(Exchange):
 
     # ---- inside a round ----
 
-    def begin(self, checksum, signal):
+    def stats(self, report):
         """Before an inner step: the round's starting point, at its first step
-        (rewindable: with the inner optimizer's state and the update count).
-        The report goes with the round's exchange; an inner step's stats stay here."""
+        (rewindable: with a mark of the inner optimizer and the update count).
+        ``report`` goes with the round's exchange; an inner step's stats stay here."""
         if self.steps == 0:
             self.open = True           # until its exchange is sent
             if self.rewindable:
@@ -144,27 +144,21 @@ class LocalSteps(Exchange):
             self.anchor = self.flat.read()
         if self.cfg.outer_overlap and self.start is None:
             self.start = self.flat.read()
-        self._reporting(checksum, signal)
         return StatsSum(self.ctx, local=True)
 
-    def finish(self, stats, seconds, boundary):
-        """An inner step: this rank's own update; at a round's end
-        (``boundary``: the run needs one model after it), the exchange."""
-        totals, _ = stats.result()
-        updated = totals["sample_size"] > 0 and self.updates.step(totals["sample_size"])[0]
-        if not updated:   # no samples or skipped: still an inner step of every rank
-            self.updates.count()
+    def end(self, stats, made, norm, boundary):
+        """After an inner step (the Controller stepped on this rank's own mean
+        loss and counted it): at a round's end (H steps, or ``boundary``:
+        the run needs one model after it), the exchange."""
         self.round.absorb(stats)
-        self.seconds += seconds
         self.steps += 1
         if not (boundary or self.steps >= self.cfg.local_steps):
             return None
-        # The slots carry the previous round's time, as they carry the previous update's.
+        # The slots carry the previous round's figures, as they carry the previous update's.
         summed = StatsSum(self.ctx, self._report)
         summed.absorb(self.round)
         samples = float(self.round.own_samples())
-        self.record(self.seconds, samples)
-        self.round, self.seconds, self.steps = StatsSum(self.ctx, local=True), 0.0, 0
+        self.round, self.steps = StatsSum(self.ctx, local=True), 0
         totals, ranks = summed.result()
         everyone = totals["sample_size"]
         self.end_round(samples / everyone if everyone > 0 else 0.0, settle=boundary)
@@ -202,13 +196,15 @@ class LocalSteps(Exchange):
 
     def settle(self, local=False):
         """Wait for the round in flight and apply it: every rank holds ``global``.
-        ``local``: no collective; a round cut short goes back (``_rewind``)."""
+        ``local``: no collective; a round cut short goes back (``_rewind``:
+        the mark of the inner optimizer and count to go back to, or None)."""
         if local:
-            self._rewind()
-        elif self.cfg.outer_overlap and self.pending is not None:
+            return self._rewind()
+        if self.cfg.outer_overlap and self.pending is not None:
             self._apply_pending()
             self.flat.write(self.anchor)
             self.start = None
+        return None
 
     def drain(self):
         """--outer-overlap: the round already sent completes on the members
@@ -253,15 +249,19 @@ class LocalSteps(Exchange):
         generation trains it again from its start, on the same batches
         split among the new members). The model goes back to theta_0, the
         inner optimizer and the update count to where the round began; the
-        outer step's state changes only at a round's end, so it stands."""
+        outer step's state changes only at a round's end, so it stands.
+        Returns the mark the Controller goes back to (None: the state of now)."""
+        target = None
         if self.cfg.outer_overlap:
-            self._rewind_overlapped()
+            target = self._rewind_overlapped()
         elif self.anchor is not None:     # inside a round (None: at an outer step)
             self.flat.write(self.anchor)
-            self.updates.back_to(self.starts[-1])
+            target = self.starts[-1]
             self.anchor = None
-        self.round, self.seconds, self.steps = StatsSum(self.ctx, local=True), 0.0, 0
+        self.round, self.steps = StatsSum(self.ctx, local=True), 0
+        self.forget_round()
         self.open = False
+        return target
 
     def _rewind_overlapped(self):
         """--outer-overlap: round R's exchange was sent at its end and is
@@ -275,7 +275,7 @@ class LocalSteps(Exchange):
         end of R."""
         inside = self.open                 # False: R's exchange sent, R+1 not begun
         if self.pending is None and not inside:
-            return                         # settled: every rank holds ``global``
+            return None                    # settled: every rank holds ``global``
         now_start = self.starts[-1] if inside else None     # None: the state of now
         if self.pending is None or self._arrived():
             target = now_start
@@ -284,8 +284,7 @@ class LocalSteps(Exchange):
         self.pending = None
         self.flat.write(self.anchor)
         self.start = None
-        if target is not None:
-            self.updates.back_to(target)
+        return target
 
     def _arrived(self):
         """Whether the exchange in flight completed here (applied if so). A

@@ -1,11 +1,11 @@
 """--grad-compression powersgd: the synchronous update with DDP's all-reduce
-compressed by PyTorch's PowerSGD, with error feedback (update/compress.py).
+compressed by PyTorch's PowerSGD, with error feedback (update/modes/compress.py).
 The Controller's math is unchanged: the hook compresses the sum-loss
 gradients, whose average is G/W."""
 
 from hetseq.base.errors import UserError
 from hetseq.base.sections import Section, flag, given_flags, section
-from hetseq.update.compress import powersgd_hook
+from hetseq.update.modes.compress import powersgd_hook
 from hetseq.update.exchange import refuse, register_exchange
 from hetseq.update.modes.synchronous import Synchronous
 

@@ -1,5 +1,5 @@
 """Elastic jobs whose state is split between ranks (--zero 1/2/3, even or
-by memory: update/uneven.py). A rank holds only its shard, so a member's
+by memory: update/zero/uneven.py). A rank holds only its shard, so a member's
 snapshot cannot be made without a collective and a lost member takes its
 shard along: each node's first process keeps the newest full state (the one
 its generation started from, the one every rank took together before a join

@@ -70,25 +70,38 @@ def test_one_mode_is_one_identity_however_it_is_asked_for():
             cli.parse([*TOY, "--exchange", "powersgd", *contradiction])
 
 
-def test_a_mode_that_ends_an_update_without_its_figures_is_told():
-    """A mode's finish must record this rank's figures (rebalancing reads
-    them); one that forgets is named at its first update, not left blank."""
+def test_a_mode_cannot_forget_its_figures_finish_is_a_template_that_records_them():
+    """Rebalancing reads each rank's figures of the update that ended: the
+    base's finish records them whatever the mode's ``end`` hook returns, and
+    a mode that overrides finish (or begin) cannot be written."""
     from types import SimpleNamespace
     from hetseq.update.exchange import Exchange
-    from hetseq.update.stats import StepResult
+    from hetseq.update.stats import RankReport, StatsSum, StepResult
 
-    class Forgetful(Exchange):
-        registered_name = "forgetful"
+    for template in ("finish", "begin"):
+        with pytest.raises(TypeError, match=f"overrides {template}, a template"):
+            type("Forgetful", (Exchange,), {template: lambda self, *args: None})
 
-        def finish(self, stats, seconds, boundary):
-            return StepResult({}, None, 0.1, True)
+    class Rounds(Exchange):             # a result every second update, as a round of two
+        registered_name = "rounds"
+        calls = 0
 
-    mode = Forgetful(None, None, SimpleNamespace(world_size=1, distributed=False))
-    assert mode.ended(None) is None                  # inside a round: nothing yet
-    with pytest.raises(UserError, match=r"exchange mode 'forgetful' ended an update without "
-                                        r"self.record\(seconds, samples\)"):
-        mode.ended(mode.finish(None, 0.0, True))
-    mode.record(0.5, 8)
-    assert mode.ended(mode.finish(None, 0.0, True)).updated
-    with pytest.raises(UserError):                   # each update records its own
-        mode.ended(mode.finish(None, 0.0, True))
+        def end(self, stats, made, norm, boundary):
+            self.calls += 1
+            return StepResult({}, None, 0.1, made) if self.calls % 2 == 0 else None
+
+    ctx = SimpleNamespace(world_size=1, distributed=False, rank=0)
+    mode = Rounds(None, None, ctx)
+
+    def update(samples, seconds):
+        stats = mode.begin(0.0, 0.0)
+        stats.add(0.0, samples, {})
+        return stats, mode.finish(stats, True, None, seconds, False)
+
+    stats, result = update(8, 0.5)
+    assert result is None and stats.report == RankReport()      # nothing ended yet
+    stats, result = update(4, 0.25)
+    assert result.updated
+    stats, _ = update(2, 1.0)                                   # the round's figures ride next
+    assert (stats.report.seconds, stats.report.samples) == (0.75, 12)
+    assert isinstance(stats, StatsSum)

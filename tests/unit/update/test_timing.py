@@ -1,10 +1,10 @@
-"""Each rank's own compute time (hetseq/update/timing.py): what capacity planning and
+"""Each rank's own compute time (hetseq/update/stats.py): what capacity planning and
 rebalancing read. A rank that waits for a slower one inside a collective must
 not count the wait as its own work."""
 
 import torch
 
-from hetseq.update import timing
+from hetseq.update import stats as timing
 
 
 def test_fsdp_waits_are_timed_on_this_torch():

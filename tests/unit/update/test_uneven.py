@@ -1,4 +1,4 @@
-"""State shares by memory (--state-shares memory, hetseq/update/uneven.py):
+"""State shares by memory (--state-shares memory, hetseq/update/zero/uneven.py):
 units gathered and freed as --zero 2/3 promise, a model whose even share
 does not fit the small rank trains with shares by memory, the refusals.
 Parity with one process in every mode: tests/system/test_parity.py; checkpoints
@@ -16,7 +16,7 @@ BLOCKS = [*EXACT_SGD, "--toy-blocks", 3]
 
 def test_units_are_the_innermost_list_members_and_ties_go_to_the_root():
     from torch import nn
-    from hetseq.update.flat_units import units
+    from hetseq.update.zero.flat_units import units
 
     class Tied(nn.Module):
         def __init__(self):

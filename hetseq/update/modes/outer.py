@@ -8,8 +8,8 @@ import datetime
 
 import torch.distributed as dist
 
-from hetseq.update.compress import CODECS
-from hetseq.update.sharding import Sharding
+from hetseq.update.modes.compress import CODECS
+from hetseq.update.zero.sharding import Sharding
 
 # A rank that stops on its own error waits this long at most for the round it
 # sent (--outer-overlap) when the job sets no --distributed-timeout.

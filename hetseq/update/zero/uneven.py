@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 from hetseq.base.errors import UserError
-from hetseq.update import flat_state, flat_units, sharding
-from hetseq.update.flat_units import FlatUnit
-from hetseq.update.held import rebuilt_optimizer
-from hetseq.update.sharding import SHARDS_BY_MEMORY, Replicas, Sharding
+from hetseq.update.zero import flat_state, flat_units, sharding
+from hetseq.update.zero.flat_units import FlatUnit
+from hetseq.update.zero.held import rebuilt_optimizer
+from hetseq.update.zero.sharding import SHARDS_BY_MEMORY, Replicas, Sharding
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,10 @@ from torch.nn.parallel import DistributedDataParallel
 from hetseq.base.errors import UserError
 from hetseq.base.registry import Registry
 from hetseq.base.sections import Section, flag, section
-from hetseq.update import flat_units, full_state, timing, whole_weights
-from hetseq.update.held import optimizer_tensors, settings
-from hetseq.update.whole_weights import (full_weights, holds, named_weights)  # noqa: F401 (also sharding.*)
+from hetseq.update import stats
+from hetseq.update.zero import flat_units, full_state, whole_weights
+from hetseq.update.zero.held import optimizer_tensors, settings
+from hetseq.update.zero.whole_weights import (full_weights, holds, named_weights)  # noqa: F401 (also sharding.*)
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +274,7 @@ class FullyShard(Sharding):
         for unit in flat_units.wrapped_members(model):
             fully_shard(unit, **options)
         fully_shard(model, **options)
-        timing.time_fsdp_waits()
+        stats.time_fsdp_waits()
         # The sharded parameters (DTensors), by name: between a forward and
         # its backward the model's own attributes are FSDP2's gathered copies.
         self._sharded = list(model.named_parameters(remove_duplicate=False))
@@ -332,7 +333,7 @@ class FullyShard(Sharding):
         return [p.grad.to_local() for p in params if p.grad is not None]
 
     def waited(self):
-        return timing.fsdp_waited()
+        return stats.fsdp_waited()
 
     def reduce(self, tensor):
         if self.ctx.distributed:
