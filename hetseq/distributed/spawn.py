@@ -41,14 +41,13 @@ class DistContext:
     local_world_size: int = 1    # ranks on this node (they share its memory)
     timeout_s: float | None = None   # --distributed-timeout: groups made later take it too
     board: object = None         # rank 0: its StatusBoard (hetseq-status), else None
+    # Read every update: fields computed once, not properties.
+    is_main: bool = dataclasses.field(init=False)       # rank 0
+    distributed: bool = dataclasses.field(init=False)   # more than one rank
 
-    @property
-    def is_main(self):
-        return self.rank == 0
-
-    @property
-    def distributed(self):
-        return self.world_size > 1
+    def __post_init__(self):
+        object.__setattr__(self, "is_main", self.rank == 0)
+        object.__setattr__(self, "distributed", self.world_size > 1)
 
 
 class WorkerFailed(Exception):

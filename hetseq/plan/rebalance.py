@@ -251,8 +251,8 @@ def _direction(plan, new):
 class Balance:
     """The plan in force: every rank's share of each global batch, applied to
     this rank's training iterator, and who takes part in the exchange
-    (``members``: called with the members after every update, the
-    Controller's set_members). With ``rebalancer`` it is re-planned (or,
+    (``members``: the Controller's set_members, called after the first
+    update and after each that changes them). With ``rebalancer`` it is re-planned (or,
     advisory, advised on) while training from the per-rank compute times
     each update brings. A checkpoint component: the split is saved, and
     resumed when the global batch and the world are the same."""
@@ -262,6 +262,7 @@ class Balance:
         self.plan, self.devices, self.iterator = plan, devices, iterator
         self.ctx, self.lockstep, self.rebalancer = ctx, lockstep, rebalancer
         self.members, self.can_sit = members, can_sit
+        self._told = None       # the members last handed to ``members``
 
     def micro_batches(self, shares):
         """Micro-batches every rank runs per step when forwards communicate
@@ -281,8 +282,11 @@ class Balance:
             if self.rebalancer.links is not None:    # the links again, under the new plan
                 self.rebalancer.links = exchange_links.measure(
                     self.ctx, self.rebalancer.links.gradient_bytes)
-        self.members([rank for rank in range(len(self.plan.batch_sizes))
-                      if rank not in self.plan.sitting])
+        members = tuple(rank for rank in range(len(self.plan.batch_sizes))
+                        if rank not in self.plan.sitting)
+        if members != self._told:       # the members change after this update
+            self._told = members
+            self.members(members)
 
     def _advise(self, better):
         if self.ctx.is_main:

@@ -9,10 +9,10 @@ import os
 import time
 
 from hetseq.reporting.balance import BalanceLog, ValidLog
-from hetseq.reporting.meters import Meters, RateMeter
 from hetseq.reporting.progress import Clock, Progress, format_ranks
 from hetseq.reporting.tensorboard import TensorBoard
 from hetseq.base.sections import Section, flag, section
+from hetseq.checkpoints.state import ANYTHING, Fields, MapOf, Number, OfType
 
 logger = logging.getLogger("hetseq.run")
 
@@ -74,8 +74,9 @@ class Reporter:
         ``steps``: the updates it covers, a round's inner steps)."""
         n = result.sample_size
         metrics = {**self.task.reduce_metrics(result.totals), "sample_size": n, "lr": result.lr}
-        self.balance_log.record(update, batch_sizes, n, wall_time, result.ranks.seconds,
-                                result.ranks.samples, loss=metrics.get("loss"), lr=result.lr)
+        if self.balance_log.path is not None:
+            self.balance_log.record(update, batch_sizes, n, wall_time, result.ranks.seconds,
+                                    result.ranks.samples, loss=metrics.get("loss"), lr=result.lr)
         norm = result.grad_norm if self._shown(update) else None
         if norm is not None:
             metrics["grad_norm"] = norm
@@ -84,7 +85,8 @@ class Reporter:
         stats = {**metrics, "samples_per_s": n / wall_time if wall_time > 0 else 0.0}
         rank_rates = {f"rank{r}_samples_per_s": s / t for r, (s, t)
                       in enumerate(zip(result.ranks.samples, result.ranks.seconds)) if t > 0}
-        self.tensorboard.log("train", {**stats, **rank_rates}, update)
+        if self.tensorboard.logdir is not None:
+            self.tensorboard.log("train", {**stats, **rank_rates}, update)
         self.rate.update(n)
         ranks = format_ranks(result.ranks.samples, result.ranks.seconds, batch_sizes) \
             if self.progress.due(update, steps) and len(batch_sizes) > 1 else None
@@ -167,3 +169,81 @@ class LogConfig(Section):
         return super().from_args(args, no_progress_bar=args.no_progress_bar
                                  or args.log_format != "tqdm",
                                  tensorboard_logdir=None if args.no_tensorboard else logdir)
+
+
+# Running averages and rates for the training log (the meters: a checkpoint component).
+class AverageMeter:
+    """Weighted running average (e.g. loss weighted by sample count)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.sum = 0.0
+        self.count = 0.0
+
+    def update(self, value, weight=1.0):
+        self.sum += value * weight
+        self.count += weight
+
+    @property
+    def avg(self):
+        return self.sum / self.count if self.count else 0.0
+
+    def state_dict(self):
+        return {"sum": self.sum, "count": self.count}
+
+    def load_state_dict(self, state):
+        self.sum, self.count = state["sum"], state["count"]
+
+
+class RateMeter:
+    """Items per second of wall time since the last reset."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.start = time.perf_counter()
+        self.items = 0.0
+
+    def update(self, items):
+        self.items += items
+
+    @property
+    def rate(self):
+        elapsed = time.perf_counter() - self.start
+        return self.items / elapsed if elapsed > 0 else 0.0
+
+
+class Meters:
+    """A named set of AverageMeters, created on first use."""
+
+    def __init__(self):
+        self._meters = {}
+
+    def update(self, values, weight=1.0):
+        for name, value in values.items():
+            self._meters.setdefault(name, AverageMeter()).update(value, weight)
+
+    def averages(self):
+        return {name: meter.avg for name, meter in self._meters.items()}
+
+    def reset(self):
+        self._meters.clear()
+
+    def state_dict(self):
+        return {name: meter.state_dict() for name, meter in self._meters.items()}
+
+    @staticmethod
+    def state_kind():
+        """What saved meters must be (hetseq/checkpoints/state.py): named sums, any sign
+        (a loss may be negative, inf or NaN), over a weight that is not negative."""
+        return MapOf(OfType(str), Fields({"sum": Number(finite=False),
+                                          "count": Number(low=0)}, extra=ANYTHING))
+
+    def load_state_dict(self, state):
+        self._meters = {}
+        for name, meter_state in state.items():
+            self._meters[name] = AverageMeter()
+            self._meters[name].load_state_dict(meter_state)

@@ -214,9 +214,8 @@ class Run:
             if result is None:        # inside a round of --local-steps
                 self.seam.raise_if_over()
                 continue
-            self.after_update(result, time.perf_counter() - started, steps)
+            after = self.after_update(result, time.perf_counter() - started, steps)
             started, steps = None, 0
-            after = self.events.after(controller.num_updates)
             if after.ends:
                 break
             metric = self.validate(epoch) if after.validates else None
@@ -240,16 +239,20 @@ class Run:
                                               CONTROLLER.name: controller_state})
 
     def after_update(self, result, wall_time, steps=1):
-        """Ranks kept equal, the split re-planned if a rank's speed changed,
-        the update reported (``steps``: updates it covers, a round's inner steps)."""
+        """The bookkeeping of every update, in one place after its step: the
+        ranks kept equal, the split re-planned if a rank's speed changed, the
+        seam told, the update reported (``steps``: the updates it covers, a
+        round's inner steps). Returns what follows it (events.py)."""
         update = self.controller.num_updates
         self.agreement.check(result.ranks.checksum, update)
         self.agreement.due(update)
         plan = self.balance.plan      # the split this update ran with
-        self.balance.observe(update, result.ranks.seconds, result.ranks.samples,
-                             result.ranks.wall)
+        if self.ctx.distributed:      # one rank alone has nothing to balance
+            self.balance.observe(update, result.ranks.seconds, result.ranks.samples,
+                                 result.ranks.wall)
         self.seam.completed(result)   # after observe: a rank now left out keeps this update
         self.report.update(result, update, wall_time, plan.batch_sizes, steps)
+        return self.events.after(update)
 
     def validate(self, epoch):
         """Validate on every --valid-subset; returns the first one's
