@@ -22,7 +22,10 @@ MAX_LINES = 800             # a hard cap: past it a module holds more than one c
 LONG_LINES = 600            # past it, a module says why here
 SMALL_LINES = 60            # under it, with one importer, a module belongs inside it
 # Modules over LONG_LINES, and why they are one module.
-LONG = {}
+LONG = {
+    "hetseq.update.controller": "one update, read in one place: train_step's steps, the "
+                                "gradient math and the step they end with (Stepper)",
+}
 # Modules under SMALL_LINES with one importer, and why they stand alone.
 SMALL = {
     "hetseq.distributed.quick_exit": "the fork server preloads it by name: it must import nothing",
@@ -318,3 +321,35 @@ def test_the_unit_tier_mirrors_the_packages():
     assert folders == {name.split(".")[1] for name in PACKAGES} | {"project"}
     for folder in [unit, *(unit / name for name in folders), ROOT / "tests" / "system"]:
         assert (folder / "__init__.py").is_file(), folder
+
+
+def _said_imports(doc, order):
+    """The packages a package's docstring says it imports ('imports base,
+    store'), or None where it says 'the layers below' / 'every package below'."""
+    said = re.search(r"[Ii]mports ([^.:]*)[.:]", doc).group(1)
+    if "below" in said or "every" in said:
+        return None
+    return {f"hetseq.{word}" for word in re.findall(r"\w+", said) if f"hetseq.{word}" in order}
+
+
+def test_each_packages_docstring_says_its_layer_what_it_imports_and_where_its_tests_are():
+    """A package's __init__ says what it is, its layer (the map's), what it
+    may import (the packages it names include every one it imports) and
+    where its tests are (tests/unit/<package>/), within the docstring limit."""
+    order, graph, wrong = layers(), import_graph(LIBRARY), []
+    for package in sorted(order):
+        doc = ast.get_docstring(ast.parse((LIBRARY / package.split(".")[1] /
+                                           "__init__.py").read_text())) or ""
+        layer = re.search(r"Layer (\d+)", doc)
+        if not layer or int(layer.group(1)) != order[package]:
+            wrong.append(f"{package}: says no layer, or another than the map's {order[package]}")
+            continue
+        if f"tests/unit/{package.split('.')[1]}/" not in doc or not re.search(r"[Ii]mports ", doc):
+            wrong.append(f"{package}: says not what it imports, or not tests/unit/<package>/")
+            continue
+        said = _said_imports(doc, order)
+        used = {package_of(t) for m, targets in graph.items() if package_of(m) == package
+                for t in targets} & set(order) - {package}
+        if said is not None and used - said:
+            wrong.append(f"{package}: imports {sorted(used - said)}, which its docstring leaves out")
+    assert wrong == []
