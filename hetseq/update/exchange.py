@@ -148,9 +148,10 @@ class Exchange:
         rebalancing reads them. ``seconds``: this rank's compute time."""
         self._since[0] += seconds
         self._since[1] += stats.own_samples()
+        ended = time.perf_counter()    # the update's end: before a round's exchange
         result = self.end(stats, made, norm, boundary)
         if result is not None:
-            self._last = (*self._since, self._wall())
+            self._last = (*self._since, self._wall(ended))
             self._since = [0.0, 0.0]
         return result
 
@@ -158,9 +159,10 @@ class Exchange:
         """A round cut short (``settle(local=True)``): its figures go with it."""
         self._since = [0.0, 0.0]
 
-    def _wall(self):
-        """Wall seconds since this rank's last update (round) ended (0: the first)."""
-        now, ended, self._ended = time.perf_counter(), self._ended, time.perf_counter()
+    def _wall(self, now):
+        """Wall seconds from the end of this rank's last update (round) to
+        ``now`` (0: the first), and ``now`` becomes that end."""
+        ended, self._ended = self._ended, now
         return now - ended if ended is not None else 0.0
 
     # ---- one update: hooks (the default: every update summed over the ranks) ----
