@@ -822,6 +822,14 @@ MUTATIONS = {
         "            if False:",
         ['tests/unit/update/test_exchange_modes.py::'
          'test_a_mode_cannot_forget_its_figures_finish_is_a_template_that_records_them']),
+    "round-wall-after-its-exchange": (
+        "a round's wall seconds end before its exchange, which the next round's hold",
+        "        ended = time.perf_counter()    # the update's end: before a round's exchange\n"
+        "        result = self.end(stats, made, norm, boundary)\n",
+        "        result = self.end(stats, made, norm, boundary)\n"
+        "        ended = time.perf_counter()\n",
+        ['tests/unit/update/test_exchange_modes.py::'
+         'test_a_rounds_wall_time_ends_before_its_exchange']),
     "epoch-end-events-ignore-their-interval": (
         "--validate-interval and --save-interval count epochs, in the one schedule",
         "                     (stopping or due(training.validate_interval, epoch)),",

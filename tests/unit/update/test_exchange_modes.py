@@ -105,3 +105,35 @@ def test_a_mode_cannot_forget_its_figures_finish_is_a_template_that_records_them
     stats, _ = update(2, 1.0)                                   # the round's figures ride next
     assert (stats.report.seconds, stats.report.samples) == (0.75, 12)
     assert isinstance(stats, StatsSum)
+
+
+def test_a_rounds_wall_time_ends_before_its_exchange(monkeypatch):
+    """Rank 0's wall seconds feed the rebalancer: a round's run from the end
+    of the last one to its own end, taken before the mode's end hook makes
+    the round's exchange (which the next round's wall then holds)."""
+    import time
+    from types import SimpleNamespace
+    from hetseq.update.exchange import Exchange
+    from hetseq.update.stats import StepResult
+
+    clock = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    class Slow(Exchange):               # every update ends; the first one's exchange takes 5 s
+        registered_name = "slow"
+        exchanges = [5.0]
+
+        def end(self, stats, made, norm, boundary):
+            clock[0] += self.exchanges.pop() if self.exchanges else 0.0
+            return StepResult({}, None, 0.1, made)
+
+    mode = Slow(None, None, SimpleNamespace(world_size=1, distributed=False, rank=0))
+    walls = []
+    for _ in range(3):
+        clock[0] += 1.0                 # the update's compute
+        stats = mode.begin(0.0, 0.0)
+        walls.append(stats.report.wall)
+        stats.add(0.0, 1, {})
+        mode.finish(stats, True, None, 1.0, False)
+    # The first has none; the second holds its compute and the first's exchange.
+    assert walls == [0.0, 0.0, 6.0]
