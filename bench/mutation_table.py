@@ -29,8 +29,9 @@ MUTATIONS = {
          "test_a_rank_without_samples_computes_nothing_and_the_update_stays_exact"]),
     "sitting-rank-computes": (
         "a rank that sits out runs no forward and joins no gradient exchange",
-        "        if self.members.sitting:      # no forward",
-        "        if False:      # no forward",
+        "            return self._sit_out(stats, boundary)",
+        "            self.task.train_step(self.model, self._keyed(dummy)[0])\n"
+        "            return self._sit_out(stats, boundary)",
         ["tests/system/test_sitting.py::test_a_rank_with_weight_zero_sits_out_and_the_update_stays_exact"]),
     "members-divisor-stays-the-world": (
         "without the ranks that sit out, W is the members' count",
