@@ -1,12 +1,12 @@
 """One rank's training run: the loop over epochs and updates (hetseq/app/main.py
 starts the ranks).
 
-One update, as ``Run.train_epoch`` drives it (docs/design.md follows the
-route through the code): the iterator yields this rank's micro-batches of the
-next global batch(es); ``Controller.train_step`` runs forward and backward on
-each, the gradients and the stats are summed over ranks, and the update is
-applied; then the run checks the ranks' agreement, re-plans the split if a
-rank's speed changed, and reports.
+One update, as ``Run.train_epoch`` drives it (docs/design.md, "One update",
+follows its route through the code): the iterator yields this rank's
+micro-batches of the next global batch(es); ``Controller.train_step`` makes
+the update; then ``Run.after_update``, the one place of the bookkeeping,
+checks the ranks' agreement, re-plans the split if a rank's speed changed,
+tells the seam, reports, and says what follows (validate, save, stop).
 """
 
 import itertools
