@@ -4,6 +4,8 @@ A registry replaces if/elif dispatch on names: components register themselves
 with a decorator, the command line looks them up, and a miss lists what exists.
 """
 
+import difflib
+
 from hetseq.base.errors import UserError
 
 
@@ -40,8 +42,10 @@ class Registry:
 
     def get(self, name):
         if name not in self._aliases:
+            near = difflib.get_close_matches(str(name), list(self._aliases), n=1)
+            guess = f" (did you mean '{near[0]}'?)" if near else ""
             raise UserError(
-                f"unknown {self.kind} '{name}'; registered {self.kind}s: "
+                f"unknown {self.kind} '{name}'{guess}; registered {self.kind}s: "
                 f"{', '.join(self.names()) or '(none)'}{self.hint}")
         return self._entries[self._aliases[name]]
 

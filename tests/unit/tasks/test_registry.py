@@ -3,7 +3,7 @@ import pytest
 from hetseq.app import cli
 from hetseq.base.errors import UserError
 from hetseq.base.registry import Registry
-from hetseq.tasks import TASKS, Task, import_user_dir, register_task
+from hetseq.tasks import TASKS, Task, import_builtin_tasks, import_user_dir, register_task
 
 from machinery.settings import ROOT, TOY
 
@@ -34,6 +34,18 @@ def test_unknown_name_lists_registered():
     with pytest.raises(UserError) as err:
         TASKS.get("nope")
     assert "unknown task 'nope'" in str(err.value) and "toy" in str(err.value)
+
+
+def test_a_misspelt_task_is_answered_with_the_nearest_one():
+    """--task bret: 'did you mean bert', as a misspelt flag is answered; a
+    name near none of them lists what exists only."""
+    import_builtin_tasks()
+    with pytest.raises(UserError, match=r"unknown task 'bret' \(did you mean 'bert'\?\); "
+                                        r"registered tasks: .*glue"):
+        cli.parse_args(["--task", "bret"])
+    with pytest.raises(UserError) as err:
+        TASKS.get("nope")
+    assert "did you mean" not in str(err.value)
 
 
 def test_unknown_task_on_command_line():
