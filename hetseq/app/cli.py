@@ -61,9 +61,10 @@ def add_legacy_args(group):
     group.add_argument("--use-bmuf", action="store_true", help="not supported (HetSeq flag)")
 
 
-def build_parser(task_cls=None, add_help=True):
+def build_parser(task_cls=None, add_help=True, prog="hetseq-train"):
+    """The parser of the train command (``prog``: its name in errors and --help)."""
     parser = Parser(
-        prog="hetseq-train", allow_abbrev=False, add_help=add_help,
+        prog=prog, allow_abbrev=False, add_help=add_help,
         description="Synchronous data-parallel training on heterogeneous devices.")
     for title, sections in GROUPS:
         group = parser if title is None else parser.add_argument_group(title)
@@ -116,27 +117,27 @@ class Flags(argparse.Namespace):
                              "derive values in hetseq/app/config.py instead")
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, prog="hetseq-train"):
     """The flags, checked. Parsed in two passes: --user-dir and --task first,
     so the chosen task's flags are part of the parser (and of --help)."""
-    pre = build_parser(add_help=False)      # the flags as declared, none required
+    pre = build_parser(add_help=False, prog=prog)   # the flags as declared, none required
     for action in pre._actions:             # yet: --help may come without --task
         action.required = False
     known, _ = pre.parse_known_args(argv)
     import_builtin_tasks()
     import_user_dir(known.user_dir)
     task_cls = TASKS.get(known.task) if known.task else None
-    parser = build_parser(task_cls)
+    parser = build_parser(task_cls, prog=prog)
     args = parser.parse_args(argv)
     args.__class__ = Flags
     check_args(args, {action.dest: action.default for action in parser._actions})
     return args
 
 
-def parse(argv=None):
+def parse(argv=None, prog="hetseq-train"):
     """(flags, JobConfig, NodeConfig): the flags for tasks (``Task.args``),
-    the two configurations for everything else."""
-    args = parse_args(argv)
+    the two configurations for everything else; ``prog``: the command's name."""
+    args = parse_args(argv, prog)
     task_cls = TASKS.get(args.task)
     job, node = config.build(args, task_dests(task_cls), task_cls.per_node_flags,
                              modes.configure(args))

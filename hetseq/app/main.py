@@ -2,6 +2,8 @@
 ranks (or its elastic member), each running hetseq/run/loop.py's Run."""
 
 import logging
+import os
+import sys
 
 from hetseq.app import cli
 from hetseq.distributed.spawn import WorkerFailed, exit_now, launch, node_label, node_topology
@@ -20,7 +22,7 @@ def main(argv=None):
     # are known (an elastic member's come from the meeting), then its own.
     setup_logging(0, label="node")
     try:
-        args, job, node = cli.parse(argv)
+        args, job, node = cli.parse(argv, prog=command_name())
         topology = None
         if not job.elastic.elastic:
             topology = node_topology(node, job.distributed_backend)
@@ -38,6 +40,14 @@ def main(argv=None):
     # rank, which also ends this way). The interpreter's teardown would only
     # free torch's modules: 1-3 s of CPU per command for nothing.
     exit_now(0)
+
+
+def command_name():
+    """How this command was run, as its errors name it: ``train.py`` (or the
+    script a user made of it) for ``python train.py``, else hetseq-train."""
+    name = os.path.basename(sys.argv[0] or "")
+    return name if name.endswith(".py") and name not in ("main.py", "__main__.py") \
+        else "hetseq-train"
 
 
 if __name__ == "__main__":

@@ -41,3 +41,21 @@ def test_the_installed_command_answers_without_a_traceback(hosts):
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == ("hetseq-launch: error: unknown flag --hostfiel: did you mean "
                            "--hostfile? (all flags: --help)\n")
+
+
+def test_the_train_command_names_itself_as_it_was_run(tmp_path):
+    """A typo in ``python train.py`` is train.py's error, one in hetseq-train
+    (python -m hetseq.app.main) hetseq-train's; a misspelt task is answered
+    with the nearest one."""
+    typo = ["--task", "toy", "--user-dir", str(ROOT / "tests" / "tasks"), "--max-updat", "3"]
+    for command, name in (([str(ROOT / "train.py")], "train.py"),
+                          (["-m", "hetseq.app.main"], "hetseq-train")):
+        done = subprocess.run([sys.executable, *command, *typo], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2 and done.stderr == (
+            f"{name}: error: unknown flag --max-updat: did you mean --max-update? "
+            "(all flags: --help)\n"), done.stderr
+    done = subprocess.run([sys.executable, str(ROOT / "train.py"), "--task", "bret"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "unknown task 'bret' (did you mean 'bert'?)" in done.stderr
+    assert "Traceback" not in done.stderr
