@@ -372,8 +372,8 @@ def main(argv=None):
         # Salted once, with the job id of the URL given: a leader it moves
         # to is named by address only, and is the same job.
         watch(args, job_secret.read_secret(args.job_secret_file, url=args.url))
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt:         # Ctrl-C: the shell's code for an interrupted command
+        code = 130
     except BrokenPipeError:           # | head -1: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (UserError, dist.DistError) as err:
