@@ -58,8 +58,19 @@ class WorkerFailed(Exception):
 
 def node_topology(node, backend):
     """This node's ranks (topology.py), from its flags or its launcher's variables."""
-    cuda_count = torch.cuda.device_count() if not node.launch.cpu else 0
-    return resolve_topology(node.launch, os.environ, cuda_count, backend)
+    return resolve_topology(node.launch, os.environ, cuda_devices(node.launch), backend)
+
+
+def cuda_devices(launch):
+    """The GPUs this node trains on (0 with --cpu). Without --cpu and without
+    a GPU the node says so once: CPU is then what it runs on, not a choice."""
+    if launch.cpu:
+        return 0
+    count = torch.cuda.device_count()
+    if count == 0:
+        NODE.warning("no GPU found on this node: it trains on CPU (pass --cpu to say that "
+                     "is meant and silence this line)")
+    return count
 
 
 def node_label(topology):

@@ -309,4 +309,6 @@ class LaunchConfig(Section):
              "HETSEQ_JOB_SECRET): only nodes that know it may join (tcp:// only)")
     device_id: int = flag(0, type=int, names=("--local_rank", "--local-rank"),
                           help="CUDA device of this node's first process (default: 0)")
-    cpu: bool = flag(False, action="store_true", help="train on CPU even if CUDA is available")
+    cpu: bool = flag(False, action="store_true",
+                     help="train on CPU even if CUDA is available (without it, a node that "
+                          "finds no GPU says so in a warning)")

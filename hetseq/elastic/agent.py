@@ -13,12 +13,11 @@ import logging
 import os
 import socket
 
-import torch
 import torch.distributed as dist
 
 from hetseq.distributed import health, rendezvous
-from hetseq.distributed.spawn import (PRELOAD, DistContext, WorkerFailed, device_of, exit_now,
-                                      set_threads, start_linked)
+from hetseq.distributed.spawn import (PRELOAD, DistContext, WorkerFailed, cuda_devices,
+                                      device_of, exit_now, set_threads, start_linked)
 from hetseq.distributed.topology import resolve_elastic
 from hetseq.elastic.generations import choose_source
 from hetseq.elastic.membership import JobDone, Membership, TooFew
@@ -66,8 +65,7 @@ def train_elastic(args, job, node, inputs):
     # for it in a new generation.
     for module in PRELOAD:
         importlib.import_module(module)
-    cuda_count = torch.cuda.device_count() if not node.launch.cpu else 0
-    topology = resolve_elastic(node.launch, cuda_count, job.distributed_backend)
+    topology = resolve_elastic(node.launch, cuda_devices(node.launch), job.distributed_backend)
     membership = Membership(node.launch, topology.backend, secret, job.elastic.min_nodes,
                             job.elastic.max_nodes, job.identity(), ranks=topology.nprocs)
     work = (args, job, node, inputs, topology)

@@ -109,3 +109,18 @@ def test_plot_without_a_run_is_one_line(tmp_path):
     assert plot.stderr.strip().splitlines() == [
         f"hetseq-plot: error: {tmp_path}: no balance.jsonl; pass the --save-dir of a run that "
         "trained at least one update without --no-save"]
+
+
+def test_a_node_without_a_gpu_says_it_trains_on_cpu_unless_told(tmp_path):
+    """Without --cpu, a node that finds no GPU says in one WARNING line that
+    it trains on CPU and how to silence it; --cpu is that silence."""
+    command = [sys.executable, str(ROOT / "train.py"), "--no-progress-bar", *map(str, COMMON),
+               "--max-sentences", "8", "--no-save"]
+    env = child_env({"CUDA_VISIBLE_DEVICES": ""})      # no GPU, whatever this host has
+    said = "no GPU found on this node: it trains on CPU (pass --cpu to say that is meant"
+    for extra, lines in (([], 1), (["--cpu"], 0)):
+        done = subprocess.run(command + extra, cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        warned = [line for line in done.stderr.splitlines() if said in line]
+        assert len(warned) == lines and all("WARNING" in line for line in warned), done.stderr
