@@ -831,6 +831,12 @@ MUTATIONS = {
         "        ended = time.perf_counter()\n",
         ['tests/unit/update/test_exchange_modes.py::'
          'test_a_rounds_wall_time_ends_before_its_exchange']),
+    "time-left-without-validations": (
+        "the time left counts the validations still due, before one ran too",
+        "            left += count * self._expected(kind, per_update)\n",
+        "            left += count * self.took.get(kind, 0.0)\n",
+        ['tests/unit/reporting/test_time_left.py::'
+         'test_the_time_left_holds_through_a_change_of_speed']),
     "epoch-end-events-ignore-their-interval": (
         "--validate-interval and --save-interval count epochs, in the one schedule",
         "                     (stopping or due(training.validate_interval, epoch)),",

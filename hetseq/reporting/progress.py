@@ -6,6 +6,7 @@ the next names every rank's samples/s and share of the global batch, which
 rank 0 has from the per-update stats anyway.
 """
 
+import collections
 import logging
 import math
 import time
@@ -42,22 +43,32 @@ def format_ranks(rank_samples, rank_times, batch_sizes):
 
 class Clock:
     """The run's position (``update N/planned``) and the time left: the
-    updates still to make at the wall time per update measured since this
-    process's first update ended (validations and saves left out), plus the
-    validations and saves still due (``due(update)``: {kind: count}) at what
-    the last of each kind took. "measuring time left" until it has a rate;
-    "0:00:00 left" only once nothing is left."""
+    updates still to make at the wall time per update of the last ``window``
+    updates (so a change of speed shows within a few log lines; validations
+    and saves left out), plus the validations and saves still due
+    (``due(update)``: {kind: count}). Each at what the last of its kind took;
+    before one ran, a validation at its samples (``valid_samples``) at the
+    training rate, a forward a third of a training step, and a save at one
+    update's time. "measuring time left" until there is a rate; "0:00:00
+    left" only once nothing is left."""
 
-    def __init__(self, planned=None):
+    FORWARD_SHARE = 1 / 3       # a forward's share of a training step's time
+
+    def __init__(self, planned=None, window=2):
         self.planned = planned
+        self.window = max(2, window)   # updates the rate is measured over
         self.due = None            # due(update) -> {"validation": n, "saving": n}, or None
+        self.valid_samples = None  # samples of one validation (every --valid-subset), if known
+        self.batch = None          # samples of one update (the global batch), if known
         self.took = {}             # kind -> seconds the last one took
         self._last = {}            # kind -> the update the last one followed
-        self._start = None         # (time, update) at the end of the first update seen
+        self._ticks = collections.deque()   # (time less the pauses, update) of recent updates
+        self._paused = 0.0         # seconds of validations and saves so far
 
     def tick(self, update, steps=1):
-        if self._start is None:
-            self._start = (time.perf_counter(), update)
+        self._ticks.append((time.perf_counter() - self._paused, update))
+        while len(self._ticks) > 2 and update - self._ticks[1][1] >= self.window:
+            self._ticks.popleft()
 
     def paused(self, kind, seconds, update=None):
         """A ``kind`` ("validation", "saving") after ``update`` took
@@ -66,38 +77,41 @@ class Clock:
         last = self._last.get(kind)
         self.took[kind] = seconds + (self.took[kind] if last is not None and last == update else 0)
         self._last[kind] = update
-        if self._start is not None:
-            self._start = (self._start[0] + seconds, self._start[1])
+        self._paused += seconds
+
+    def per_update(self, update):
+        """Wall seconds per update lately (None without two updates)."""
+        if not self._ticks or update <= self._ticks[0][1]:
+            return None
+        since, first = self._ticks[0]
+        return (time.perf_counter() - self._paused - since) / (update - first)
 
     def estimate(self, update):
-        """(seconds left, kinds still due and not yet timed); None without a rate."""
-        if not self.planned or self._start is None or update <= self._start[1]:
+        """Seconds left; None without a rate."""
+        per_update = self.per_update(update) if self.planned else None
+        if per_update is None:
             return None
-        since, first = self._start
-        left = max(0, self.planned - update) * (time.perf_counter() - since) / (update - first)
-        untimed = []
+        left = max(0, self.planned - update) * per_update
         for kind, count in (self.due(update) if self.due else {}).items():
-            if count and kind in self.took:
-                left += count * self.took[kind]
-            elif count:
-                untimed.append(kind)
-        return left, untimed
+            left += count * self._expected(kind, per_update)
+        return left
+
+    def _expected(self, kind, per_update):
+        """What one ``kind`` takes: the last one's time, else an estimate."""
+        if kind in self.took:
+            return self.took[kind]
+        if kind == "validation" and self.valid_samples and self.batch:
+            return self.valid_samples / self.batch * per_update * self.FORWARD_SHARE
+        return per_update
 
     def left(self, update):
-        estimate = self.estimate(update)
-        return None if estimate is None else estimate[0]
+        return self.estimate(update)
 
     def left_text(self, update):
-        """'0:00:21 left', '0:00:21 left + saving (not yet timed)', 'measuring time left'."""
-        estimate = self.estimate(update)
-        if estimate is None:
-            return "measuring time left"
-        left, untimed = estimate
-        text = f"{format_duration(math.ceil(left))} left" if left > 0 or not untimed else ""
-        if untimed:
-            text += f"{' + ' if text else ''}{' and '.join(untimed)}" \
-                f"{'' if text else ' left'} (not yet timed)"
-        return text
+        """'0:00:21 left', or 'measuring time left' before there is a rate."""
+        left = self.estimate(update)
+        return "measuring time left" if left is None else \
+            f"{format_duration(math.ceil(left))} left"
 
     def head(self, update):
         where = f"update {update}/{self.planned}" if self.planned else f"update {update}"

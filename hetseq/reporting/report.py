@@ -25,14 +25,17 @@ class Reporter:
         self.balance_log = BalanceLog(save.save_dir, ctx.is_main and not save.no_save)
         self.valid_log = ValidLog(save.save_dir, ctx.is_main and not save.no_save)
         self.progress, self.rate = None, RateMeter()
-        self.clock = Clock()
+        # The time left follows the rate of the last two log intervals.
+        self.clock = Clock(window=2 * max(1, log.log_interval))
         self.board = ctx.board          # rank 0's status for hetseq-status (None elsewhere)
         self.save_dir = None if save.no_save else save.save_dir
 
-    def plan(self, planned, due=None):
+    def plan(self, planned, due=None, valid_samples=None, batch=None):
         """The run's planned updates (None: no end given), for 'update N/M' and the
-        time left; ``due(update)``: the validations and saves still due (Clock)."""
+        time left; ``due(update)``: the validations and saves still due (Clock),
+        ``valid_samples`` of one validation, ``batch`` of one update."""
         self.clock.planned, self.clock.due = planned, due
+        self.clock.valid_samples, self.clock.batch = valid_samples, batch
 
     @contextlib.contextmanager
     def validating(self, split, samples, update):

@@ -138,7 +138,13 @@ class Run:
         planned = planned_updates(self.job.training, len(self.train_data.batches))
         if planned and not self.job.schedule.total_num_update:
             self.controller.set_horizon(planned)
-        self.report.plan(planned, self._still_due if planned else None)
+        valid = None
+        if planned and not self.job.training.disable_validation:
+            # One validation's samples, for the time left before one is timed
+            # (the splits are loaded now: a collective, every rank here).
+            valid = sum(self.validation.size(split) for split in self.job.training.valid_subsets)
+        self.report.plan(planned, self._still_due if planned else None, valid,
+                         self.balance.plan.global_batch)
         if self.ctx.is_main:
             logger.info("LR schedule %s: %s; the run plans %s", self.job.schedule.lr_scheduler,
                         self.controller.lr_scheduler.describe(),

@@ -34,12 +34,15 @@ def test_before_a_rate_the_time_left_is_measuring(monkeypatch):
 def test_validations_and_saves_due_are_counted_at_what_they_took(monkeypatch):
     due = {"validation": 0, "saving": 0}
     clock, now = clock_at(monkeypatch, due=lambda update: dict(due))
+    clock.valid_samples, clock.batch = 24, 8
     clock.tick(1)
     now[0] += 2.0
     clock.tick(2)
     due.update(validation=2, saving=1)
-    # Not yet timed: named, and never '0:00:00 left' before the end.
-    assert clock.left_text(2) == "0:00:16 left + validation and saving (not yet timed)"
+    # Before one ran: a validation of 24 samples at 8 samples an update of
+    # 2 s, a forward a third of a step (2 s each); a save at one update's time.
+    assert clock.left(2) == 16.0 + 2 * 2.0 + 2.0
+    assert clock.left_text(2) == "0:00:22 left"
     now[0] += 30.0                       # a validation (20 s) and a save (10 s) at update 2
     clock.paused("validation", 12.0, 2)
     clock.paused("validation", 8.0, 2)   # a second split of the same validation: summed
@@ -58,8 +61,45 @@ def test_validations_and_saves_due_are_counted_at_what_they_took(monkeypatch):
     due.update(saving=0)
     assert clock.left_text(10) == "0:00:00 left"                     # nothing left: the end
     clock.took.clear()
-    due.update(saving=1)
-    assert clock.left_text(10) == "saving left (not yet timed)"
+    due.update(saving=1)                 # a save not yet timed: one update's time, never zero
+    assert re.fullmatch(r"0:00:0[1-9] left", clock.left_text(10)), clock.left_text(10)
+
+
+def test_the_time_left_holds_through_a_change_of_speed(monkeypatch):
+    """A run of 200 updates logged every 5, validated every 50 (400 samples,
+    15 s each), whose updates of 8 samples take 1 s, then ``slow`` s from
+    update 100 on (the machine got busy): from the first tenth of the run on,
+    the time left is within 25% of what really remained at every line but
+    the 3 after the change, and from the third line after it on it is what
+    remains at the new speed."""
+    for slow, close in ((1.3, 0.25), (2.0, None)):
+        said, ended = _run_with_a_change(monkeypatch, slow)
+        if close is not None:
+            off = {update: round(said[update] / (ended[200] - ended[update]) - 1, 3)
+                   for update in said if 20 <= update < 200 and update not in (105, 110, 115)}
+            assert all(abs(error) <= close for error in off.values()), (slow, off)
+        for update in range(115, 200, 5):      # the new speed, followed
+            validations = sum(1 for v in (150, 200) if v > update)
+            assert abs(said[update] - ((200 - update) * slow + 15.0 * validations)) < 1e-6, \
+                (slow, update, said[update])
+
+
+def _run_with_a_change(monkeypatch, slow):
+    """{update: the time left said at its line}, {update: when it ended} on a fake clock."""
+    clock, now = clock_at(monkeypatch, planned=200)
+    clock.window, clock.valid_samples, clock.batch = 10, 400, 8
+    clock.due = lambda update: {"validation": sum(1 for v in (50, 100, 150, 200) if v > update)}
+    said, ended = {}, {}
+    for update in range(1, 201):
+        now[0] += 1.0 if update <= 100 else slow
+        clock.tick(update)
+        if update % 5 == 0:
+            said[update] = clock.left(update)
+        if update % 50 == 0:
+            now[0] += 15.0
+            clock.paused("validation", 15.0, update)
+        ended[update] = now[0]
+    return said, ended
 
 
 def test_the_events_still_due_are_counted_from_the_flags():
@@ -118,5 +158,5 @@ def test_the_status_board_says_measuring_at_the_first_update(tmp_path):
         report.update(result, update, 0.01, [8])
     first, second = (view["left"] for view in ctx.board.views)
     assert first == "measuring time left"
-    assert re.fullmatch(r"\d+:\d\d:\d\d left \+ validation \(not yet timed\)", second), second
+    assert re.fullmatch(r"\d+:\d\d:\d\d left", second), second    # validation counted too
     assert ctx.board.views[0]["left_s"] is None
