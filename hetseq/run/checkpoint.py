@@ -19,6 +19,7 @@ from hetseq.base.sections import Section, flag, section
 from hetseq.checkpoints.state import (ANYTHING, Component, Count, Fields, ListOf, Number, OfType,
                                       Optional, StateMismatch, describe)
 from hetseq.checkpoints.keys import CONTROLLER, UPDATES
+from hetseq.tasks import TASKS
 
 logger = logging.getLogger(__name__)
 
@@ -319,8 +320,8 @@ class Checkpointer:
 
 
 def save_dir(args):
-    """--save-dir, by default checkpoints/<task>."""
-    return args.save_dir or os.path.join("checkpoints", args.task)
+    """--save-dir, by default checkpoints/<task> (the task's ``save_name``)."""
+    return args.save_dir or os.path.join("checkpoints", TASKS.get(args.task).save_name(args))
 
 
 @section
@@ -328,7 +329,7 @@ class SaveConfig(Section):
     """Where this node keeps checkpoints and the balance log."""
     save_dir: str = flag(None, metavar="DIR",
                          help="where checkpoints, balance.jsonl and TensorBoard go (default: "
-                              "checkpoints/<task>)")
+                              "checkpoints/<task>; glue's named for its model too)")
     restore_file: str = flag("checkpoint_last.pt", metavar="FILE",
                              help="checkpoint to resume from, relative to --save-dir unless "
                                   "absolute (default: checkpoint_last.pt; a missing file starts "

