@@ -48,6 +48,8 @@ def test_the_readme_runs_two_nodes_with_uneven_batches_on_this_machine(tmp_path)
     line = (line.replace("hetseq-launch ", f"{shlex.join(LAUNCH)} --master-port {free_port()} ")
             .replace(" train.py ", f" {shlex.quote(str(ROOT / 'train.py'))} ")
             .replace("--max-update 20", "--max-update 2")
+            .replace("--log-interval 5", "--log-interval 1")
+            .replace("--warmup-updates 5", "--warmup-updates 1")
             .replace("--save-dir checkpoints/two-nodes", f"--save-dir {tmp_path / 'run'}"))
     done = subprocess.run(["bash", "-c", line], cwd=tmp_path, capture_output=True, text=True,
                           timeout=600, env=child_env())
