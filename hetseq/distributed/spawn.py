@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 from hetseq.distributed import health, meeting_point, rendezvous
 from hetseq.distributed.topology import resolve_topology
+from hetseq.base import stopping
 from hetseq.base.errors import HetSeqError, PeerLost
 from hetseq.base.logs import NODE, rank_ranges, setup_logging
 from hetseq.store import job_secret
@@ -154,7 +155,8 @@ def start_linked(index, fn, args, device_type="cpu", *modules):
     context = mp.get_context(method)
     mine, theirs = context.Pipe()
     process = context.Process(target=_in_environment,
-                              args=(index, dict(os.environ), (), fn, (theirs, *args)))
+                              args=(index, dict(os.environ), (), stopping.shared(), fn,
+                                    (theirs, *args)))
     with _frozen_for(method):
         process.start()
     theirs.close()
@@ -193,7 +195,8 @@ def start_ranks(fn, args, nprocs, device_type="cpu", *modules, then=None, not_in
     inherited = tuple(not_inherited) if method == "fork" else ()
     with _frozen_for(method):
         context = mp.start_processes(_in_environment, nprocs=nprocs, join=False,
-                                     args=(dict(os.environ), inherited, fn, args),
+                                     args=(dict(os.environ), inherited, stopping.shared(), fn,
+                                           args),
                                      start_method=method)
     try:
         if then is not None:
@@ -206,7 +209,10 @@ def start_ranks(fn, args, nprocs, device_type="cpu", *modules, then=None, not_in
         pass
 
 
-def _in_environment(index, environ, not_inherited, fn, args):
+def _in_environment(index, environ, not_inherited, stop, fn, args):
+    # A signal to the node (a terminal's Ctrl-C reaches every process) is
+    # recorded here; the node's process answers it (base/stopping.py).
+    stopping.adopt(stop)
     for fd in not_inherited:
         os.close(fd)
     os.environ.clear()

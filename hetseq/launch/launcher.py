@@ -41,7 +41,8 @@ MAX_VARIABLE = 128 << 10
 MAX_ENV_LINE = ENV_LIMIT - (16 << 10)
 # Forwarded without being asked, like DeepSpeed's NCCL*/PYTHON* variables.
 FORWARDED_PREFIXES = ("NCCL_", "GLOO_", "PYTHON", "HETSEQ_", "OMP_")
-STOP_S = 15.0            # after a stop, how long nodes get before their ssh is killed
+STOP_S = 15.0            # after a stop, how long nodes get (beyond the time they said
+                         # their save takes) before their ssh is killed
 PDSH_REFUSED = ("--launcher pdsh: pdsh runs one command on every host and does not forward "
                 "standard input, but each node here has its own command (its ranks and "
                 "flags) and takes the job secret on its standard input; use --launcher ssh "
@@ -193,6 +194,8 @@ class Launch:
         self.job, self.transport, self.args, self.env = job, transport, args, env
         self.events, self.lock = queue.Queue(), threading.Lock()
         self.nodes, self.stopping, self.requested, self.signalled = [], None, None, None
+        self.now = False         # a second signal: stop the nodes at once
+        self.command = None      # this command as typed, for the line that resumes it
         self.handled = set()
         self.cause = None        # the exit code of the node whose end stopped the others
 
@@ -204,8 +207,10 @@ class Launch:
                 pass            # (a closed terminal or pipe: the nodes still get stopped)
 
     def request_stop(self, signum, _frame):
+        """A signal: the nodes stop after their save; a second: at once."""
+        self.now = self.requested is not None
         self.requested = f"{signal.Signals(signum).name} received"
-        self.signalled = signum
+        self.signalled = self.signalled or signum
 
     def start(self):
         for node in self.job.nodes:
@@ -255,12 +260,23 @@ class Launch:
             self._ended(node)
 
     def _wait_stopped(self):
-        """After a stop: STOP_S for every node to end, then their local
-        processes are killed (the remote wrappers see their input end)."""
+        """After a stop: the nodes save and end within the time they said
+        (base/stopping.py) and STOP_S; then, or at a second signal, they are
+        told to stop at once, and their local processes killed STOP_S later."""
         if self.stopping is None:
             return
-        deadline = time.monotonic() + STOP_S
-        while any(n.running for n in self.nodes) and time.monotonic() < deadline:
+        began, told = time.monotonic(), None
+        while any(n.running for n in self.nodes):
+            bound = max((n.outcome.bound or 0.0 for n in self.nodes), default=0.0)
+            if told is None and (self.now or time.monotonic() > began + bound + STOP_S):
+                told = time.monotonic()
+                if self.now:
+                    self.say("stopping every node at once: a second signal")
+                for node in self.nodes:
+                    if node.running:
+                        node.stop(now=True)
+            if told is not None and time.monotonic() > told + STOP_S:
+                break
             self._next(self.POLL_S)
         for node in self.nodes:
             if node.running:
@@ -299,7 +315,15 @@ class Launch:
         for plan in self.job.nodes[len(self.nodes):]:
             codes.append(NOT_STARTED)
             self.say(f"  {plan.label} ({plan.ranks()}): not started ({self.stopping})")
-        return self.cause if self.cause is not None else max(codes, default=NOT_STARTED)
+        if self.cause is not None:
+            return self.cause
+        if self.signalled:
+            # Its nodes saved where they could (each node's last line says);
+            # the same command resumes from there.
+            if self.command:
+                self.say(f"resume with the same command: {self.command}")
+            return 128 + self.signalled
+        return max(codes, default=NOT_STARTED)
 
     def _outcome(self, node):
         """(what the summary says, the code it counts; None: not counted)."""
@@ -360,6 +384,7 @@ def main(argv=None):
             return
         checking.refuse_missing_devices(job, lines, transport, args, env)
         launch = Launch(job, transport, args, env)
+        launch.command = shlex.join(["hetseq-launch", *(sys.argv[1:] if argv is None else argv)])
         # Before the secret exists: a signal from here on ends in summary()
         # and the secret's removal.
         previous = stop_on_signals(launch.request_stop)

@@ -3,8 +3,10 @@ host (transport.node_command): ``... hetseq.launch.node -- PYTHON train.py
 FLAGS``. It reads the job secret and the forwarded variables as one JSON
 line on standard input (never a command line), runs the command in a
 session of its own, relays its output through a bounded buffer, and stops
-that session (SIGTERM, SIGKILL ``STOP_S`` later) when its input closes. It
-exits with the command's code (128 + N after signal N). docs/nodes.md.
+that session when its input says ``stop`` or closes: SIGTERM, then SIGKILL
+once the time the command announced for its save has passed (``STOP_S``
+when it said none), or at once when the input says ``kill``. It exits with
+the command's code (128 + N after signal N). docs/nodes.md.
 """
 
 # The buffer is on the node's own host: a launcher that is paused (Ctrl-Z)
@@ -22,31 +24,34 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 from hetseq.base.owned_file import others_can_change
+from hetseq.base.stopping import announced_bound
 
 STARTED = "hetseq-launch node started"   # the launcher reads (and hides) this line
-STOP_S = 5.0
+STOP_S = 5.0              # after SIGTERM, until the command says how long its stop takes
+KILL = b"kill"            # on standard input: stop at once (the launcher's second Ctrl-C)
 PR_SET_PDEATHSIG = 1
 ENV_LIMIT = 1 << 20
 BUFFER_BYTES = 4 << 20    # the command's output held while nobody reads it
 LINE_BYTES = 1 << 16      # a longer line is cut here (the launcher cuts there too)
 FLUSH_S = 10.0            # at the end, how long the launcher gets to read what is held
 AFTER_EXIT_S = 2.0        # after the command, how long its output may take to end
+POLL_S = 0.1
 NOT_OURS = 2              # exit code: the folder could be changed by another user
 
 
 def read_env(stream):
-    """The variables of the first line of ``stream`` (bounded, checked)."""
+    """The variables of the first line of ``stream`` (bounded, checked), and
+    what was read past it (the launcher's word to stop, when it came at once)."""
     line = b""
-    # The launcher writes this one line, then nothing until it closes the
-    # input (the stop): a read never takes anything past it.
     while b"\n" not in line and len(line) < ENV_LIMIT:
         chunk = os.read(stream.fileno(), 1 << 16)
         if not chunk:
             break
         line += chunk
-    line = line.split(b"\n", 1)[0]
+    line, _, rest = line.partition(b"\n")
     try:
         env = json.loads(line.decode("utf-8"))["env"]
     except (ValueError, KeyError, TypeError):
@@ -55,7 +60,7 @@ def read_env(stream):
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                             for k, v in env.items()):
         raise SystemExit("hetseq.launch.node: 'env' must map names to strings")
-    return env
+    return env, rest
 
 
 def die_with_parent():
@@ -72,18 +77,25 @@ def exit_code(returncode):
     return 128 - returncode if returncode < 0 else returncode
 
 
-def stop(proc):
-    """SIGTERM to the command's session, SIGKILL after STOP_S."""
-    for sig, wait in ((signal.SIGTERM, STOP_S), (signal.SIGKILL, None)):
+def stop(proc, relay, now):
+    """SIGTERM to the command's session; SIGKILL once the bound the command
+    announced has passed (it saves first: base/stopping.py), STOP_S when it
+    announced none, or when ``now`` (an Event) is set."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    began = time.monotonic()
+    while not now.is_set() and time.monotonic() < began + (relay.bound or 0) + STOP_S:
         try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
+            proc.wait(POLL_S)
             return
         except subprocess.TimeoutExpired:
             pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 class Relay:
@@ -97,6 +109,7 @@ class Relay:
     def __init__(self, source, out_fd=1, limit=BUFFER_BYTES):
         self.source, self.out_fd, self.limit = source, out_fd, limit
         self.lines, self.held, self.dropped = collections.deque(), 0, 0
+        self.bound = None      # seconds the command said its stop takes, once it said so
         self.cond, self.ended = threading.Condition(), False
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.writer = threading.Thread(target=self._write, daemon=True)
@@ -117,12 +130,18 @@ class Relay:
                 lines.append(pending[:LINE_BYTES])
                 pending = b""
             for line in lines:
+                self._seen(line)
                 self._hold(line[:LINE_BYTES] + b"\n")
         if pending:
             self._hold(pending + b"\n")
         with self.cond:
             self.ended = True
             self.cond.notify()
+
+    def _seen(self, line):
+        bound = announced_bound(line[:200].decode("utf-8", "replace"))
+        if bound is not None:
+            self.bound = max(self.bound or 0.0, bound)
 
     def _hold(self, line):
         with self.cond:
@@ -195,23 +214,35 @@ def main(argv=None):
     if refused:
         print(refused, file=sys.stderr, flush=True)
         os._exit(NOT_OURS)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **read_env(sys.stdin)}
+    given, early = read_env(sys.stdin)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **given}
     # Listening before the command starts: a stop that comes while it
     # starts still reaches it (ending.wait returns at once).
-    ending = threading.Event()
+    ending, now = threading.Event(), threading.Event()
 
     def on_signal(*_):
         ending.set()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, on_signal)
 
+    def heard(chunk):
+        if KILL in chunk:
+            now.set()
+        if not chunk or KILL in chunk or b"stop" in chunk:
+            ending.set()
+    if early:
+        heard(early)
+
     def hold_stdin():
-        # EOF: the launcher let go of this node, or its connection dropped.
-        # (The descriptor itself: the buffered reader's lock, held by this
-        # thread, would stop the interpreter's exit.)
-        while os.read(sys.stdin.fileno(), 4096):
-            pass
-        ending.set()
+        # "stop", or EOF (the launcher let go of this node, or its connection
+        # dropped): the command stops and saves; "kill": at once. (The
+        # descriptor itself: the buffered reader's lock, held by this thread,
+        # would stop the interpreter's exit.)
+        while True:
+            chunk = os.read(sys.stdin.fileno(), 4096)
+            heard(chunk)
+            if not chunk:
+                return
     threading.Thread(target=hold_stdin, daemon=True).start()
     if ending.is_set():
         os._exit(exit_code(-signal.SIGTERM))
@@ -226,7 +257,7 @@ def main(argv=None):
     threading.Thread(target=lambda: (proc.wait(), ending.set()), daemon=True).start()
     ending.wait()
     if proc.poll() is None:
-        stop(proc)
+        stop(proc, relay, now)
     # The command is done; what it left running in its session goes too.
     try:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -1,10 +1,11 @@
 """The nodes of a launched job as local processes (ssh, or the node wrapper
 itself): each started in a session of its own with the environment on its
 standard input, its output relayed line by line with its host in front,
-and stopped by closing that input (node.py stops everything it started).
-The launcher holds the only write end of each input, so a launcher that
-dies, even by SIGKILL, closes them too: its nodes stop (ssh passes the end
-of input on, and a dropped connection ends it as well).
+and stopped through that input: ``stop`` (its job saves first) or ``kill``
+(node.py stops everything it started). The launcher holds the only write
+end of each input, so a launcher that dies, even by SIGKILL, closes them
+too, which is a stop as well (ssh passes the end of input on, and a
+dropped connection ends it).
 """
 
 import dataclasses
@@ -17,7 +18,8 @@ import sys
 import threading
 import time
 
-from hetseq.launch.node import STARTED, exit_code
+from hetseq.launch.node import KILL, STARTED, exit_code
+from hetseq.base.stopping import announced_bound
 from hetseq.base.logs import printable
 
 LINE_LIMIT = 1 << 16       # a longer line is cut (a node's output is not trusted to be sane)
@@ -31,6 +33,7 @@ class Outcome:
     code: int | None = None
     reached: bool = False     # the wrapper started on its host
     stopped: bool = False     # the launcher asked it to stop
+    bound: float | None = None  # the seconds its stop takes, once it said (base/stopping.py)
     last_line: str = ""       # what it said last (ssh's reason when it never started)
     seconds: float = 0.0
 
@@ -90,6 +93,9 @@ class RunningNode:
             return
         if line:
             self.outcome.last_line = line
+        bound = announced_bound(line)
+        if bound is not None:
+            self.outcome.bound = max(self.outcome.bound or 0.0, bound)
         self.show(f"{self.plan.label}: {line}")
 
     def show(self, text):
@@ -105,13 +111,17 @@ class RunningNode:
             except (OSError, ValueError):
                 pass
 
-    def stop(self):
-        """Close its input: the wrapper stops its processes (SIGTERM, then SIGKILL)."""
+    def stop(self, now=False):
+        """Tell its wrapper to stop its processes: SIGTERM, and SIGKILL once
+        the time their save takes has passed, or at once (``now``)."""
         self.outcome.stopped = True
         try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
+            self.proc.stdin.write(KILL + b"\n" if now else b"stop\n")
+            self.proc.stdin.flush()
+            if now:
+                self.proc.stdin.close()
+        except (OSError, ValueError):
+            pass            # it ended already, or was told (a closed input)
 
     def kill(self):
         """The local process itself (ssh): the remote wrapper sees its input end."""

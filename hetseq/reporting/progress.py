@@ -93,10 +93,10 @@ class Clock:
             return None
         left = max(0, self.planned - update) * per_update
         for kind, count in (self.due(update) if self.due else {}).items():
-            left += count * self._expected(kind, per_update)
+            left += count * self.expected(kind, per_update)
         return left
 
-    def _expected(self, kind, per_update):
+    def expected(self, kind, per_update):
         """What one ``kind`` takes: the last one's time, else an estimate."""
         if kind in self.took:
             return self.took[kind]

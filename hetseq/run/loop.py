@@ -11,11 +11,13 @@ tells the seam, reports, and says what follows (validate, save, stop).
 
 import itertools
 import logging
+import signal
 import time
 
 from hetseq.keyed import randomness
 from hetseq.distributed import broadcast_from_main
 from hetseq.run.seam import FIXED
+from hetseq.base import stopping
 from hetseq.base.errors import HetSeqError, UserError
 from hetseq.base.logs import disk_of, why_not_written, write_failed
 from hetseq.optim.lr_scheduler import planned_updates
@@ -101,6 +103,7 @@ class Run:
         self._epoch_end = None       # (epoch, its last update, updates per epoch): the time left
         self._plan_schedule()
         self._validated = None       # (update, metric) of the last validation
+        self._stop = None            # (signal, rank): the stop the ranks agreed on
         seam.attach(self.controller, self.train_data, self._local_state)
 
     def _plan_training(self):
@@ -161,6 +164,7 @@ class Run:
     # ---- the loop ----
 
     def train(self):
+        stopping.answer_from_thread()    # this process starts no rank from here on
         try:
             self._train()
         except HetSeqError:
@@ -178,6 +182,10 @@ class Run:
             epoch = self.train_data.epoch
             self.train_epoch(epoch)
             end_of_epoch = self.train_data.samples_in_epoch == 0
+            if self._stop is not None:
+                # Asked to stop (SIGINT, SIGTERM): keep this update, and go.
+                self._save(epoch if end_of_epoch else None, None)
+                break
             after = self.events.at_epoch_end(epoch if end_of_epoch else None,
                                              stopping=self.stop_reason() is not None)
             metric = self.validate(epoch) if after.validates else None
@@ -186,7 +194,10 @@ class Run:
         self.report.done(self.stop_reason())
         self.report.close()
         self.report.how_to_look(self.node.save.save_dir)
-        if self.job.checkpoint.export_hf:
+        if self._stop is not None:
+            stopping.agreed(self._stop[0], self.controller.num_updates,
+                            self.ctx.is_main and not self.node.save.no_save)
+        elif self.job.checkpoint.export_hf:
             self.export()
 
     def _save(self, epoch, metric):
@@ -197,6 +208,9 @@ class Run:
         self.seam.saved()
 
     def stop_reason(self):
+        if self._stop is not None:
+            signum, rank = self._stop
+            return f"stopped by {signal.Signals(signum).name} (rank {rank}'s node)"
         return self.events.stop_reason(self.train_data.epoch, self.controller.num_updates,
                                        self.controller.lr)
 
@@ -213,16 +227,16 @@ class Run:
         started, steps = None, 0      # the update's (--local-steps: the round's) start
         for chunk in _chunks(data.next_epoch_itr(), update_freq):
             started, steps = started or time.perf_counter(), steps + 1
-            signal = self.seam.begin_update()
+            joining = self.seam.begin_update()
             result = controller.train_step([micro for step in chunk for micro in step], dummy,
-                                           checksum=self.agreement.pending, signal=signal,
-                                           boundary=self._boundary())
+                                           checksum=self.agreement.pending, signal=joining,
+                                           boundary=self._boundary(), stop=stopping.requested())
             if result is None:        # inside a round of --local-steps
                 self.seam.raise_if_over()
                 continue
             after = self.after_update(result, time.perf_counter() - started, steps)
             started, steps = None, 0
-            if after.ends:
+            if self._stop is not None or after.ends:
                 break
             metric = self.validate(epoch) if after.validates else None
             if after.saves:
@@ -258,7 +272,23 @@ class Run:
                                  result.ranks.wall)
         self.seam.completed(result)   # after observe: a rank now left out keeps this update
         self.report.update(result, update, wall_time, plan.batch_sizes, steps)
+        # A stop asked on any node (its signal in that rank's slot): every
+        # rank reads the same slots, so every rank stops after this update.
+        asked = [(int(signum), rank) for rank, signum in enumerate(result.ranks.stop) if signum]
+        if asked:
+            self._stop = asked[0]
+        self._expect_stop(update, wall_time / max(steps, 1))
         return self.events.after(update)
+
+    def _expect_stop(self, update, per_update, extra=0.0):
+        """What a stop asked now would take (base/stopping.py): the rest of
+        ``extra`` (a validation under way), an update (a round of
+        --local-steps), a save; at the rate of the last updates."""
+        clock = self.report.clock
+        per_update = clock.per_update(update) or per_update
+        exchange_s = per_update * self.controller.updates_per_exchange()
+        stopping.expect(extra + exchange_s, clock.expected("saving", per_update),
+                        saves=not self.node.save.no_save)
 
     def validate(self, epoch):
         """Validate on every --valid-subset; returns the first one's
@@ -268,7 +298,10 @@ class Run:
         updates = self.controller.num_updates
         if self._validated is not None and self._validated[0] == updates:
             return self._validated[1]
-        best = None
+        best, clock = None, self.report.clock
+        per_update = clock.per_update(updates)
+        if per_update:
+            self._expect_stop(updates, per_update, clock.expected("validation", per_update))
         for split in self.job.training.valid_subsets:
             with self.report.validating(split, self.validation.size(split), updates):
                 metrics = self.validation.run(split)
@@ -276,6 +309,8 @@ class Run:
             if best is None:
                 best = metrics.get(self.job.checkpoint.best_checkpoint_metric)
         self._validated = (updates, best)
+        if per_update:
+            self._expect_stop(updates, per_update)
         return best
 
     def export(self):

@@ -208,13 +208,14 @@ class Controller:
 
     # ---- training ----
 
-    def train_step(self, samples, dummy, checksum=0.0, signal=0.0, boundary=True):
+    def train_step(self, samples, dummy, checksum=0.0, signal=0.0, boundary=True, stop=0.0):
         """One update from this rank's micro-batches ``samples`` (None: no data
         this step; ``dummy`` runs with zero weight where collectives must
         still match). ``checksum``: this rank's for the agreement check (0:
         none this update); ``signal``: 1.0 when the members change after it
         (--elastic); ``boundary``: the run needs one model after it (a round
-        of --local-steps must end). Returns the StepResult the run sees, or
+        of --local-steps must end); ``stop``: the signal that asked this
+        rank's node to stop (0: none). Returns the StepResult the run sees, or
         None inside a round. The steps below are the whole update; the mode
         (``self.exchange``) supplies what it changes as hooks."""
         self._steps += 1
@@ -222,8 +223,8 @@ class Controller:
         self._mode(True)
         self.optimizer.zero_grad(set_to_none=True)
         # 1. The statistics begun, carrying this rank's report (its speed, its
-        #    agreement checksum, the members' signal): the mode's StatsSum.
-        stats = self.exchange.begin(checksum, signal)
+        #    agreement checksum, the members' signal, a stop asked): the mode's StatsSum.
+        stats = self.exchange.begin(checksum, signal, stop)
         if self.members.sitting:      # no forward, no exchange: rank 0's outcome (members.py)
             return self._sit_out(stats, boundary)
         # 2. Forward and backward, micro-batch by micro-batch; DDP sums the

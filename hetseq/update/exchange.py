@@ -136,10 +136,10 @@ class Exchange:
 
     # ---- one update: templates (the Controller calls them) ----
 
-    def begin(self, checksum, signal):
+    def begin(self, checksum, signal, stop=0.0):
         """Before an update's first forward: its StatsSum, carrying this
         rank's report (the figures of the last update that ended)."""
-        self._report = RankReport(*self._last, checksum, signal)
+        self._report = RankReport(*self._last, checksum, signal, stop)
         return self.stats(self._report)
 
     def finish(self, stats, made, norm, seconds, boundary):

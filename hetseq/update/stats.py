@@ -1,7 +1,7 @@
 """Per-update statistics, summed over micro-batches and ranks in ONE float64
 all-reduce of its own: the counts the gradient math needs, the task's logs,
 and one slot per rank for each field of ``RankReport`` (speed, samples,
-checksum, membership signal), so every rank knows every rank's figures.
+checksum, membership signal, a stop asked), so every rank knows every rank's figures.
 It starts before the last backward where the task hands its stats to
 ``backward`` (the Controller's ``_backward``). ``Gathered`` values are
 collected, not summed. The compute seconds a rank reports are its own (``ComputeClock``, below):
@@ -30,6 +30,7 @@ class RankReport:
     wall: object = 0.0        # wall seconds from the end of the update before it to its end
     checksum: object = 0.0    # of the replicated state (agreement.py; 0: none this update)
     signal: object = 0.0      # 1: the members change after this update (--elastic)
+    stop: object = 0.0        # the signal that asked this rank's node to stop (base/stopping.py)
 
     def values(self):
         """The fields' values, in the vector's order."""

@@ -87,7 +87,7 @@ def test_a_stop_while_nodes_start_stops_the_started_and_starts_no_more(tmp_path)
     launch = Launch(job, Transport(), SimpleNamespace(remote_dir="", remote_python=""), {})
     launch.start()
     code = launch.run()
-    assert code == 143 and [n.plan.label for n in launch.nodes] == ["a"]
+    assert code == 130 and [n.plan.label for n in launch.nodes] == ["a"]
     assert processes_with(marker) == []
 
 
@@ -160,7 +160,7 @@ def test_nohup_keeps_the_job_and_ctrl_backslash_stops_it_and_removes_the_secret(
         code, out = job.finish(60)
     except subprocess.TimeoutExpired:
         pytest.fail(f"the launcher still ran 60 s after SIGQUIT:\n{job.output()[-2000:]}")
-    assert "stopping every node: SIGQUIT received" in out and code == 143, out[-3000:]
+    assert "stopping every node: SIGQUIT received" in out and code == 131, out[-3000:]
     assert not os.path.exists(made) and not os.path.exists(os.path.dirname(made))
     assert processes_with(str(tmp_path)) == []
 

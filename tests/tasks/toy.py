@@ -137,7 +137,8 @@ class ToyTask(Task):
                                  "holds a job at its first update while something happens)")
         parser.add_argument("--toy-hold-from", type=int, default=1, metavar="N",
                             help="--toy-hold-until holds from this node's train_step call N on "
-                                 "(a job held after a few updates)")
+                                 "(a job held after a few updates); a held rank prints 'toy: "
+                                 "rank R holds at call N'")
         parser.add_argument("--toy-slow-while", metavar="PATH",
                             help="while PATH exists, each of this node's training steps takes "
                                  "1 s more (a test keeps a job updating, slowly, until "
@@ -223,6 +224,9 @@ class ToyTask(Task):
     def train_step(self, model, sample, backward=None):
         self.calls = getattr(self, "calls", 0) + 1
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if (self.args.toy_hold_until and self.calls >= self.args.toy_hold_from
+                and not os.path.exists(self.args.toy_hold_until)):
+            print(f"toy: rank {rank} holds at call {self.calls}", file=sys.stderr, flush=True)
         while (self.args.toy_hold_until and self.calls >= self.args.toy_hold_from
                and not os.path.exists(self.args.toy_hold_until)):
             time.sleep(0.02)

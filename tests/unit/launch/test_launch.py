@@ -188,6 +188,6 @@ def test_a_node_reads_its_line_whole_and_at_once():
     writer.start()
     started = time.perf_counter()
     with io.FileIO(read, closefd=True) as stream:
-        assert launch_node.read_env(stream) == env
+        assert launch_node.read_env(stream) == (env, b"")
     writer.join()
     assert time.perf_counter() - started < 5
