@@ -660,15 +660,21 @@ MUTATIONS = {
         "        self.valid_log.record(update, epoch, split, metrics)\n",
         "",
         ['tests/system/test_first_hour.py::test_plot_of_a_real_run']),
-    'plot-one-validation-gets-a-panel': (
-        "hetseq-plot: one validation is a marked point with its values on the loss panel, no panel of dots",
-        "    with_panel = any(len(steps) >= 2 for steps, _ in metrics.values())",
-        "    with_panel = any(len(steps) >= 1 for steps, _ in metrics.values())",
-        ['tests/unit/reporting/test_plot.py::test_a_short_run_with_one_validation_and_equal_shares']),
+    'plot-labels-overlap': (
+        "hetseq-plot: no label overlaps another or a legend, no legend covers a point",
+        '        ax_loss.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.08, 1),',
+        '        ax_loss.legend(handles=handles, loc="lower left", bbox_to_anchor=(0, 0),',
+        ['tests/unit/reporting/test_plot.py::test_a_short_run_with_one_validation_and_equal_shares',
+         'tests/unit/reporting/test_plot.py::test_bert_validation_metrics_read_each_on_its_own_scale']),
+    'plot-metrics-share-the-loss-axis': (
+        "hetseq-plot: each validation metric on its own scale, the loss panel for the loss alone",
+        '            v for v in valid.items() if v[0][1] == "loss")):',
+        '            v for v in valid.items() if is_loss(v[0][1]))):',
+        ['tests/unit/reporting/test_plot.py::test_bert_validation_metrics_read_each_on_its_own_scale']),
     'plot-equal-shares-show-one-rank': (
         "hetseq-plot: the ranks' shares stacked, every rank in the legend, equal shares too",
-        '    ax_share.stackplot(times, *stacked, labels=[f"rank {r}" for r in range(count)], alpha=0.8)',
-        '    ax_share.plot(times, stacked[0], label="rank 0")',
+        '    ax_share.stackplot(steps, *stacked, labels=[f"rank {r}" for r in range(count)], alpha=0.8)',
+        '    ax_share.plot(steps, stacked[0], label="rank 0")',
         ['tests/unit/reporting/test_plot.py::test_a_short_run_with_one_validation_and_equal_shares',
          'tests/unit/reporting/test_plot.py::test_a_long_run_with_validations_and_unequal_shares']),
     'plot-long-runs-marked': (

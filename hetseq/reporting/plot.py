@@ -70,15 +70,12 @@ def plan_changes(lines):
 
 
 def per_rank(lines, key):
-    """{rank: (times, values)} of a per-rank list field, in seconds since the first update."""
-    start = lines[0]["time"]
-    series = {}
-    for line in lines:
-        for rank, value in enumerate(line.get(key) or []):
-            times, values = series.setdefault(rank, ([], []))
-            times.append(line["time"] - start)
-            values.append(value)
-    return series
+    """{rank: values} of a per-rank list field, one per line (NaN, a gap in
+    the line drawn, where a line has no value for that rank: it took no part)."""
+    count = max((len(line.get(key) or []) for line in lines), default=0)
+    gaps = [float("nan")] * count
+    return {rank: [((line.get(key) or []) + gaps)[rank] for line in lines]
+            for rank in range(count)}
 
 
 def shares(lines):
@@ -135,18 +132,23 @@ def set_limits(ax, values, bottom=None):
 
 
 def is_loss(name):
-    """Validation metrics drawn with the losses (on the loss axis), not the accuracies."""
+    """Validation metrics that are losses (drawn before the accuracies)."""
     return "loss" in name or name in ("ppl", "perplexity")
 
 
-def figure(save_dir):
-    """The picture of the run in ``save_dir``, a matplotlib Figure.
+METRICS_PER_ROW = 4     # small panels of validation metrics side by side
 
-    Panels: losses (training, validation; the learning rate on a twin axis);
-    the other validation metrics (accuracy, f1, ...) on their own axis, when
-    some metric has two or more validations (one validation is written as
-    values beside its point on the loss panel instead); each rank's
-    samples/s; the ranks' shares of the global batch, stacked."""
+
+def figure(save_dir):
+    """The picture of the run in ``save_dir``, a matplotlib Figure, titled
+    with the run's name (its folder's), every panel over updates.
+
+    Panels: the training loss with the validation loss (the same quantity,
+    one scale) and the learning rate on a twin axis; one small panel per
+    other validation metric (each on its own scale: nsp_loss near 0.7 must
+    not flatten a loss falling from 9.8 to 7.2), its last value in its
+    title; each rank's samples/s; the ranks' shares of the global batch,
+    stacked. Every legend sits beside its panel, so no label covers a point."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -155,59 +157,60 @@ def figure(save_dir):
         raise UserError("hetseq-plot needs matplotlib: pip install matplotlib") from None
     lines = read_balance(save_dir)
     valid = validation_series(read_lines(os.path.join(save_dir, ValidLog.NAME)))
-    metrics = {key: v for key, v in valid.items() if not is_loss(key[1])}
-    with_panel = any(len(steps) >= 2 for steps, _ in metrics.values())
-    fig, axes = plt.subplots(4 if with_panel else 3, 1, figsize=(9, 12 if with_panel else 9))
-    ax_loss, ax_rate, ax_share = axes[0], axes[-2], axes[-1]
+    names = sorted({name for _, name in valid if name != "loss"},
+                   key=lambda name: (not is_loss(name), name))
+    columns = max(1, min(METRICS_PER_ROW, len(names)))
+    metric_rows = -(-len(names) // METRICS_PER_ROW)
+    fig = plt.figure(figsize=(10, 9 + 2.2 * metric_rows), layout="constrained")
+    grid = fig.add_gridspec(3 + metric_rows, columns,
+                            height_ratios=[3] + [2] * metric_rows + [2.2, 2.2])
+    ax_loss = fig.add_subplot(grid[0, :])
     updates = [line["update"] for line in lines]
-    _losses(ax_loss, lines, updates, valid, annotate=not with_panel)
-    ax_loss.set(xlabel="update", ylabel="loss", title=os.path.abspath(save_dir))
-    if with_panel:
-        _metrics(axes[1], metrics)
+    _losses(ax_loss, lines, updates, valid)
     _learning_rate(ax_loss, lines, updates)
+    for index, name in enumerate(names):
+        row, column = divmod(index, METRICS_PER_ROW)
+        _metric(fig.add_subplot(grid[1 + row, column], sharex=ax_loss), name,
+                {split: series for (split, n), series in valid.items() if n == name})
+    ax_rate = fig.add_subplot(grid[1 + metric_rows, :], sharex=ax_loss)
+    ax_share = fig.add_subplot(grid[2 + metric_rows, :], sharex=ax_loss)
     _speeds_and_shares(ax_rate, ax_share, lines, updates)
-    fig.tight_layout()
+    fig.suptitle(f"run: {os.path.basename(os.path.abspath(save_dir))}")
     return fig
 
 
-def _losses(ax, lines, updates, valid, annotate):
-    """Training and validation losses; with ``annotate`` (no metrics
-    panel), a single validation's values written beside its point."""
+def _losses(ax, lines, updates, valid):
+    """Training loss and every split's validation loss."""
     losses = [(u, line["loss"]) for u, line in zip(updates, lines) if line.get("loss") is not None]
     drawn = [v for _, v in losses]
     if losses:
         ax.plot(*zip(*losses), color="tab:blue", label="training", **style(len(losses), 1))
-    for color, ((split, name), (steps, values)) in zip(VALID_COLORS, sorted(
-            v for v in valid.items() if is_loss(v[0][1]))):
-        label = f"validation '{split}'" if name == "loss" else f"{name} on '{split}'"
-        ax.plot(steps, values, color=color, label=label,
+    for color, ((split, _), (steps, values)) in zip(VALID_COLORS, sorted(
+            v for v in valid.items() if v[0][1] == "loss")):
+        ax.plot(steps, values, color=color, label=f"validation '{split}'",
                 **dict(style(len(steps)), markersize=4 if len(steps) > 1 else 8))
         drawn += values
-    for split in sorted({split for split, _ in valid}):
-        single = {name: v[1][0] for (s, name), v in valid.items() if s == split and len(v[0]) == 1}
-        if single and annotate:        # one validation: its values where it is drawn
-            steps, values = valid.get((split, "loss"), ([], []))
-            text = "\n".join(f"{name} {v:.4g}" for name, v in sorted(single.items()))
-            if len(values) == 1:
-                ax.annotate(text, (steps[0], values[0]), xytext=(-8, 8), ha="right",
-                            textcoords="offset points", fontsize="small")
-            else:
-                ax.text(0.02, 0.95, f"'{split}': {text}", transform=ax.transAxes,
-                        va="top", fontsize="small")
     set_limits(ax, drawn)
+    ax.set(xlabel="update", ylabel="loss")
 
 
-def _metrics(ax, metrics):
-    """The validation metrics that are not losses, on their own axis."""
-    for (split, name), (steps, values) in sorted(metrics.items()):
-        ax.plot(steps, values, label=f"{name} on '{split}'", **style(len(steps)))
-    set_limits(ax, [v for _, values in metrics.values() for v in values])
-    ax.legend(loc="best", fontsize="small")
-    ax.set(xlabel="update", ylabel="validation metrics")
+def _metric(ax, name, splits):
+    """One validation metric of every split, on its own scale; the last
+    values in the title."""
+    last = []
+    for color, (split, (steps, values)) in zip(VALID_COLORS, sorted(splits.items())):
+        ax.plot(steps, values, color=color, label=f"'{split}'",
+                **dict(style(len(steps)), markersize=4 if len(steps) > 1 else 7))
+        last.append(f"{values[-1]:.4g}" if len(splits) == 1 else f"{split} {values[-1]:.4g}")
+    set_limits(ax, [v for _, values in splits.values() for v in values])
+    ax.set_title(f"{name}: {', '.join(last)}", fontsize="small")
+    ax.tick_params(labelsize="x-small")
+    ax.set_xlabel("update", fontsize="x-small")
 
 
 def _learning_rate(ax_loss, lines, updates):
-    """The learning rate on a twin axis of the loss panel; one legend for both."""
+    """The learning rate on a twin axis of the loss panel; one legend for
+    both, beside the panel."""
     rates = [(u, line["lr"]) for u, line in zip(updates, lines) if line.get("lr") is not None]
     handles = list(ax_loss.get_lines())
     if rates:
@@ -217,31 +220,29 @@ def _learning_rate(ax_loss, lines, updates):
         ax_lr.set_ylabel("learning rate", color="tab:orange")
         handles += list(ax_lr.get_lines())
     if handles:
-        ax_loss.legend(handles=handles, loc="upper right", fontsize="small")
+        ax_loss.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.08, 1),
+                       fontsize="small")
 
 
 def _speeds_and_shares(ax_rate, ax_share, lines, updates):
-    """Each rank's samples/s and the ranks' shares, stacked, over seconds;
+    """Each rank's samples/s and the ranks' shares, stacked, over updates;
     dotted where the plan changed."""
-    start = lines[0]["time"]
-    times = [line["time"] - start for line in lines]
-    if len(times) == 1:     # one update: a band as wide as it took
-        times, lines = [0.0, lines[0].get("wall_s") or 1.0], lines * 2
-    for rank, (seconds, values) in sorted(per_rank(lines, "rank_samples_per_s").items()):
-        ax_rate.plot(seconds, values, label=f"rank {rank}", **style(len(values), 1))
+    steps = list(updates)
+    if len(steps) == 1:     # one update: a band one update wide
+        steps, lines = [steps[0] - 0.5, steps[0] + 0.5], lines * 2
+    for rank, values in sorted(per_rank(lines, "rank_samples_per_s").items()):
+        ax_rate.plot(steps[:len(values)], values, label=f"rank {rank}", **style(len(values), 1))
     set_limits(ax_rate, [v for line in lines for v in line.get("rank_samples_per_s") or []], 0)
-    ax_rate.set(xlabel="seconds since the first update", ylabel="samples/s (own compute)")
+    ax_rate.set(xlabel="update", ylabel="samples/s (own compute)")
     # Shares stacked: equal shares show as equal bands, a rank absent (elastic) as none.
     count = max(len(line["batch_sizes"]) for line in lines)
     stacked = [[(line["shares"] + [0.0] * count)[rank] for line in shares(lines)]
                for rank in range(count)]
-    ax_share.stackplot(times, *stacked, labels=[f"rank {r}" for r in range(count)], alpha=0.8)
-    ax_share.set(xlabel="seconds since the first update", ylabel="share of the global batch",
-                 ylim=(0, 1))
-    changed = dict(zip(updates, times))
+    ax_share.stackplot(steps, *stacked, labels=[f"rank {r}" for r in range(count)], alpha=0.8)
+    ax_share.set(xlabel="update", ylabel="share of the global batch", ylim=(0, 1))
     for ax in (ax_rate, ax_share):
         for update in plan_changes(lines):
-            ax.axvline(changed[update], color="grey", ls=":", lw=1)
+            ax.axvline(update, color="grey", ls=":", lw=1)
         if ax.get_legend_handles_labels()[0]:       # beside the panel: it hides nothing
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small",
                       ncol=1 + (count - 1) // 12)

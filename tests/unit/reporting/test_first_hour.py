@@ -17,9 +17,12 @@ def test_plot_draws_each_validation_metric_of_each_subset(tmp_path):
         + '{"update": 6, "cut sh')      # a run killed mid-line
     fig = figure(tmp_path)
     assert [ax.get_ylabel() for ax in fig.axes] == [
-        "loss", "validation metrics", "samples/s (own compute)", "share of the global batch"]
+        "loss", "", "samples/s (own compute)", "share of the global batch"]
+    assert fig.axes[1].get_title() == "accuracy: test 1, valid 1"
     labels = {line.get_label(): list(line.get_ydata()) for line in fig.axes[1].get_lines()}
-    assert labels == {"accuracy on 'test'": [0.5, 1.0], "accuracy on 'valid'": [0.5, 1.0]}
+    assert labels == {"'test'": [0.5, 1.0], "'valid'": [0.5, 1.0]}
+    loss = {line.get_label(): list(line.get_ydata()) for line in fig.axes[0].get_lines()}
+    assert loss["validation '?'"] == [1.0] and loss["validation 'test'"] == [1.0, 0.5]
 
 
 def test_plan_changes_are_found():
