@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from hetseq.distributed import health, identity, network
 from hetseq.distributed.meeting_point import Access, file_path, master_host, open_store
-from hetseq.distributed.topology import ready_backend
+from hetseq.distributed.topology import node_name, ready_backend
 from hetseq.base.errors import UserError
 from hetseq.base.logs import NODE, Every, rank_ranges
 
@@ -27,10 +27,10 @@ logger = logging.getLogger(__name__)
 
 
 def claim_rank(store, rank, world_size, url, address):
-    """Take rank ``rank`` in the store and register {"host", "pid", "world_size",
-    "addr"} for it; another process holding it is a mistake."""
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "world_size": world_size,
-          "addr": address}
+    """Take rank ``rank`` in the store and register {"host", "node", "pid",
+    "world_size", "addr"} for it; another process holding it is a mistake."""
+    me = {"host": socket.gethostname(), "node": node_name(), "pid": os.getpid(),
+          "world_size": world_size, "addr": address}
     if store.add(f"hetseq/claim/{rank}", 1) != 1:
         raise UserError(
             f"rank {rank} was claimed by two processes (this one: {me['host']} pid {me['pid']}). "

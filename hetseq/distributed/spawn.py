@@ -83,7 +83,7 @@ def launch(node, backend, worker, *worker_args, identity=None, board=None, topol
     """Run ``worker(ctx, *worker_args)`` on every rank this node owns.
     ``node``: the NodeConfig (config.py); ``backend``: the job's
     --distributed-backend; ``identity``: what every node must agree on to
-    join (``JobConfig.identity()``); ``board(store, hosts)``: rank 0's
+    join (``JobConfig.identity()``); ``board(store, hosts, nodes=)``: rank 0's
     status board in a job of several ranks (ctx.board), made by the caller
     so that start-up does not depend on the view (reporting/status.py);
     ``topology``: ``node_topology``'s, when the caller has it.
@@ -289,7 +289,8 @@ def _run_rank(index, topology, node, identity, worker, worker_args, board=None):
     heartbeat = health.Heartbeat(store, rank)
     if rank == 0 and board is not None:
         ctx = dataclasses.replace(ctx, board=board(
-            store, [peers[r]["host"] for r in range(ctx.world_size)]))
+            store, [peers[r]["host"] for r in range(ctx.world_size)],
+            nodes=[peers[r].get("node") or peers[r]["host"] for r in range(ctx.world_size)]))
     try:
         result = worker(ctx, *worker_args)
     except RuntimeError as err:

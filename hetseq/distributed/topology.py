@@ -12,13 +12,27 @@ every rule here is unit-tested without starting processes.
 
 import dataclasses
 import importlib
+import os
+import socket
 import subprocess
 
 import torch
 import torch.distributed as dist
 
 from hetseq.base.errors import UserError
+from hetseq.base.logs import printable
 from hetseq.base.sections import Section, flag, section
+
+
+NODE_VARIABLE = "HETSEQ_NODE"     # the node's name, as hetseq-launch calls it
+NODE_NAME_LIMIT = 64
+
+
+def node_name(environ=os.environ):
+    """This node's name: the one hetseq-launch gave it (``localhost#2``:
+    the same in its lines and in hetseq-status), else this host's name."""
+    given = printable(environ.get(NODE_VARIABLE, "")).strip()[:NODE_NAME_LIMIT]
+    return given or socket.gethostname()
 
 
 @dataclasses.dataclass(frozen=True)

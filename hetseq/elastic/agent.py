@@ -166,9 +166,10 @@ def _serve(place, state, device, args, job, node, inputs, topology):
     holds now). ``state``: what it held before (the source's goes to all)."""
     setup_logging(place.rank, all_ranks=node.log.log_all_ranks, node_first=place.local == 0)
     gen = place.generation
-    board = status.StatusBoard(place.store, [m["host"] for m in gen.members for _ in
-                                      range(m.get("ranks", 1))], gen.number) \
-        if place.rank == 0 else None
+    board = status.StatusBoard(
+        place.store, [m["host"] for m in gen.members for _ in range(m.get("ranks", 1))],
+        gen.number, nodes=[m.get("node") or m["host"] for m in gen.members
+                           for _ in range(m.get("ranks", 1))]) if place.rank == 0 else None
     ctx = DistContext(place.rank, place.world_size, device.index or 0, device, topology.backend,
                       topology.nprocs, node.launch.distributed_timeout, board)
     run, mine, watch, back = None, state, None, None

@@ -15,6 +15,7 @@ import time
 import uuid
 
 from hetseq.distributed import identity, interfaces, meeting_point, network
+from hetseq.distributed.topology import node_name
 from hetseq.elastic import rounds
 from hetseq.elastic.generations import Generation
 from hetseq.elastic.rounds import (POLL_S, SETTLE_S, FollowRound, LeadRound, Moved, NoRound,
@@ -219,7 +220,7 @@ class Membership:
         on its process ``holder``; ``known``: the members its checkpoint
         names ({"addr", "port"})."""
         self.known = [m for m in known if (m["addr"], m["port"]) != self._address()]
-        me = {"id": self.id, "host": socket.gethostname(), "pid": os.getpid(),
+        me = {"id": self.id, "host": socket.gethostname(), "node": node_name(), "pid": os.getpid(),
               "addr": self.binding.address, "port": self.store_port, "updates": updates,
               "lineage": list(lineage), "ranks": self.ranks, "holder": holder,
               "generation": None if self.generation is None else self.generation.number}

@@ -25,6 +25,7 @@ import time
 
 from hetseq.base.errors import UserError
 from hetseq.base.flags import Parser
+from hetseq.distributed.topology import NODE_VARIABLE
 from hetseq.launch import hostfile, commands as planning
 from hetseq.launch.node import ENV_LIMIT
 from hetseq.launch.nodes import RunningNode
@@ -219,7 +220,9 @@ class Launch:
             if self.requested:        # (run() stops those already started)
                 break
             try:
-                self.nodes.append(RunningNode(node, command, cwd, self.env, self.events,
+                # The node's name in its lines and in hetseq-status: the same.
+                env = {**self.env, NODE_VARIABLE: node.label}
+                self.nodes.append(RunningNode(node, command, cwd, env, self.events,
                                               lock=self.lock))
             except OSError as err:
                 self.stop(f"could not start {node.label}: {err.filename or command[0]}: "

@@ -35,10 +35,13 @@ MAX_STUCK = 4                # workers left waiting on a silent peer before the 
 
 class StatusBoard:
     """Rank 0's view of the job in ``store``; ``hosts``: each rank's host;
-    ``generation``: the elastic generation's number (None in a fixed job)."""
+    ``nodes``: each rank's node (as hetseq-launch names it: ``localhost#2``;
+    default: its host); ``generation``: the elastic generation's number
+    (None in a fixed job)."""
 
-    def __init__(self, store, hosts, generation=None):
+    def __init__(self, store, hosts, generation=None, nodes=None):
         self.store, self.hosts, self.generation = store, list(hosts), generation
+        self.nodes = list(nodes) if nodes is not None else self.hosts
         self.view = {"state": "training", "generation": generation, "checkpoint": None}
         self._last = 0.0
 
@@ -58,8 +61,9 @@ class StatusBoard:
             logger.debug("could not publish the status: %s", err)
 
     def ranks(self, batch_sizes, samples, seconds, wall_s):
-        """Each rank's row: host, batch, samples/s of its compute, time waited."""
+        """Each rank's row: host, node, batch, samples/s of its compute, time waited."""
         return [{"rank": r, "host": self.hosts[r] if r < len(self.hosts) else "?",
+                 "node": self.nodes[r] if r < len(self.nodes) else "?",
                  "batch": b, "samples_per_s": n / t if t > 0 else None,
                  "wait_s": max(0.0, wall_s - t) if t > 0 else None}
                 for r, (b, n, t) in enumerate(zip(batch_sizes, samples, seconds))]
@@ -244,6 +248,7 @@ def clean(view):
         "loss": _number(view.get("loss")),
         "samples_per_s": _number(view.get("samples_per_s")), "time": _number(view.get("time")),
         "ranks": [{"rank": _count(r.get("rank")), "host": _text(r.get("host")) or "?",
+                   "node": _text(r.get("node")) or _text(r.get("host")) or "?",
                    "batch": _count(r.get("batch")) or 0,
                    "samples_per_s": _number(r.get("samples_per_s")),
                    "wait_s": _number(r.get("wait_s"))}
@@ -276,16 +281,17 @@ def render(view, url, now=None):
     if view["generation"] is not None:
         head.append(f"generation {view['generation']}")
     ranks = view["ranks"]
-    head.append(f"{len({r['host'] for r in ranks})} host(s), {len(ranks)} rank(s)")
+    head.append(f"{len({r['node'] for r in ranks})} node(s) on {len({r['host'] for r in ranks})} "
+                f"host(s), {len(ranks)} rank(s)")
     head.append(f"{view['state']} as of {_ago(view['time'], now)} s ago")
     lines = [" | ".join(head)]
     if view["loss"] is not None:
         lines.append(f"loss {view['loss']:.4g} | {view['samples_per_s'] or 0:.1f} samples/s")
     total = sum(r["batch"] for r in ranks) or 1
-    lines.append(f"{'rank':>4}  {'host':<16} {'batch':>6} {'share':>6} {'samples/s':>10} "
+    lines.append(f"{'rank':>4}  {'node':<16} {'batch':>6} {'share':>6} {'samples/s':>10} "
                  f"{'waiting':>8}")
     for r in ranks:
-        lines.append(f"{_cell(r['rank'], '{}'):>4}  {r['host'][:16]:<16} {r['batch']:>6} "
+        lines.append(f"{_cell(r['rank'], '{}'):>4}  {r['node'][:16]:<16} {r['batch']:>6} "
                      f"{100 * r['batch'] / total:>5.0f}% "
                      f"{_cell(r['samples_per_s'], '{:.1f}'):>10} "
                      f"{_cell(r['wait_s'], '{:.2f} s'):>8}")

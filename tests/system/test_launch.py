@@ -263,6 +263,7 @@ def test_a_heterogeneous_job_over_ssh_equals_one_process_and_never_shows_its_sec
     view = json.loads(seen.stdout)
     assert [(r["rank"], r["host"], r["batch"]) for r in view["ranks"]] == \
         [(0, "hostA", 8), (1, "hostB", 6), (2, "hostB", 6), (3, "hostC", 12)]
+    assert [r["node"] for r in view["ranks"]] == ["hostA", "hostB", "hostB", "hostC"]
     assert view["planned"] == 7 and view["update"] in (1, 2), view     # held at the third
     assert in_command_lines == [], in_command_lines
     assert max_diff(alone(*PARITY, "--max-sentences", 32)["model"], final_params(saves[0])) \
@@ -304,7 +305,7 @@ def test_ctrl_c_stops_every_node_and_an_elastic_job_goes_on_without_a_host_that_
     # last save at --max-update, not yet timed: reporting/progress.py).
     assert re.match(r"tcp://10\.213\.0\.1:29500 \| update \d+/1000000 \| (?:measuring time "
                     r"left|[\d:]+ left(?: \+ [a-z ]+ \(not yet timed\))?) \| generation 1 \| "
-                    r"2 host\(s\), "
+                    r"2 node\(s\) on 2 host\(s\), "
                     r"2 rank\(s\) \| training as of \d+ s ago", seen.stdout), seen.stdout
     assert re.search(r"0  hostA\s+8\s+50%", seen.stdout) and \
         re.search(r"1  hostB\s+8\s+50%", seen.stdout), seen.stdout

@@ -175,7 +175,8 @@ def test_ctrl_c_on_the_launcher_saves_on_every_node_and_exits_130(tmp_path, seco
     """hetseq-launch, two local nodes: Ctrl-C makes every node finish the
     update they agree on; rank 0's node saves it; each node exits 143 (its
     wrapper's SIGTERM), the launcher 130, with the command that resumes.
-    A second Ctrl-C stops every node at once."""
+    A second Ctrl-C stops every node at once. hetseq-status calls the nodes
+    what the launcher calls them (localhost, localhost#2)."""
     hosts = tmp_path / "hosts"
     hosts.write_text(f"localhost slots=1 max-sentences=4 save-dir={tmp_path / 'a'}\n"
                      f"localhost slots=1 max-sentences=4 save-dir={tmp_path / 'b'}\n")
@@ -187,6 +188,17 @@ def test_ctrl_c_on_the_launcher_saves_on_every_node_and_exits_130(tmp_path, seco
     job = Watched(subprocess.Popen(launcher, cwd=ROOT, env=child_env(), text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     job.wait_for(r"localhost(#2)?: toy: rank [01] holds at call 3", count=2, timeout=120)
+    if not second:
+        # While it is held: hetseq-status names the nodes as the launcher's lines do.
+        url, path = re.search(r"hetseq-status (tcp://\S+) --job-secret-file (\S+)",
+                              job.output()).groups()
+        seen = subprocess.run([sys.executable, "-m", "hetseq.reporting.status", url,
+                               "--job-secret-file", path], capture_output=True, text=True,
+                              timeout=60, cwd=ROOT)
+        assert seen.returncode == 0, seen.stderr
+        assert "| 2 node(s) on 1 host(s), 2 rank(s) |" in seen.stdout, seen.stdout
+        assert re.search(r"0  localhost\s+4", seen.stdout) and \
+            re.search(r"1  localhost#2\s+4", seen.stdout), seen.stdout
     job.proc.send_signal(signal.SIGINT)
     job.wait_for(r"localhost(#2)?: hetseq: stopping within \d+ s: SIGTERM received", count=2)
     if second:

@@ -11,6 +11,7 @@ the host that cannot be reached.
 import json
 import os
 import re
+import socket
 import time
 
 import pytest
@@ -135,13 +136,31 @@ def test_status_text_names_every_rank():
                       {"rank": 1, "host": "hostB", "batch": 24, "samples_per_s": None,
                        "wait_s": None}],
             "checkpoint": {"path": "/c/checkpoint_last.pt", "update": 30, "time": 90.0}}
-    lines = status.render(view, "tcp://hostA:29500", now=101.0)
+    lines = status.render(status.clean(view), "tcp://hostA:29500", now=101.0)
     assert lines[0] == ("tcp://hostA:29500 | update 40/60 | 0:00:21 left | generation 2 | "
-                        "2 host(s), 2 rank(s) | training as of 1 s ago")
+                        "2 node(s) on 2 host(s), 2 rank(s) | training as of 1 s ago")
     assert re.search(r"0  hostA\s+8\s+25%\s+20.0\s+0.50 s", lines[3]), lines
     assert re.search(r"1  hostB\s+24\s+75%\s+-\s+-", lines[4]), lines
     assert lines[-1] == "last checkpoint: /c/checkpoint_last.pt (update 30, 11 s ago)"
     assert "not published its status yet" in status.render(None, "tcp://h:1")[0]
+
+
+def test_status_names_nodes_as_the_launcher_does():
+    """Two nodes of one machine, named by hetseq-launch (HETSEQ_NODE): the
+    board says them apart, as the launcher's lines do."""
+    from hetseq.distributed.topology import node_name
+    assert node_name({"HETSEQ_NODE": "localhost#2"}) == "localhost#2"
+    assert node_name({"HETSEQ_NODE": "\x1b[2J"}) == "?[2J" and node_name({}) == socket.gethostname()
+
+    class Store:
+        def set(self, key, value):
+            self.value = value
+    board = status.StatusBoard(Store(), ["vm", "vm"], nodes=["localhost", "localhost#2"])
+    board.update(update=3, ranks=board.ranks([8, 8], [8, 8], [1.0, 1.0], 1.0))
+    lines = status.render(status.clean(json.loads(board.store.value)), "tcp://localhost:1",
+                          now=time.time())
+    assert "| 2 node(s) on 1 host(s), 2 rank(s) |" in lines[0], lines
+    assert re.search(r"0  localhost\s+8", lines[2]) and re.search(r"1  localhost#2\s+8", lines[3])
 
 
 def test_status_draws_only_what_it_expects():
