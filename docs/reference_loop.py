@@ -73,6 +73,7 @@ def train(rank, shares, argv, meet=None, out=None):
     if rank == 0 and out:
         torch.save(model.state_dict(), out)
     if world > 1:
+        del ddp            # (it holds the group: at exit after it, gloo may abort)
         dist.destroy_process_group()
     return model.state_dict()
 

@@ -24,10 +24,13 @@ import os
 import re
 import signal
 import threading
+import time
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 MARGIN_S = 10.0           # added to twice the measured update and save
 MAX_BOUND_S = 3600.0      # what a wrapper or launcher waits at most, whatever a node says
+AGAIN_S = 1.0             # a signal this soon after the first is the same one, delivered
+                          # twice (a supervisor that signals the group and its child)
 ANNOUNCED = re.compile(r"^hetseq: stopping within (\d{1,7}) s: ")
 # The slots of the shared array.
 REQUESTED, BOUND, SAVES, AGREED, UPDATES, SAVED = range(6)
@@ -41,7 +44,7 @@ class NodeStop:
     def __init__(self, values=None, owner=None):
         self.values = values if values is not None else multiprocessing.RawArray("d", 6)
         self.owner = owner          # the pid that answers signals (None: it only records them)
-        self.received = 0
+        self.received, self.first = 0, None
         self.watched = False        # a thread answers (the main thread may be busy)
 
     def answer(self, signum):
@@ -51,6 +54,9 @@ class NodeStop:
             values[REQUESTED] = signum
         if os.getpid() != self.owner:   # a rank the node's process started: it only records
             return
+        if self.first is not None and time.monotonic() - self.first < AGAIN_S:
+            return
+        self.first = self.first or time.monotonic()
         self.received += 1
         name = signal.Signals(signum).name
         if self.received > 1 or values[BOUND] <= 0:
@@ -58,13 +64,41 @@ class NodeStop:
                 "before the first update, nothing to save"
             _say(f"hetseq: {name}: stopping at once ({why}); nothing is saved beyond the last "
                  "checkpoint")
-            for child in multiprocessing.active_children():
-                child.kill()
+            _kill_descendants()
             os._exit(128 + signum)
         again = "Ctrl-C again" if signum == signal.SIGINT else f"a second {name}"
         what = "saves a checkpoint, " if values[SAVES] else "(--no-save: nothing saved) "
         _say(f"hetseq: stopping within {math.ceil(values[BOUND])} s: {name} received; the job "
              f"finishes this update, {what}then exits {128 + signum} ({again} stops at once)")
+
+
+def _kill_descendants():
+    """SIGKILL every process this one started, and theirs (a fork server's
+    ranks are not its own children): from /proc where there is one."""
+    children = {}
+    try:
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat", "rb") as stat:
+                        parent = int(stat.read().rsplit(b")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                children.setdefault(parent, []).append(int(entry))
+    except OSError:
+        pass
+    found, todo = [], [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for child in multiprocessing.active_children():     # (no /proc: its own children)
+        child.kill()
 
 
 def _say(text):

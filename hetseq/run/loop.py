@@ -43,6 +43,7 @@ logger = logging.getLogger("hetseq.run")
 TRAIN_ITERATOR = Component("train_iterator", reset="dataloader")   # the data position
 PLAN = Component("plan")                                             # the split of the batch
 METERS = Component("meters", reset="meters")
+FIRST_SAVE_S = 30.0    # what a stop allows for a save before one was timed
 
 
 def train_worker(ctx, args, job, node, inputs=None):
@@ -201,6 +202,9 @@ class Run:
             self.export()
 
     def _save(self, epoch, metric):
+        per_update = self.report.clock.per_update(self.controller.num_updates)
+        if per_update and not self.node.save.no_save:    # a stop asked now waits for it too
+            self._expect_stop(self.controller.num_updates, per_update, self._save_s(per_update))
         with self.report.saving(self.controller.num_updates):
             self.checkpointer.save(self.controller.num_updates, self.train_data.epoch, epoch,
                                    metric)
@@ -287,8 +291,14 @@ class Run:
         clock = self.report.clock
         per_update = clock.per_update(update) or per_update
         exchange_s = per_update * self.controller.updates_per_exchange()
-        stopping.expect(extra + exchange_s, clock.expected("saving", per_update),
+        stopping.expect(extra + exchange_s, self._save_s(per_update),
                         saves=not self.node.save.no_save)
+
+    def _save_s(self, per_update):
+        """What a save takes: the last one's time; before one, FIRST_SAVE_S
+        at least (a model's first write may take far longer than an update)."""
+        took = self.report.clock.took.get("saving")
+        return took if took is not None else max(per_update, FIRST_SAVE_S)
 
     def validate(self, epoch):
         """Validate on every --valid-subset; returns the first one's

@@ -9,10 +9,12 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
+from hetseq.base import stopping
 from machinery.commands import (final_params, node_commands, run_train, start_nodes, train_cmd,
                                 zygote)
 from machinery.settings import EXACT, EXACT_SGD, ROOT, TOY, child_env, free_port
@@ -21,13 +23,15 @@ from machinery.watched import Watched
 STOP_LINE = r"^hetseq: stopping within \d+ s: "
 
 
-def started(*args):
+def started(*args, fresh=False):
     """``train.py args`` in a session of its own (a terminal's Ctrl-C reaches
-    its whole process group: ``os.killpg``), watched."""
+    its whole process group: ``os.killpg``), watched; ``fresh``: a new
+    interpreter, not the zygote's fork (whose ranks fork in turn: a fresh
+    one starts them from a fork server, in the same process group)."""
     argv, options = train_cmd(*args), dict(cwd=ROOT, env=child_env(), text=True,
                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                             start_new_session=True)
-    if zygote() is not None and zygote().serves(options["env"]):
+    if not fresh and zygote() is not None and zygote().serves(options["env"]):
         return Watched(zygote().popen(argv[1:], **options))
     return Watched(subprocess.Popen(argv, **options))
 
@@ -37,26 +41,30 @@ def updates_in(save_dir):
     return state["controller"]["num_updates"]
 
 
-def test_ctrl_c_saves_the_update_the_ranks_agree_on_and_the_same_command_resumes(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_saves_the_update_the_ranks_agree_on_and_the_same_command_resumes(tmp_path, sig):
     """Two ranks on one node, held inside update 4; Ctrl-C (to the process
-    group, as a terminal sends it): update 4 ends, the ranks agree on the
-    stop in update 5's statistics, rank 0 saves update 5 (mid-epoch), the
-    node exits 130 with the command that resumes. That command, run to
-    update 8, gives the weights of a run never stopped (SGD, float64)."""
+    group, as a terminal sends it; or SIGTERM to it, as the launcher's node
+    wrapper does, which reaches the ranks' fork server too): update 4 ends,
+    the ranks agree on the stop in update 5's statistics, rank 0 saves
+    update 5 (mid-epoch), the node exits 128 + the signal with the command
+    that resumes. That command, run to update 8, gives the weights of a run
+    never stopped (SGD, float64)."""
     common = [*EXACT_SGD, "--distributed-world-size", 2, "--distributed-gpus", 2,
               "--max-sentences", 2,
               "--log-interval", 1, "--max-update", 8]
     held, go = tmp_path / "stopped", tmp_path / "go"
-    job = started(*common, "--save-dir", held, "--toy-hold-until", go, "--toy-hold-from", 4)
+    job = started(*common, "--save-dir", held, "--toy-hold-until", go, "--toy-hold-from", 4,
+                  fresh=sig == signal.SIGTERM)
     job.wait_for(r"toy: rank [01] holds at call 4", count=2, timeout=120)
-    os.killpg(job.proc.pid, signal.SIGINT)
+    os.killpg(job.proc.pid, sig)
     job.wait_for(STOP_LINE)
     go.touch()
     code, out = job.finish(120)
-    assert code == 130, out[-3000:]
+    assert code == 128 + sig, out[-3000:]
     assert len(re.findall(STOP_LINE, out, re.M)) == 1, out[-3000:]     # said once, by the node
-    assert f"stopped by SIGINT after update 5: saved {held}/checkpoint_last.pt; resume with the " \
-           "same command: python " in out, out[-3000:]
+    assert f"stopped by {sig.name} after update 5: saved {held}/checkpoint_last.pt; resume with " \
+           "the same command: python " in out, out[-3000:]
     assert updates_in(held) == 5
     # The resume command is the one the node printed.
     again = re.search(r"resume with the same command: python (.*)$", out, re.M).group(1)
@@ -121,6 +129,8 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     job.wait_for(r"toy: rank 0 holds at call 3", timeout=120)
     os.killpg(job.proc.pid, signal.SIGINT)
     job.wait_for(STOP_LINE)
+    # A second signal sooner would be the first delivered twice (stopping.AGAIN_S).
+    time.sleep(stopping.AGAIN_S)
     os.killpg(job.proc.pid, signal.SIGINT)
     code, out = job.finish(30)
     assert code == 130, out[-3000:]
@@ -140,6 +150,27 @@ def test_a_stop_before_the_first_update_is_at_once(tmp_path):
     code, out = job.finish(30)
     assert code == 143 and "stopping at once (before the first update, nothing to save)" in out, \
         out[-3000:]
+
+
+def test_one_signal_delivered_twice_is_one_stop():
+    """A supervisor that signals the group and its child (``timeout``)
+    delivers one SIGTERM twice: that is not the second signal that stops
+    at once; one a second later is."""
+    script = ("import os, signal, time\n"
+              "from hetseq.base import stopping\n"
+              "node = stopping.install()\n"
+              "stopping.expect(1.0, 1.0)\n"
+              "node.answer(signal.SIGTERM)\n"
+              "node.answer(signal.SIGTERM)\n"
+              "print('one stop', flush=True)\n"
+              "time.sleep(stopping.AGAIN_S)\n"
+              "node.answer(signal.SIGTERM)\n"
+              "print('not reached', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.returncode == 143 and done.stdout == "one stop\n", (done.stdout, done.stderr)
+    assert done.stderr.count("stopping within 14 s") == 1 and \
+        "stopping at once (a second signal)" in done.stderr, done.stderr
 
 
 def test_the_node_wrapper_waits_the_time_its_command_announced(monkeypatch):
